@@ -1,0 +1,37 @@
+"""Environment variables read by llmhal, in one place so ``llmhal doctor`` can show them.
+
+The vLLM names are kept on purpose: vendors and users who know vLLM know these. Each entry says what it
+means; values are read at the moment of use, never cached at import.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV_VARS: dict[str, str] = {
+    "VLLM_PLUGINS": "comma-separated allow-list of plugin entry-point names; unset = all, '' = none",
+    "VLLM_PLATFORM": "entry-point name of the platform to use; skips every other platform plugin",
+    "VLLM_ATTENTION_BACKEND": "attention backend to use (validated, never silently replaced)",
+    "LLMHAL_LOGGING_LEVEL": "log level of the 'llmhal' logger (default WARNING)",
+    "LLMHAL_MODEL": "model used by the CLI when --model is not given",
+    "LLMHAL_GGUF_KERNEL": "GGUF matmul kernel: 'auto' (packed where exact), 'dequant' (reference)",
+    "LLMHAL_NUM_THREADS": "torch intra-op threads on the CPU platform (default: all cores)",
+    "LLMHAL_CPU_COMPILE": "'1' lets the CPU platform torch.compile its custom ops (default off)",
+    "TRITON_INTERPRET": "'1' runs Triton kernels in the interpreter (CPU testing)",
+    "CUDA_VISIBLE_DEVICES": "devices visible to the CUDA platform",
+    "HIP_VISIBLE_DEVICES": "devices visible to the ROCm platform",
+}
+
+
+def get(name: str) -> str | None:
+    """The raw value of a known variable, or None when unset."""
+    if name not in ENV_VARS:
+        raise KeyError(f"{name} is not an llmhal environment variable; known: {', '.join(ENV_VARS)}")
+    return os.environ.get(name)
+
+
+def in_effect() -> dict[str, str]:
+    """The known variables that are set, plus any other ``LLMHAL_*``/``VLLM_*`` variable."""
+    out = {k: v for k, v in os.environ.items() if k in ENV_VARS}
+    out.update({k: v for k, v in os.environ.items() if k.startswith(("LLMHAL_", "VLLM_"))})
+    return dict(sorted(out.items()))

@@ -1,0 +1,244 @@
+"""Plugin discovery and loading through entry points.
+
+Groups (the names are vLLM's, so vendors who know vLLM feel at home):
+
+``vllm.general_plugins``
+    a zero-arg callable, called once per process by :func:`load_general_plugins`, or an object
+    (usually a module) holding pluggy hook implementations of :mod:`llmhal.plugins.hookspecs`.
+``vllm.platform_plugins``
+    a zero-arg probe returning a platform class path or ``None``; loaded on first access of
+    ``llmhal.platforms.current_platform``.
+``vllm.io_processor_plugins``
+    a zero-arg callable returning an IOProcessor class path or ``None``; process 0, when requested.
+``vllm.stat_logger_plugins``
+    a ``StatLoggerBase`` subclass; process 0, at engine start.
+
+``VLLM_PLUGINS`` is an allow-list and a security boundary: unset loads everything, ``""`` loads nothing,
+otherwise only the listed entry-point names (whitespace stripped) are imported. A plugin that is not
+allowed is never imported. Every discovered entry point gets a :class:`PluginRecord`, which
+``llmhal doctor`` shows. A plugin that fails is logged once with its distribution and version; if the
+user named it in ``VLLM_PLUGINS`` the failure is raised as :class:`PluginLoadError`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from llmhal.logger import init_logger
+
+if TYPE_CHECKING:  # pragma: no cover
+    from importlib.metadata import EntryPoint
+
+logger = init_logger(__name__)
+
+GENERAL_PLUGINS_GROUP = "vllm.general_plugins"
+PLATFORM_PLUGINS_GROUP = "vllm.platform_plugins"
+IO_PROCESSOR_PLUGINS_GROUP = "vllm.io_processor_plugins"
+STAT_LOGGER_PLUGINS_GROUP = "vllm.stat_logger_plugins"
+GROUPS = (
+    GENERAL_PLUGINS_GROUP,
+    PLATFORM_PLUGINS_GROUP,
+    IO_PROCESSOR_PLUGINS_GROUP,
+    STAT_LOGGER_PLUGINS_GROUP,
+)
+
+# PluginRecord.status values
+DISCOVERED = "discovered"  # found, not loaded yet (nothing asked for this group)
+LOADED = "loaded"
+FAILED = "failed"
+NOT_ALLOWED = "not allowed"  # filtered out by VLLM_PLUGINS
+SKIPPED = "skipped"  # not needed, e.g. another platform was chosen with VLLM_PLATFORM
+
+
+class PluginLoadError(RuntimeError):
+    """A plugin the user asked for explicitly (in ``VLLM_PLUGINS``) failed to load or run."""
+
+
+@dataclass(frozen=True)
+class PluginRecord:
+    """What happened to one discovered entry point."""
+
+    group: str
+    name: str
+    value: str
+    distribution: str | None
+    version: str | None
+    status: str
+    reason: str = ""
+
+    @property
+    def origin(self) -> str:
+        if self.distribution is None:
+            return "unknown distribution"
+        return f"{self.distribution} {self.version or '?'}"
+
+
+_lock = threading.RLock()
+_records: dict[tuple[str, str], PluginRecord] = {}
+_loaded: dict[tuple[str, str], Any] = {}
+_warned_unknown: set[str] = set()
+_general_loaded = False
+
+
+def allowed_plugins() -> frozenset[str] | None:
+    """Parse ``VLLM_PLUGINS``: None = no filter; an empty set = load nothing."""
+    raw = os.environ.get("VLLM_PLUGINS")
+    if raw is None:
+        return None
+    return frozenset(n.strip() for n in raw.split(",") if n.strip())
+
+
+def discover(group: str) -> list[EntryPoint]:
+    """The entry points of ``group``, in discovery order, without importing any of them."""
+    from importlib.metadata import entry_points
+
+    seen: set[str] = set()
+    out = []
+    for ep in entry_points(group=group):
+        if ep.name in seen:  # the same distribution on sys.path twice
+            continue
+        seen.add(ep.name)
+        out.append(ep)
+    return out
+
+
+def _dist_of(ep: EntryPoint) -> tuple[str | None, str | None]:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return None, None
+    try:
+        return dist.metadata["Name"], dist.version
+    except Exception:  # broken metadata must not break discovery
+        return None, None
+
+
+def _record(ep: EntryPoint, group: str, status: str, reason: str = "") -> PluginRecord:
+    dist, version = _dist_of(ep)
+    rec = PluginRecord(group, ep.name, ep.value, dist, version, status, reason)
+    _records[(group, ep.name)] = rec
+    return rec
+
+
+def _warn_unknown_names(allowed: frozenset[str]) -> None:
+    """Warn once per name in VLLM_PLUGINS that matches no entry point in any group."""
+    known = {ep.name for g in GROUPS for ep in discover(g)}
+    for name in sorted(allowed - known - _warned_unknown):
+        _warned_unknown.add(name)
+        logger.warning(
+            "VLLM_PLUGINS requested %r, but no installed plugin has that name. Installed plugins: %s",
+            name,
+            ", ".join(sorted(known)) or "none",
+        )
+
+
+def load_plugins_by_group(group: str, *, only: frozenset[str] | None = None) -> dict[str, Any]:
+    """Import the allowed entry points of ``group`` and return ``{name: loaded object}``.
+
+    Idempotent and thread-safe: each entry point is imported at most once per process, and later
+    calls return the cached objects. ``only`` narrows further (used by ``VLLM_PLATFORM``); entry
+    points outside it are recorded as skipped and not imported.
+    """
+    if group not in GROUPS:
+        raise ValueError(f"unknown plugin group {group!r}; known groups: {', '.join(GROUPS)}")
+    allowed = allowed_plugins()
+    out: dict[str, Any] = {}
+    with _lock:
+        if allowed:
+            _warn_unknown_names(allowed)
+        for ep in discover(group):
+            key = (group, ep.name)
+            if key in _loaded:
+                out[ep.name] = _loaded[key]
+                continue
+            if allowed is not None and ep.name not in allowed:
+                _record(ep, group, NOT_ALLOWED, "not listed in VLLM_PLUGINS")
+                continue
+            if only is not None and ep.name not in only:
+                if _records.get(key, None) is None or _records[key].status != FAILED:
+                    _record(ep, group, SKIPPED, "VLLM_PLATFORM selects another platform")
+                continue
+            prev = _records.get(key)
+            if prev is not None and prev.status == FAILED:
+                continue  # logged once already; never retried in this process
+            try:
+                obj = ep.load()
+            except BaseException as e:  # noqa: BLE001 - a plugin may raise anything at import
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                rec = _record(ep, group, FAILED, f"import failed: {type(e).__name__}: {e}")
+                _report_failure(rec, e, explicit=allowed is not None and ep.name in allowed)
+                continue
+            _loaded[key] = obj
+            _record(ep, group, LOADED)
+            out[ep.name] = obj
+            logger.debug("Loaded plugin %s = %s (%s)", ep.name, ep.value, _records[key].origin)
+    return out
+
+
+def _report_failure(rec: PluginRecord, exc: BaseException, *, explicit: bool) -> None:
+    msg = f"Plugin {rec.name!r} ({rec.value}) from {rec.origin} failed: {rec.reason}"
+    if explicit:
+        raise PluginLoadError(
+            f"{msg}. It is listed in VLLM_PLUGINS, so this is an error; fix or uninstall the "
+            f"plugin, or remove it from VLLM_PLUGINS."
+        ) from exc
+    logger.error("%s. Run `llmhal doctor` for details.", msg, exc_info=exc)
+
+
+def mark_failed(group: str, name: str, reason: str, exc: BaseException | None = None) -> None:
+    """Record that a loaded plugin failed when used (e.g. a probe or general plugin raised)."""
+    with _lock:
+        prev = _records.get((group, name))
+        if prev is None:
+            return
+        rec = replace(prev, status=FAILED, reason=reason)
+        _records[(group, name)] = rec
+    allowed = allowed_plugins()
+    if exc is not None:
+        _report_failure(rec, exc, explicit=allowed is not None and name in allowed)
+
+
+def plugin_records(*, discover_all: bool = True) -> list[PluginRecord]:
+    """Every discovered entry point of every group, with its status, in group order."""
+    with _lock:
+        if discover_all:
+            for group in GROUPS:
+                for ep in discover(group):
+                    if (group, ep.name) not in _records:
+                        allowed = allowed_plugins()
+                        if allowed is not None and ep.name not in allowed:
+                            _record(ep, group, NOT_ALLOWED, "not listed in VLLM_PLUGINS")
+                        else:
+                            _record(ep, group, DISCOVERED)
+        order = {g: i for i, g in enumerate(GROUPS)}
+        return sorted(_records.values(), key=lambda r: (order.get(r.group, 99), r.name))
+
+
+def load_general_plugins() -> None:
+    """Load and run every allowed general plugin, once per process (thread-safe).
+
+    The flag is set before running, so a plugin that fails is not retried in this process; a
+    second thread waits until the first has finished instead of running the plugins again.
+    """
+    global _general_loaded
+    with _lock:
+        if _general_loaded:
+            return
+        _general_loaded = True
+        plugins = load_plugins_by_group(GENERAL_PLUGINS_GROUP)
+        from llmhal.plugins.hooks import run_general_plugins
+
+        run_general_plugins(plugins)
+
+
+def _reset_for_tests() -> None:
+    """Forget everything loaded (tests only; plugins' side effects are not undone)."""
+    global _general_loaded
+    with _lock:
+        _records.clear()
+        _loaded.clear()
+        _warned_unknown.clear()
+        _general_loaded = False

@@ -1,0 +1,57 @@
+"""Lazy imports: class paths, optional libraries, and errors that name what to install."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Any
+
+
+class MissingDependencyError(ImportError):
+    """An optional library is needed for what was asked; the message names the package to install."""
+
+
+def split_qualname(path: str) -> tuple[str, str]:
+    """Split ``"pkg.mod:Class"`` or ``"pkg.mod.Class"`` into (module, attribute path)."""
+    if ":" in path:
+        module, _, attr = path.partition(":")
+    else:
+        module, _, attr = path.rpartition(".")
+    if not module or not attr:
+        raise ValueError(
+            f"{path!r} is not a class path: expected 'package.module:Name' or 'package.module.Name'"
+        )
+    return module, attr
+
+
+def resolve_obj_by_qualname(path: str) -> Any:
+    """Import the module of ``path`` and return the named object (dotted attributes allowed after ':')."""
+    module_name, attr = split_qualname(path)
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ImportError(f"module {module_name!r} has no attribute {attr!r} (from {path!r})") from None
+    return obj
+
+
+def is_available(module: str) -> bool:
+    """True when ``module`` can be imported, without importing it."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def require(module: str, *, package: str | None = None, purpose: str = "") -> Any:
+    """Import an optional library, or raise an error that names the package to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        pkg = package or module
+        what = f" for {purpose}" if purpose else ""
+        raise MissingDependencyError(
+            f"The optional library {module!r} is needed{what} but could not be imported ({e}). "
+            f"Install it with: pip install {pkg}"
+        ) from e

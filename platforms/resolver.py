@@ -1,0 +1,241 @@
+"""Platform resolution: which installed platform becomes ``current_platform``.
+
+Rules (ARCHITECTURE.md section 3):
+
+1. ``VLLM_PLATFORM=<entry name>`` selects that platform; other platform entry points are not loaded.
+2. Otherwise every allowed probe is called. A probe that raises counts as "not available" and the
+   exception is kept as the reason (:class:`PlatformUnavailable` is the polite way to say why).
+3. The class must subclass :class:`llmhal.platforms.Platform` and declare a supported
+   ``PLATFORM_API_VERSION``; otherwise it is skipped with a warning that says why.
+4. Among the available platforms the highest ``priority`` wins; a tie at the top is an error naming
+   the contenders and the remedy.
+5. None available: :class:`UnspecifiedPlatform`, whose every use names the package to install.
+
+First-party probes call :func:`called_by_llmhal` and return None when another framework (vLLM) calls
+them, so an environment with both installed is not hijacked.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmhal.logger import init_logger
+from llmhal.platforms.interface import (
+    PLATFORM_API_VERSION,
+    SUPPORTED_PLATFORM_API_VERSIONS,
+    Platform,
+    PlatformUnavailable,
+    UnspecifiedPlatform,
+)
+
+logger = init_logger(__name__)
+
+# ProbeResult.status values
+SELECTED = "selected"
+AVAILABLE = "available"
+UNAVAILABLE = "unavailable"
+REJECTED = "rejected"  # available but not an llmhal platform, or an incompatible API version
+NOT_LOADED = "not loaded"  # import failed, not allowed, or skipped; see reason
+
+
+class PlatformResolutionError(RuntimeError):
+    """The installed platforms cannot be resolved to exactly one (the message names the remedy)."""
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What one platform entry point said when probed."""
+
+    name: str
+    value: str
+    distribution: str | None
+    version: str | None
+    status: str
+    class_path: str | None = None
+    priority: int | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class PlatformSelection:
+    """The outcome of resolution: who won, how, and what every probe said."""
+
+    name: str
+    class_path: str
+    selected_by: str  # "VLLM_PLATFORM", "probe" or "none"
+    reason: str
+    probes: tuple[ProbeResult, ...] = field(default_factory=tuple)
+
+
+_state = threading.local()
+
+
+def called_by_llmhal() -> bool:
+    """True while llmhal's resolver is calling probes (first-party probes return None otherwise)."""
+    return getattr(_state, "probing", False)
+
+
+def declared_platform_classes() -> dict[str, str]:
+    """Entry name -> class path declared with ``@platform_probe`` (for inactive platforms too).
+
+    Only imports the probe modules that VLLM_PLUGINS allows, never the platform classes.
+    """
+    from llmhal.plugins import PLATFORM_PLUGINS_GROUP, load_plugins_by_group
+
+    out = {}
+    for name, probe in load_plugins_by_group(PLATFORM_PLUGINS_GROUP).items():
+        path = getattr(probe, "llmhal_platform_class", None)
+        if isinstance(path, str):
+            out[name] = path
+    return out
+
+
+def _import_platform_class(path: str) -> tuple[type[Platform] | None, str]:
+    """Import and vet a platform class; return (class, "") or (None, reason)."""
+    from llmhal.utils.imports import resolve_obj_by_qualname
+
+    try:
+        cls = resolve_obj_by_qualname(path)
+    except Exception as e:
+        return None, f"could not import {path}: {type(e).__name__}: {e}"
+    if not isinstance(cls, type) or not issubclass(cls, Platform):
+        return None, (
+            f"{path} is not a subclass of llmhal.platforms.Platform; it probably targets another "
+            f"framework (for example vLLM) and is ignored by llmhal"
+        )
+    version = getattr(cls, "PLATFORM_API_VERSION", None)
+    if version not in SUPPORTED_PLATFORM_API_VERSIONS:
+        return None, (
+            f"{path} implements llmhal platform API version {version}, but this llmhal implements "
+            f"version {PLATFORM_API_VERSION} (accepts {sorted(SUPPORTED_PLATFORM_API_VERSIONS)}); "
+            f"install a release of the platform package built for API {PLATFORM_API_VERSION}, "
+            f"or a matching llmhal"
+        )
+    return cls, ""
+
+
+def _probe(name: str, probe: Any, record: Any) -> tuple[ProbeResult, type[Platform] | None]:
+    dist, version = record.distribution, record.version
+    value = record.value
+
+    def result(status: str, reason: str, path: str | None = None, prio: int | None = None):
+        return ProbeResult(name, value, dist, version, status, path, prio, reason)
+
+    _state.probing = True
+    try:
+        path = probe()
+    except PlatformUnavailable as e:
+        return result(UNAVAILABLE, str(e) or "probe reported unavailable"), None
+    except Exception as e:
+        logger.info("Platform probe %r raised %s: %s (treated as unavailable)", name, type(e).__name__, e)
+        return result(UNAVAILABLE, f"probe raised {type(e).__name__}: {e}"), None
+    finally:
+        _state.probing = False
+    if path is None:
+        return result(UNAVAILABLE, "probe found no device (returned None)"), None
+    if not isinstance(path, str):
+        return result(REJECTED, f"probe returned {type(path).__name__}, not a class path"), None
+    cls, why = _import_platform_class(path)
+    if cls is None:
+        logger.warning("Platform plugin %r skipped: %s", name, why)
+        return result(REJECTED, why, path), None
+    return result(AVAILABLE, "probe found a device", path, cls.priority), cls
+
+
+def _no_platform_reason(results: list[ProbeResult]) -> str:
+    from llmhal.plugins import PLATFORM_PLUGINS_GROUP, allowed_plugins, discover
+
+    installed = [ep.name for ep in discover(PLATFORM_PLUGINS_GROUP)]
+    allowed = allowed_plugins()
+    if not installed:
+        return "no platform package is installed (pip install llmhal[cpu])"
+    if allowed is not None and not (set(installed) & allowed):
+        raw = os.environ.get("VLLM_PLUGINS", "")
+        return (
+            f"VLLM_PLUGINS={raw!r} allows none of the installed platforms ({', '.join(installed)}); "
+            f"platforms are plugins too, so list one, e.g. VLLM_PLUGINS={','.join([installed[0], *sorted(allowed)])}"
+        )
+    said = "; ".join(f"{r.name}: {r.reason}" for r in results) or "no probe ran"
+    return f"no installed platform is available ({said})"
+
+
+def resolve() -> tuple[Platform, PlatformSelection]:
+    """Run the resolution rules and instantiate the winner. Callers hold the module lock."""
+    from llmhal.plugins import (
+        FAILED,
+        NOT_ALLOWED,
+        PLATFORM_PLUGINS_GROUP,
+        load_plugins_by_group,
+        plugin_records,
+    )
+
+    requested = (os.environ.get("VLLM_PLATFORM") or "").strip() or None
+    probes = load_plugins_by_group(
+        PLATFORM_PLUGINS_GROUP, only=frozenset({requested}) if requested else None
+    )
+    records = {r.name: r for r in plugin_records() if r.group == PLATFORM_PLUGINS_GROUP}
+
+    results: list[ProbeResult] = []
+    classes: dict[str, type[Platform]] = {}
+    for name, rec in records.items():
+        if name not in probes:
+            reason = rec.reason or rec.status
+            results.append(ProbeResult(name, rec.value, rec.distribution, rec.version, NOT_LOADED, None, None, reason))
+            continue
+        res, cls = _probe(name, probes[name], rec)
+        results.append(res)
+        if cls is not None:
+            classes[name] = cls
+
+    if requested:
+        rec = records.get(requested)
+        res = next((r for r in results if r.name == requested), None)
+        if requested not in classes:
+            if rec is None:
+                why = f"no platform plugin named {requested!r} is installed"
+            elif rec.status == NOT_ALLOWED:
+                why = f"VLLM_PLUGINS={os.environ.get('VLLM_PLUGINS')!r} does not allow it"
+            elif rec.status == FAILED:
+                why = rec.reason
+            else:
+                why = res.reason if res else rec.status
+            names = ", ".join(r.name for r in results) or "none"
+            raise PlatformResolutionError(
+                f"VLLM_PLATFORM={requested!r} was requested, but that platform is not usable: {why}. "
+                f"Installed platform plugins: {names}. Unset VLLM_PLATFORM to choose automatically."
+            )
+        cls = classes[requested]
+        return _finish(cls, requested, res, "VLLM_PLATFORM", f"VLLM_PLATFORM={requested}", results)
+
+    if not classes:
+        reason = _no_platform_reason(results)
+        sel = PlatformSelection(UnspecifiedPlatform.name, "llmhal.platforms.interface:UnspecifiedPlatform", "none", reason, tuple(results))
+        logger.warning("No llmhal platform is available: %s", reason)
+        return UnspecifiedPlatform(reason), sel
+
+    best = max(c.priority for c in classes.values())
+    top = [n for n, c in classes.items() if c.priority == best]
+    if len(top) > 1:
+        raise PlatformResolutionError(
+            f"Platforms {', '.join(repr(n) for n in top)} are all available with the same priority "
+            f"({best}), so llmhal cannot choose. Pick one with VLLM_PLATFORM={top[0]} (or "
+            f"VLLM_PLATFORM={top[1]}), or exclude the others from VLLM_PLUGINS."
+        )
+    name = top[0]
+    others = [f"{n} (priority {c.priority})" for n, c in classes.items() if n != name]
+    why = f"highest priority ({best}) among available platforms" + (f"; also available: {', '.join(others)}" if others else "")
+    res = next(r for r in results if r.name == name)
+    return _finish(classes[name], name, res, "probe", why, results)
+
+
+def _finish(cls: type[Platform], name: str, res: ProbeResult | None, by: str, why: str, results: list[ProbeResult]):
+    from dataclasses import replace
+
+    platform = cls()
+    final = [replace(r, status=SELECTED) if r.name == name else r for r in results]
+    path = res.class_path if res and res.class_path else f"{cls.__module__}:{cls.__qualname__}"
+    logger.info("Platform %r selected by %s: %s", name, by, why)
+    return platform, PlatformSelection(name, path, by, why, tuple(final))

@@ -1,0 +1,94 @@
+"""CpuPlatform: always available, lowest priority (any accelerator beats it)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar
+
+from llmhal.logger import init_logger
+from llmhal.platforms import Platform, PlatformCapabilities
+from llmhal_cpu import cpuinfo
+
+logger = init_logger(__name__)
+
+GiB = 1 << 30
+
+
+class CpuPlatform(Platform):
+    PLATFORM_API_VERSION = 1
+
+    name = "cpu"
+    device_name = "CPU"
+    device_type = "cpu"
+    dispatch_key = "CPU"
+    dist_backend = "gloo"
+    device_control_env_var = None
+    priority = 0
+    is_fallback = True
+
+    attention_backends: ClassVar[dict[str, str]] = {
+        "cpu_attn": "llmhal_cpu.attention.cpu_attn:CpuAttentionBackend",
+    }
+    op_kernels: ClassVar[dict[str, str]] = {}
+    # None: every registered method may run here (each checks its own needs in validate()).
+    supported_quantization = None
+
+    @property
+    def capabilities(self) -> PlatformCapabilities:
+        flags = cpuinfo.cpu_flags()
+        # Hardware bf16 dot products: AVX512-BF16 or AMX on x86, the bf16 extension on Arm.
+        fast_bf16 = bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+        return PlatformCapabilities(
+            bf16=True,
+            fp16=True,
+            fast_bf16_matmul=fast_bf16,
+            fp8_storage=True,
+            fp8_compute=False,
+            paged_kv=True,
+            graphs=False,
+            torch_compile=True,
+            triton=False,
+            pinned_memory=False,
+            unified_memory=True,
+            extra={
+                "isa": sorted(flags & {"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "neon", "asimd", "sve"}),
+                "cores": cpuinfo.usable_cores(),
+            },
+        )
+
+    def get_device_name(self, device_id: int = 0) -> str:
+        return cpuinfo.cpu_model_name()
+
+    def device_count(self) -> int:
+        return 1
+
+    def get_device_total_memory(self, device_id: int = 0) -> int:
+        return cpuinfo.total_memory()
+
+    def mem_get_info(self, device_id: int = 0) -> tuple[int, int]:
+        return cpuinfo.available_memory(), cpuinfo.total_memory()
+
+    def kv_cache_memory_budget(self, model_bytes: int, device_id: int = 0) -> int:
+        """``LLMHAL_CPU_KVCACHE_SPACE`` GiB if set, else half the available memory capped at 4 GiB.
+
+        The weights are already resident when this is asked, so available memory excludes them.
+        """
+        raw = os.environ.get("LLMHAL_CPU_KVCACHE_SPACE")
+        if raw:
+            try:
+                return int(float(raw) * GiB)
+            except ValueError:
+                raise ValueError(
+                    f"LLMHAL_CPU_KVCACHE_SPACE={raw!r} is not a number of GiB (e.g. 2 or 0.5)"
+                ) from None
+        return int(min(4 * GiB, cpuinfo.available_memory() * 0.5))
+
+    def attention_backend_priority(self, requirements: Any) -> list[str]:
+        return ["cpu_attn", "flex_attention", "reference"]
+
+    def check_and_update_config(self, config: Any) -> None:
+        threads = os.environ.get("LLMHAL_NUM_THREADS")
+        if threads:
+            import torch
+
+            torch.set_num_threads(int(threads))
