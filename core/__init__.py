@@ -19,7 +19,14 @@ _LAZY = {
     "ModelRegistry": "llmhal.models.registry:ModelRegistry",
 }
 
-__all__ = ["__version__", *_LAZY]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "ModelRegistry",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+]
 
 if TYPE_CHECKING:  # pragma: no cover
     from llmhal.engine.llm import LLM

@@ -26,7 +26,9 @@ ENV_VARS: dict[str, str] = {
 def get(name: str) -> str | None:
     """The raw value of a known variable, or None when unset."""
     if name not in ENV_VARS:
-        raise KeyError(f"{name} is not an llmhal environment variable; known: {', '.join(ENV_VARS)}")
+        raise KeyError(
+            f"{name} is not an llmhal environment variable; known: {', '.join(ENV_VARS)}"
+        )
     return os.environ.get(name)
 
 

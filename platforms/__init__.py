@@ -96,7 +96,9 @@ def get_platform_selection() -> PlatformSelection:
     return _selection
 
 
-def set_current_platform(platform: Platform | None, selection: PlatformSelection | None = None) -> None:
+def set_current_platform(
+    platform: Platform | None, selection: PlatformSelection | None = None
+) -> None:
     """Replace the active platform (tests, embedding applications). None forgets it, so the next
     access resolves again."""
     global _platform, _selection
@@ -106,7 +108,12 @@ def set_current_platform(platform: Platform | None, selection: PlatformSelection
         _platform = platform
         if platform is not None and selection is None:
             cls = type(platform)
-            selection = _Sel(platform.name, f"{cls.__module__}:{cls.__qualname__}", "set_current_platform", "set explicitly")
+            selection = _Sel(
+                platform.name,
+                f"{cls.__module__}:{cls.__qualname__}",
+                "set_current_platform",
+                "set explicitly",
+            )
         _selection = selection
 
 

@@ -30,7 +30,7 @@ PLATFORM_API_VERSION = 1
 SUPPORTED_PLATFORM_API_VERSIONS = frozenset({1})
 
 
-class PlatformUnavailable(Exception):  # noqa: N818 - it is a signal, not an error
+class PlatformUnavailable(Exception):
     """Raised by a probe to say "not available here" with a human-readable reason."""
 
 
@@ -198,7 +198,12 @@ class Platform:
         machine = _pyplatform.machine().lower()
         if machine in ("x86_64", "amd64", "i386", "i686"):
             return "x86"
-        for prefix, arch in (("arm", "arm"), ("aarch", "arm"), ("ppc", "powerpc"), ("riscv", "riscv")):
+        for prefix, arch in (
+            ("arm", "arm"),
+            ("aarch", "arm"),
+            ("ppc", "powerpc"),
+            ("riscv", "riscv"),
+        ):
             if machine.startswith(prefix):
                 return arch
         if machine == "s390x":
@@ -274,7 +279,8 @@ class Platform:
             "device_count": self.device_count(),
             "device_capability": cap.as_version_str() if cap else None,
             "supported_dtypes": [str(d).removeprefix("torch.") for d in self.supported_dtypes],
-            "capabilities": {k: v for k, v in caps.__dict__.items() if k != "extra"} | dict(caps.extra),
+            "capabilities": {k: v for k, v in caps.__dict__.items() if k != "extra"}
+            | dict(caps.extra),
         }
 
     def __repr__(self) -> str:
@@ -341,4 +347,3 @@ def platform_probe(class_path: str) -> Any:
         return fn
 
     return deco
-

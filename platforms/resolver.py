@@ -130,7 +130,9 @@ def _probe(name: str, probe: Any, record: Any) -> tuple[ProbeResult, type[Platfo
     except PlatformUnavailable as e:
         return result(UNAVAILABLE, str(e) or "probe reported unavailable"), None
     except Exception as e:
-        logger.info("Platform probe %r raised %s: %s (treated as unavailable)", name, type(e).__name__, e)
+        logger.info(
+            "Platform probe %r raised %s: %s (treated as unavailable)", name, type(e).__name__, e
+        )
         return result(UNAVAILABLE, f"probe raised {type(e).__name__}: {e}"), None
     finally:
         _state.probing = False
@@ -183,7 +185,11 @@ def resolve() -> tuple[Platform, PlatformSelection]:
     for name, rec in records.items():
         if name not in probes:
             reason = rec.reason or rec.status
-            results.append(ProbeResult(name, rec.value, rec.distribution, rec.version, NOT_LOADED, None, None, reason))
+            results.append(
+                ProbeResult(
+                    name, rec.value, rec.distribution, rec.version, NOT_LOADED, None, None, reason
+                )
+            )
             continue
         res, cls = _probe(name, probes[name], rec)
         results.append(res)
@@ -212,7 +218,13 @@ def resolve() -> tuple[Platform, PlatformSelection]:
 
     if not classes:
         reason = _no_platform_reason(results)
-        sel = PlatformSelection(UnspecifiedPlatform.name, "llmhal.platforms.interface:UnspecifiedPlatform", "none", reason, tuple(results))
+        sel = PlatformSelection(
+            UnspecifiedPlatform.name,
+            "llmhal.platforms.interface:UnspecifiedPlatform",
+            "none",
+            reason,
+            tuple(results),
+        )
         logger.warning("No llmhal platform is available: %s", reason)
         return UnspecifiedPlatform(reason), sel
 
@@ -226,12 +238,21 @@ def resolve() -> tuple[Platform, PlatformSelection]:
         )
     name = top[0]
     others = [f"{n} (priority {c.priority})" for n, c in classes.items() if n != name]
-    why = f"highest priority ({best}) among available platforms" + (f"; also available: {', '.join(others)}" if others else "")
+    why = f"highest priority ({best}) among available platforms" + (
+        f"; also available: {', '.join(others)}" if others else ""
+    )
     res = next(r for r in results if r.name == name)
     return _finish(classes[name], name, res, "probe", why, results)
 
 
-def _finish(cls: type[Platform], name: str, res: ProbeResult | None, by: str, why: str, results: list[ProbeResult]):
+def _finish(
+    cls: type[Platform],
+    name: str,
+    res: ProbeResult | None,
+    by: str,
+    why: str,
+    results: list[ProbeResult],
+):
     from dataclasses import replace
 
     platform = cls()

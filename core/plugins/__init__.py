@@ -165,7 +165,7 @@ def load_plugins_by_group(group: str, *, only: frozenset[str] | None = None) -> 
                 continue  # logged once already; never retried in this process
             try:
                 obj = ep.load()
-            except BaseException as e:  # noqa: BLE001 - a plugin may raise anything at import
+            except BaseException as e:
                 if isinstance(e, KeyboardInterrupt):
                     raise
                 rec = _record(ep, group, FAILED, f"import failed: {type(e).__name__}: {e}")

@@ -32,7 +32,9 @@ def resolve_obj_by_qualname(path: str) -> Any:
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise ImportError(f"module {module_name!r} has no attribute {attr!r} (from {path!r})") from None
+            raise ImportError(
+                f"module {module_name!r} has no attribute {attr!r} (from {path!r})"
+            ) from None
     return obj
 
 

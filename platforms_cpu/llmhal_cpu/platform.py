@@ -51,7 +51,21 @@ class CpuPlatform(Platform):
             pinned_memory=False,
             unified_memory=True,
             extra={
-                "isa": sorted(flags & {"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "neon", "asimd", "sve"}),
+                "isa": sorted(
+                    flags
+                    & {
+                        "avx2",
+                        "fma",
+                        "avx512f",
+                        "avx512_bf16",
+                        "avx512_vnni",
+                        "amx_bf16",
+                        "amx_int8",
+                        "neon",
+                        "asimd",
+                        "sve",
+                    }
+                ),
                 "cores": cpuinfo.usable_cores(),
             },
         )

@@ -1,0 +1,82 @@
+"""Engine configuration records and the "current config" used while a model is built.
+
+Layers read the current config at construction (which attention backend, which quantization,
+which dtype), so model classes do not thread it through every constructor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from llmhal.quantization.base import QuantizationConfig
+
+
+@dataclass
+class ModelConfig:
+    """What is being run. ``hf_config`` is the transformers ``PretrainedConfig``."""
+
+    model: str
+    hf_config: Any
+    dtype: torch.dtype
+    architecture: str
+    max_model_len: int
+    quantization: str | None = None
+    gguf_file: str | None = None
+    tokenizer: str | None = None
+    seed: int = 0
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory_bytes: int | None = None
+    num_blocks: int | None = None  # decided by the engine from the memory budget
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    attention_backend: str | None = None
+    quant_config: QuantizationConfig | None = None
+    device: torch.device | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def set_current_config(config: EngineConfig) -> Iterator[EngineConfig]:
+    prev = getattr(_local, "config", None)
+    _local.config = config
+    try:
+        yield config
+    finally:
+        _local.config = prev
+
+
+def get_current_config() -> EngineConfig:
+    cfg = getattr(_local, "config", None)
+    if cfg is None:
+        raise RuntimeError(
+            "No current engine config: build models inside llmhal.config.set_current_config(...) "
+            "(the engine does this for you)."
+        )
+    return cfg

@@ -1,0 +1,1 @@
+"""Model building blocks: quantization-aware linears and embeddings, and op-dispatched layers."""

@@ -1,0 +1,1 @@
+"""Model architectures, registered by HF architecture name (see ``registry.py``)."""
