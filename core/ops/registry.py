@@ -27,6 +27,8 @@ CORE_OPS: dict[str, str] = {
     "fused_add_rms_norm": "llmhal.ops.native:fused_add_rms_norm",
     "rotary_embedding": "llmhal.ops.native:rotary_embedding",
     "silu_and_mul": "llmhal.ops.native:silu_and_mul",
+    # A kernel class, not a function: see llmhal.ops.quant_linear for the contract.
+    "quant_linear": "llmhal.ops.quant_linear:NativeQuantLinear",
 }
 
 
