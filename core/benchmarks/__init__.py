@@ -1,0 +1,1 @@
+"""Benchmarks, run as `llmhal bench <name>` or `python -m llmhal.benchmarks.<name>`."""

@@ -1,0 +1,1 @@
+"""The inference engine: scheduler, KV-cache manager, model runner, sampler, LLM API."""

@@ -1,0 +1,1 @@
+"""Checkpoint loading: safetensors folders and GGUF files."""

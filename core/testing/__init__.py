@@ -1,0 +1,1 @@
+"""Test kits for platform vendors and llmhal itself: conformance suites and fixtures."""
