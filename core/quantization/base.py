@@ -52,6 +52,15 @@ class QuantizeMethodBase(ABC):
         """Rows of the weight for token ``ids`` (for quantized embedding tables)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement embedding lookup")
 
+    def weight_bytes(self, layer: nn.Module) -> int:
+        """Bytes of weight storage this method holds for ``layer`` (for memory reports).
+
+        The default counts the layer's own parameters and buffers; a method that keeps tensors
+        elsewhere (e.g. in a kernel object after repacking) must override it.
+        """
+        tensors = [*layer.parameters(recurse=False), *layer.buffers(recurse=False)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def describe(self, layer: nn.Module) -> str:
         """Short description for logs and ``doctor`` (e.g. "gguf Q4_1 -> int4pack")."""
         return type(self).__name__
