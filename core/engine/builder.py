@@ -1,0 +1,228 @@
+"""From user arguments to a running engine: checkpoint, dtype, quantization, model, KV cache.
+
+Every check that can fail (platform, dtype, quantization, context length) runs before any weight
+loads, so a bad request costs nothing and says what to do.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from llmhal.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    set_current_config,
+)
+from llmhal.logger import init_logger
+
+logger = init_logger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}  # fmt: skip
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str | torch.dtype = "auto"
+    attention_backend: str | None = None
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LoadReport:
+    """What was built, for summaries and ``llmhal bench``."""
+
+    model_path: str
+    architecture: str
+    dtype: torch.dtype
+    quantization: str | None
+    attention_backends: list[str]
+    weight_bytes: int
+    kv_cache_bytes: int
+    num_blocks: int
+    load_seconds: float
+
+
+def resolve_dtype(
+    requested: str | torch.dtype, hf_config: Any, platform: Any, is_gguf: bool
+) -> torch.dtype:
+    """ "auto" keeps the checkpoint's dtype where the platform runs it well, else float32.
+
+    GGUF files compute in float32 outside their quantized matmuls (as llama.cpp and transformers do).
+    bf16/fp16 checkpoints fall back to float32 on platforms without fast half-precision matmuls.
+    """
+    if isinstance(requested, torch.dtype):
+        dtype = requested
+    elif requested != "auto":
+        if requested.lower() not in _DTYPES:
+            raise ValueError(
+                f"dtype={requested!r} is not known; use auto, {', '.join(sorted(set(_DTYPES)))}"
+            )
+        dtype = _DTYPES[requested.lower()]
+    else:
+        ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(ckpt, str):
+            ckpt = _DTYPES.get(ckpt.removeprefix("torch."), torch.float32)
+        dtype = torch.float32 if is_gguf or ckpt is None else ckpt
+        if dtype in (torch.bfloat16, torch.float16) and not platform.capabilities.fast_bf16_matmul:
+            logger.info(
+                "dtype=auto: %s checkpoint runs in float32 (no fast half-precision matmul here)",
+                dtype,
+            )
+            dtype = torch.float32
+        if dtype not in platform.supported_dtypes:
+            dtype = platform.supported_dtypes[0]
+    platform.verify_dtype(dtype)
+    return dtype
+
+
+def derive_max_model_len(hf_config: Any, requested: int | None) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if requested is None:
+        return int(limit)
+    if requested > limit:
+        raise ValueError(
+            f"max_model_len={requested} exceeds the model's max_position_embeddings ({limit}); use at most {limit}"
+        )
+    if requested < 2:
+        raise ValueError(f"max_model_len must be at least 2, got {requested}")
+    return requested
+
+
+def model_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights held, asking quantization methods for what they keep outside parameters.
+
+    A module whose tensors were all counted already (a tied LM head) is not counted twice.
+    """
+    total = 0
+    counted: set[int] = set()
+    for module in model.modules():
+        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            if not (own and all(id(t) in counted for t in own)):
+                total += method.weight_bytes(module)
+        else:
+            total += sum(t.numel() * t.element_size() for t in own if id(t) not in counted)
+        counted.update(id(t) for t in own)
+    return total
+
+
+def process_weights_after_loading(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+
+
+def build_engine(args: EngineArgs) -> tuple[Any, LoadReport]:
+    """Build an :class:`~llmhal.engine.llm_engine.LLMEngine` (and a report of what was built)."""
+    from llmhal.default_model import default_model_path
+    from llmhal.engine.kv_cache_manager import KVCacheManager
+    from llmhal.engine.llm_engine import LLMEngine
+    from llmhal.engine.model_runner import ModelRunner
+    from llmhal.model_loader.checkpoint import open_checkpoint
+    from llmhal.model_loader.source import GGUF, resolve_source
+    from llmhal.models.registry import ModelRegistry
+    from llmhal.platforms import get_current_platform
+    from llmhal.plugins import load_general_plugins
+    from llmhal.quantization.resolve import resolve_quantization
+
+    t0 = time.perf_counter()
+    load_general_plugins()
+    platform = get_current_platform()
+    source = resolve_source(args.model or default_model_path())
+    ckpt = open_checkpoint(source)
+    hf_config = ckpt.hf_config
+    model_cls, arch = ModelRegistry.resolve_model_cls(
+        getattr(hf_config, "architectures", None) or []
+    )
+    dtype = resolve_dtype(args.dtype, hf_config, platform, source.kind == GGUF)
+    quant_name, quant_config = resolve_quantization(
+        ckpt.quant_method,
+        ckpt.quant_config_dict,
+        args.quantization,
+        platform,
+        dtype,
+        ckpt.build_quant_config,
+    )
+    max_len = derive_max_model_len(hf_config, args.max_model_len)
+    batched = args.max_num_batched_tokens or max(2048, min(max_len, 8192))
+    config = EngineConfig(
+        model=ModelConfig(
+            model=str(source.path), hf_config=hf_config, dtype=dtype, architecture=arch, max_model_len=max_len,
+            quantization=quant_name, gguf_file=source.gguf_file, tokenizer=args.tokenizer, seed=args.seed,
+        ),
+        cache=CacheConfig(block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory_bytes=args.kv_cache_memory_bytes),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched),
+        attention_backend=args.attention_backend,
+        quant_config=quant_config,
+        device=None,
+        extra=dict(args.extra),
+    )  # fmt: skip
+    platform.check_and_update_config(config)
+    device = config.device = config.device or platform.torch_device()
+    platform.seed(args.seed)
+    tokenizer = ckpt.tokenizer(args.tokenizer)
+    config.extra.setdefault("generation_eos_token_ids", ckpt.generation_eos_token_ids())
+
+    with set_current_config(config), torch.device(device):
+        model = model_cls(hf_config)
+    model.eval()
+    with set_current_config(config), torch.no_grad():
+        loaded = model.load_weights(ckpt.weights())
+        _check_all_loaded(model, loaded)
+        process_weights_after_loading(model)
+
+    runner = ModelRunner(config, model, device)
+    weight_bytes = model_weight_bytes(model)
+    budget = args.kv_cache_memory_bytes or platform.kv_cache_memory_budget(weight_bytes)
+    per_block = runner.kv_cache_bytes_per_block()
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"The KV-cache budget ({budget} bytes) is smaller than one block ({per_block} bytes for "
+            f"block_size={args.block_size}); raise kv_cache_memory_bytes."
+        )
+    config.cache.num_blocks = int(num_blocks)
+    kv_bytes = runner.allocate_kv_cache(int(num_blocks))
+    engine = LLMEngine(
+        config, model, tokenizer, platform, runner, KVCacheManager(int(num_blocks), args.block_size)
+    )
+    report = LoadReport(
+        str(source.path), arch, dtype, quant_name, runner.attention_backends, weight_bytes, kv_bytes, int(num_blocks),
+        time.perf_counter() - t0,
+    )  # fmt: skip
+    logger.info("Engine ready: %s", report)
+    return engine, report
+
+
+def _check_all_loaded(model: torch.nn.Module, loaded: set[str] | None) -> None:
+    if loaded is None:
+        return
+    expected = {name for name, _ in model.named_parameters()}
+    missing = sorted(expected - set(loaded))
+    if missing:
+        shown = ", ".join(missing[:8]) + (
+            f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        )
+        raise ValueError(f"The checkpoint has no tensors for these model parameters: {shown}")

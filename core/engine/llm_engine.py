@@ -1,0 +1,251 @@
+"""The engine loop: admit requests, schedule a step, run it, sample, detokenize, stop.
+
+``LLMEngine`` is the streaming core; :class:`llmhal.engine.llm.LLM` wraps it for batch use.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from llmhal.config import EngineConfig
+from llmhal.engine.detokenizer import IncrementalDetokenizer
+from llmhal.engine.kv_cache_manager import KVCacheManager
+from llmhal.engine.model_runner import ModelRunner
+from llmhal.engine.outputs import RequestOutput
+from llmhal.engine.request import Request, RequestStatus
+from llmhal.engine.sampler import Sampler
+from llmhal.engine.sampling_params import SamplingParams
+from llmhal.engine.scheduler import Scheduler
+from llmhal.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """Token counts and wall time, split by step kind, for tokens/s summaries."""
+
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    steps: int = 0
+    preemptions: int = 0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        platform: Any,
+        runner: ModelRunner,
+        kv: KVCacheManager,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.platform = platform
+        self.runner = runner
+        self.kv = kv
+        sched = config.scheduler
+        self.scheduler = Scheduler(
+            kv, sched.max_num_seqs, sched.max_num_batched_tokens, sched.enable_chunked_prefill
+        )
+        self.sampler = Sampler(torch.Generator().manual_seed(config.model.seed))
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self._requests: dict[str, Request] = {}
+        self.eos_token_ids = self._eos_ids()
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for src in (
+            getattr(self.config.model.hf_config, "eos_token_id", None),
+            getattr(self.tokenizer, "eos_token_id", None),
+        ):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, list | tuple):
+                ids.update(int(i) for i in src)
+        gen_cfg = self.config.extra.get("generation_eos_token_ids")
+        if gen_cfg:
+            ids.update(gen_cfg)
+        return frozenset(ids)
+
+    # ------------------------------------------------------------------------ requests
+    def tokenize(self, prompt: str | dict[str, Any]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt_token_ids' or 'prompt'")
+        if not isinstance(prompt, str):
+            raise TypeError(
+                f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
+            )
+        return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def check_prompt(self, token_ids: Sequence[int], params: SamplingParams) -> int:
+        """Validate before any work starts; returns the resolved max_tokens."""
+        limit = self.config.model.max_model_len
+        n = len(token_ids)
+        if n == 0:
+            raise ValueError("The prompt is empty (0 tokens); give at least one token.")
+        if n >= limit:
+            raise ValueError(
+                f"The prompt is {n} tokens long, but the model's context is {limit} tokens "
+                f"(max_model_len) and at least one must be left to generate. Shorten the prompt"
+                f" or raise max_model_len (up to the model's own limit)."
+            )
+        vocab = getattr(self.config.model.hf_config, "vocab_size", None)
+        if vocab is not None and any(t < 0 or t >= vocab for t in token_ids):
+            raise ValueError(f"prompt_token_ids contain ids outside the vocabulary [0, {vocab})")
+        max_tokens = min(params.max_tokens or limit, limit - n)
+        need = self.kv.blocks_for(n + max_tokens)
+        if need > self.kv.num_blocks:
+            raise ValueError(
+                f"This request needs {n + max_tokens} tokens of KV cache ({need} blocks of "
+                f"{self.kv.block_size}) but the cache holds only {self.kv.capacity_tokens} tokens "
+                f"({self.kv.num_blocks} blocks). Raise kv_cache_memory_bytes, or lower max_tokens."
+            )
+        return max_tokens
+
+    def add_request(
+        self,
+        prompt: str | dict[str, Any],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        text, ids = self.tokenize(prompt)
+        max_tokens = self.check_prompt(ids, params)
+        rid = request_id or str(next(self._ids))
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        req = Request(
+            request_id=rid,
+            prompt=text,
+            prompt_token_ids=ids,
+            params=params,
+            max_tokens=max_tokens,
+            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
+            generator=gen,
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        self._requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def abort_request(self, request_id: str) -> None:
+        req = self._requests.pop(request_id, None)
+        if req is not None and not req.status.finished:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --------------------------------------------------------------------------- steps
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return the outputs of the requests that progressed or finished."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError(
+                    "the scheduler made no progress with requests waiting (KV cache too small?)"
+                )
+            return []
+        t0 = time.perf_counter()
+        with self.platform.inference_mode():
+            logits, sample_reqs = self.runner.execute(batch)
+            result = self.sampler(logits, sample_reqs) if sample_reqs else None
+        prefill = sum(
+            n for r, n in batch.items if n > 1 or r.num_computed_tokens < len(r.prompt_token_ids)
+        )
+        for req, n in batch.items:
+            req.num_computed_tokens += n
+        outputs: list[RequestOutput] = []
+        if result is not None:
+            for i, req in enumerate(sample_reqs):
+                self._append_token(req, result.token_ids[i], result.logprobs[i])
+                outputs.append(req.to_output(self._hold_back(req)))
+        self._account(t0, prefill, batch.num_tokens, len(batch.preempted))
+        return outputs
+
+    def _account(self, t0: float, prefill: int, total: int, preempted: int) -> None:
+        dt = time.perf_counter() - t0
+        self.stats.steps += 1
+        self.stats.preemptions += preempted
+        if prefill:
+            self.stats.prefill_tokens += prefill
+            self.stats.prefill_seconds += dt
+        else:
+            self.stats.decode_tokens += total
+            self.stats.decode_seconds += dt
+
+    @staticmethod
+    def _hold_back(req: Request) -> int:
+        stops = req.params.stop or []
+        return max((len(s) for s in stops), default=1) - 1
+
+    def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None) -> None:
+        now = time.monotonic()
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.output_token_ids.append(token)
+        if logprobs is not None and req.logprobs is not None:
+            req.logprobs.append(logprobs)
+            req.cumulative_logprob += logprobs[token]
+        status = None
+        if token in req.eos_token_ids and len(req.output_token_ids) > req.params.min_tokens - 1:
+            status = RequestStatus.FINISHED_STOPPED
+        elif token in req.params.stop_token_ids:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        delta = req.detokenizer.add([token])
+        if status is None and delta and req.params.stop:
+            status = self._check_stop_strings(req, delta)
+        if status is None and (
+            len(req.output_token_ids) >= req.max_tokens
+            or req.num_tokens >= self.config.model.max_model_len
+        ):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            if req.stop_reason is None or isinstance(req.stop_reason, int):
+                req.detokenizer.flush()
+            req.metrics.finished_time = now
+            self.scheduler.finish(req, status)
+            self._requests.pop(req.request_id, None)
+
+    @staticmethod
+    def _check_stop_strings(req: Request, delta: str) -> RequestStatus | None:
+        text = req.detokenizer.text
+        longest = max(len(s) for s in req.params.stop)  # type: ignore[union-attr]
+        start = max(0, len(text) - len(delta) - longest + 1)
+        hits = [(text.find(s, start), s) for s in req.params.stop]  # type: ignore[union-attr]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return None
+        idx, stop = min(hits)
+        end = idx + len(stop) if req.params.include_stop_str_in_output else idx
+        req.detokenizer.text = text[:end]
+        req.stop_reason = stop
+        return RequestStatus.FINISHED_STOPPED

@@ -1,0 +1,100 @@
+"""Runs one scheduled step through the model.
+
+It flattens the batch into one varlen token sequence, builds positions and slot mappings
+(:func:`llmhal.attention.batch.build_common_metadata`), asks each attention backend's builder for its
+metadata, runs the model under the forward context, and computes logits only for the last token of
+each request that completes its known tokens this step (the rows that are sampled).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from llmhal.attention.backend import AttentionMetadataBuilder
+from llmhal.attention.batch import build_common_metadata
+from llmhal.attention.layer import Attention
+from llmhal.config import EngineConfig
+from llmhal.engine.request import Request
+from llmhal.engine.scheduler import ScheduledBatch
+from llmhal.forward_context import ForwardContext, set_forward_context
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device) -> None:
+        self.config = config
+        self.model = model
+        self.device = device
+        self.block_size = config.cache.block_size
+        self.layers = [m for m in model.modules() if isinstance(m, Attention)]
+        if not self.layers:
+            raise ValueError(
+                f"{type(model).__name__} has no llmhal Attention layers; cannot allocate a KV cache"
+            )
+        self.builders: dict[str, AttentionMetadataBuilder] = {}
+        for layer in self.layers:
+            name = layer.backend.name
+            if name not in self.builders:
+                self.builders[name] = layer.backend.get_builder_cls()(layer.requirements, device)
+        self.num_blocks = 0
+
+    @property
+    def attention_backends(self) -> list[str]:
+        return list(self.builders)
+
+    def _layer_cache_spec(
+        self, layer: Attention, num_blocks: int
+    ) -> tuple[tuple[int, ...], torch.dtype]:
+        cache_dtype = self.config.cache.kv_cache_dtype
+        shape = layer.backend.get_kv_cache_shape(
+            num_blocks, self.block_size, layer.num_kv_heads, layer.head_size, cache_dtype
+        )
+        dtype = layer.backend.kv_cache_torch_dtype(self.config.model.dtype, cache_dtype)
+        return tuple(shape), dtype
+
+    def kv_cache_bytes_per_block(self) -> int:
+        total = 0
+        for layer in self.layers:
+            shape, dtype = self._layer_cache_spec(layer, 1)
+            total += math.prod(shape) * dtype.itemsize
+        return total
+
+    def allocate_kv_cache(self, num_blocks: int) -> int:
+        """Give every attention layer its cache tensor; returns the bytes allocated."""
+        total = 0
+        for layer in self.layers:
+            shape, dtype = self._layer_cache_spec(layer, num_blocks)
+            layer.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            total += layer.kv_cache.numel() * layer.kv_cache.element_size()
+        self.num_blocks = num_blocks
+        return total
+
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[Request]]:
+        """Run the step; returns (logits for the sampled rows, the requests they belong to)."""
+        ids: list[int] = []
+        query_lens, computed, tables = [], [], []
+        sample_rows: list[int] = []
+        sample_reqs: list[Request] = []
+        offset = 0
+        for req, n in batch.items:
+            start = req.num_computed_tokens
+            ids.extend(req.token_slice(start, start + n))
+            query_lens.append(n)
+            computed.append(start)
+            tables.append(req.block_ids)
+            offset += n
+            if start + n == req.num_tokens:
+                sample_rows.append(offset - 1)
+                sample_reqs.append(req)
+        common = build_common_metadata(query_lens, computed, tables, self.block_size, self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        ctx = ForwardContext(common, {name: b.build(common) for name, b in self.builders.items()})
+        with set_forward_context(ctx):
+            hidden = self.model(input_ids, common.positions)
+        if not sample_rows:
+            return None, []
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        return logits.float(), sample_reqs

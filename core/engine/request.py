@@ -1,0 +1,96 @@
+"""A request's state as it moves through the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmhal.engine.detokenizer import IncrementalDetokenizer
+from llmhal.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from llmhal.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+@dataclass(eq=False)
+class Request:
+    """``num_computed_tokens`` counts tokens whose KV is in the cache; the engine computes the rest.
+
+    After preemption it drops to 0 and the prompt plus the tokens generated so far are recomputed,
+    so a preempted request continues exactly where it stopped.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    eos_token_ids: frozenset[int]
+    detokenizer: IncrementalDetokenizer
+    generator: Any = None  # torch.Generator when seeded
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+    _emitted_chars: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        if start >= p:
+            return self.output_token_ids[start - p : stop - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - p]
+
+    def to_output(self, hold_back: int = 0) -> RequestOutput:
+        """The output so far; while running, the last ``hold_back`` characters (a possible partial
+        stop string) are not shown yet."""
+        finished = self.status.finished
+        text = self.detokenizer.text
+        if not finished and hold_back:
+            text = text[: max(self._emitted_chars, len(text) - hold_back)]
+        self._emitted_chars = len(text)
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(self.output_token_ids),
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            logprobs=self.logprobs,
+            finish_reason=self.status.value
+            if finished and self.status != RequestStatus.FINISHED_ABORTED
+            else None,
+            stop_reason=self.stop_reason,
+        )
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            list(self.prompt_token_ids),
+            [completion],
+            finished,
+            self.metrics,
+        )

@@ -1,0 +1,85 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, seeded per request, with logprobs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from llmhal.engine.request import Request
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # per row: {token_id: logprob} for the sampled token and the top-k asked for (None if not asked)
+    logprobs: list[dict[int, float] | None]
+
+
+def _filter_logits(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Mask out (set -inf) what top-k / top-p / min-p exclude, row by row, vectorised."""
+    vocab = logits.shape[-1]
+    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        sorted_logits, idx = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
+        k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
+        drop = ranks >= k
+        probs = sorted_logits.softmax(-1)
+        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+        before = probs.cumsum(-1) - probs
+        drop |= before >= top_p.unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(-1)
+        thresh = probs.max(-1, keepdim=True).values * min_p.unsqueeze(1)
+        logits = logits.masked_fill(probs < thresh, float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __init__(self, default_generator: torch.Generator) -> None:
+        self.default_generator = default_generator
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SampleResult:
+        """``logits`` is float32 [len(requests), vocab]; row i belongs to ``requests[i]``."""
+        n = len(requests)
+        params = [r.params for r in requests]
+        for i, r in enumerate(requests):
+            if len(r.output_token_ids) < r.params.min_tokens:
+                banned = list(r.eos_token_ids | set(r.params.stop_token_ids))
+                if banned:
+                    logits[i, banned] = float("-inf")
+        tokens = logits.argmax(-1)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows)
+            sub = logits[rows] / torch.tensor(
+                [params[i].temperature for i in random_rows]
+            ).unsqueeze(1)
+            sub = _filter_logits(
+                sub,
+                torch.tensor([params[i].top_k for i in random_rows]),
+                torch.tensor([params[i].top_p for i in random_rows], dtype=torch.float32),
+                torch.tensor([params[i].min_p for i in random_rows], dtype=torch.float32),
+            )
+            probs = sub.softmax(-1)
+            for j, i in enumerate(random_rows):
+                gen = requests[i].generator or self.default_generator
+                tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
+        token_list = tokens.tolist()
+        logprobs: list[dict[int, float] | None] = [None] * n
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if want:
+            lp = torch.log_softmax(logits[want].float(), -1)
+            for j, i in enumerate(want):
+                k = params[i].logprobs or 0
+                entry = {token_list[i]: float(lp[j, token_list[i]])}
+                if k:
+                    vals, ids = lp[j].topk(k)
+                    entry.update({int(t): float(v) for t, v in zip(ids, vals, strict=True)})
+                logprobs[i] = entry
+        return SampleResult(token_list, logprobs)

@@ -1,0 +1,74 @@
+"""Sampling parameters (vLLM-compatible names and meanings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    temperature: 0 means greedy; otherwise logits are divided by it before sampling.
+    top_p / top_k / min_p: nucleus, top-k (0 or -1 = off) and min-p (relative to the top token) filters.
+    max_tokens: new tokens to generate at most (None: up to the model's context length).
+    stop: strings that end generation (excluded from the text unless include_stop_str_in_output).
+    stop_token_ids: token ids that end generation (in addition to the model's EOS unless ignore_eos).
+    seed: per-request seed; the same seed and prompt give the same tokens.
+    logprobs: how many top log-probabilities to return per generated token (None: none; the sampled
+        token's own log-probability is always included when this is set).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(what: str) -> ValueError:
+            return ValueError(f"Invalid SamplingParams: {what}")
+
+        if self.n != 1:
+            raise bad(
+                f"n={self.n}; only n=1 is supported (send the prompt several times with seeds)"
+            )
+        if self.temperature < 0:
+            raise bad(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise bad(f"top_k must be -1 or 0 (off) or a positive count, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0 or (
+            self.max_tokens is not None and self.min_tokens > self.max_tokens
+        ):
+            raise bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise bad(f"logprobs must be >= 0, got {self.logprobs}")
+        if any(not s for s in self.stop):  # type: ignore[union-attr]
+            raise bad("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

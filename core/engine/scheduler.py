@@ -1,0 +1,111 @@
+"""Continuous batching over a paged KV cache.
+
+Each step has a token budget (``max_num_batched_tokens``). Running requests are served first, in
+arrival order: a decode costs one token, a partially prefilled prompt continues with the next chunk.
+Waiting requests are then admitted while budget, blocks and ``max_num_seqs`` allow, their prompts
+chunked to fit the budget. When a running request cannot get a block, the most recently admitted
+running request is preempted: its blocks are freed and it goes back to the front of the queue, to be
+recomputed later (prompt plus the tokens it already generated) instead of failing.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from llmhal.engine.kv_cache_manager import KVCacheManager
+from llmhal.engine.request import Request, RequestStatus
+from llmhal.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class ScheduledBatch:
+    """One step: ``(request, num_new_tokens)`` pairs, decodes (1 new token) first."""
+
+    items: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        chunked_prefill: bool = True,
+    ) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, victim: Request) -> None:
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        victim.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        logger.debug("Preempted request %s (KV cache full)", victim.request_id)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                batch.items.append((req, n))
+                budget -= n
+                i += 1
+        if not batch.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                remaining = req.num_tokens - req.num_computed_tokens
+                n = min(remaining, budget)
+                if n < remaining and not self.chunked_prefill:
+                    break
+                if not self.kv.allocate(req, n):
+                    break
+                self.waiting.popleft()
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                batch.items.append((req, n))
+                budget -= n
+        # Backends expect decodes first; a stable sort keeps arrival order within each group.
+        batch.items.sort(key=lambda item: item[1] != 1)
+        return batch
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)

@@ -1,0 +1,155 @@
+"""``llmhal generate``: run a model on prompts, streaming the answer, then one summary line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+DEFAULT_PROMPT = "What is the capital of France?"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="llmhal generate",
+        description="Generate text with a local model on the current platform.",
+    )
+    p.add_argument(
+        "--model",
+        help="model folder (config.json + safetensors) or .gguf file; default: SmolLM2-135M-Instruct",
+    )
+    p.add_argument(
+        "--prompt",
+        action="append",
+        help="a prompt (repeat for several); default: read stdin when piped",
+    )
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument(
+        "--chat",
+        dest="chat",
+        action="store_true",
+        default=None,
+        help="apply the chat template (default for models that have one)",
+    )
+    chat.add_argument(
+        "--no-chat", dest="chat", action="store_false", help="send the prompt as plain text"
+    )
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attention-backend", help="attention backend (default: the platform's choice)")
+    p.add_argument("--quantization", help="quantization method (default: from the checkpoint)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object per prompt and a summary object"
+    )
+    return p
+
+
+def _prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompt:
+        return args.prompt
+    if not sys.stdin.isatty():
+        lines = [line.strip() for line in sys.stdin.read().splitlines()]
+        if any(lines):
+            return [line for line in lines if line]
+    print(f"(no --prompt given; using {DEFAULT_PROMPT!r})", file=sys.stderr)
+    return [DEFAULT_PROMPT]
+
+
+def _summary(llm: Any) -> dict[str, Any]:
+    engine, report = llm.engine, llm.load_report
+    stats = engine.stats
+    qdesc = report.quantization or "none"
+    return {
+        "platform": engine.platform.name,
+        "attention_backend": ",".join(report.attention_backends),
+        "quantization": qdesc,
+        "dtype": str(report.dtype).removeprefix("torch."),
+        "prefill_tokens": stats.prefill_tokens,
+        "prefill_tokens_per_s": round(stats.prefill_tps, 1),
+        "decode_tokens": stats.decode_tokens,
+        "decode_tokens_per_s": round(stats.decode_tps, 1),
+        "load_seconds": round(report.load_seconds, 2),
+        "weight_bytes": report.weight_bytes,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from llmhal.engine.llm import LLM
+    from llmhal.engine.sampling_params import SamplingParams
+
+    prompts = _prompts(args)
+    try:
+        llm = LLM(
+            args.model, dtype=args.dtype, attention_backend=args.attention_backend, quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, seed=args.seed,
+        )  # fmt: skip
+    except (ValueError, FileNotFoundError, ImportError, RuntimeError) as e:
+        print(f"llmhal generate: {e}", file=sys.stderr)
+        return 2
+    tok = llm.get_tokenizer()
+    use_chat = args.chat if args.chat is not None else bool(getattr(tok, "chat_template", None))
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    inputs: list[Any] = []
+    for p in prompts:
+        if use_chat:
+            text = llm.apply_chat_template([{"role": "user", "content": p}])
+            inputs.append(
+                {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+            )
+        else:
+            inputs.append(p)
+    if args.json:
+        for p, out in zip(prompts, llm.generate(inputs, params), strict=True):
+            c = out.outputs[0]
+            print(
+                json.dumps(
+                    {
+                        "prompt": p,
+                        "token_ids": c.token_ids,
+                        "text": c.text,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
+            )
+        print(json.dumps({"summary": _summary(llm)}))
+        return 0
+    engine = llm.engine
+    for p, inp in zip(prompts, inputs, strict=True):
+        if len(prompts) > 1:
+            print(f"\n>>> {p}")
+        rid = engine.add_request(inp, params)
+        shown = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == rid:
+                    text = out.outputs[0].text
+                    sys.stdout.write(text[shown:])
+                    sys.stdout.flush()
+                    shown = len(text)
+        print()
+    s = _summary(llm)
+    print(
+        f"[llmhal] platform={s['platform']} attention={s['attention_backend']} quantization={s['quantization']} "
+        f"dtype={s['dtype']} prefill={s['prefill_tokens_per_s']} tok/s decode={s['decode_tokens_per_s']} tok/s "
+        f"({s['prefill_tokens']} prompt + {s['decode_tokens']} decode tokens; load {s['load_seconds']} s)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

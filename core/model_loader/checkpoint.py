@@ -1,0 +1,114 @@
+"""A checkpoint as the engine sees it: config, tokenizer, quantization facts and a weight stream.
+
+Two formats: a safetensors folder (transformers layout) and a GGUF file. Both give HF-style tensor
+names, so model classes load either through the same ``load_weights``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from llmhal.model_loader.source import GGUF, ModelSource
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from llmhal.quantization.base import QuantizationConfig
+
+
+class Checkpoint:
+    """Base: subclasses fill ``hf_config`` and implement the loaders."""
+
+    def __init__(self, source: ModelSource) -> None:
+        self.source = source
+        self.hf_config: Any = None
+
+    @property
+    def quant_method(self) -> str | None:
+        """The quantization method the checkpoint was saved with (None = unquantized)."""
+        cfg = self.quant_config_dict
+        method = cfg.get("quant_method") if cfg else None
+        return str(method).lower() if method else None
+
+    @property
+    def quant_config_dict(self) -> dict[str, Any] | None:
+        raw = getattr(self.hf_config, "quantization_config", None)
+        if raw is None:
+            return None
+        return raw if isinstance(raw, dict) else raw.to_dict()
+
+    def build_quant_config(self, cls: type[QuantizationConfig]) -> QuantizationConfig:
+        return cls.from_config(self.quant_config_dict or {})
+
+    def tokenizer(self, override: str | None = None) -> Any:
+        raise NotImplementedError
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def generation_eos_token_ids(self) -> list[int]:
+        """Extra EOS ids from generation_config.json (instruct models often list several)."""
+        import json
+
+        path = self.source.folder / "generation_config.json"
+        if self.source.kind == GGUF or not path.is_file():
+            return []
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        if eos is None:
+            return []
+        return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+class SafetensorsCheckpoint(Checkpoint):
+    def __init__(self, source: ModelSource) -> None:
+        super().__init__(source)
+        from transformers import AutoConfig
+
+        self.hf_config = AutoConfig.from_pretrained(str(source.folder), local_files_only=True)
+
+    def tokenizer(self, override: str | None = None) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(
+            override or str(self.source.folder), local_files_only=True
+        )
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from llmhal.model_loader.safetensors_loader import iter_safetensors_weights
+
+        return iter_safetensors_weights(self.source.folder)
+
+
+class GGUFCheckpoint(Checkpoint):
+    def __init__(self, source: ModelSource) -> None:
+        super().__init__(source)
+        from llmhal.model_loader.gguf_loader import GGUFFile
+
+        self.gguf = GGUFFile(source.path)
+        self.hf_config = self.gguf.hf_config()
+
+    @property
+    def quant_method(self) -> str | None:
+        return "gguf"
+
+    @property
+    def quant_config_dict(self) -> dict[str, Any] | None:
+        return {"quant_method": "gguf"}
+
+    def build_quant_config(self, cls: type[QuantizationConfig]) -> QuantizationConfig:
+        return self.gguf.quant_config()
+
+    def tokenizer(self, override: str | None = None) -> Any:
+        if override:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(override, local_files_only=True)
+        return self.gguf.tokenizer()
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.gguf.weights()
+
+
+def open_checkpoint(source: ModelSource) -> Checkpoint:
+    return GGUFCheckpoint(source) if source.kind == GGUF else SafetensorsCheckpoint(source)
