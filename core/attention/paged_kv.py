@@ -1,0 +1,101 @@
+"""The shared paged KV-cache layout and its fp8 storage rule.
+
+Layout (used by ``reference``, ``flex_attention``, ``tree_attn`` and ``triton_attn``; other backends may
+choose their own): one tensor ``[2, num_blocks, block_size, num_kv_heads, head_size]``, keys at
+index 0 and values at index 1. Slot ``s`` is ``(s // block_size, s % block_size)``, so
+``kv_cache[i].view(-1, num_kv_heads, head_size)[s]`` is the key (``i = 0``) or value (``i = 1``) of
+the token stored in slot ``s``.
+
+fp8 storage (``kv_cache_dtype`` ``fp8_e4m3``/``fp8_e5m2``): a value ``x`` is stored as
+``fp8(clamp(x / scale))`` computed in float32, saturating at the fp8 type's largest finite value
+(a plain cast would turn overflow into NaN for e4m3fn); a stored ``q`` reads back as ``q * scale``.
+``scale`` is the layer's ``k_scale``/``v_scale``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def kv_cache_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+) -> tuple[int, ...]:
+    """The shape of one layer's cache in the shared layout."""
+    return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+
+def is_fp8(kv_cache_dtype: str) -> bool:
+    return kv_cache_dtype.startswith("fp8")
+
+
+def quantize_to_cache(
+    x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor
+) -> torch.Tensor:
+    """``x`` as it is stored in a cache of ``cache_dtype`` (scaled and saturated when fp8)."""
+    if cache_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return x.to(cache_dtype)
+    fmax = torch.finfo(cache_dtype).max
+    return (x.float() / scale.float()).clamp(-fmax, fmax).to(cache_dtype)
+
+
+def dequantize_from_cache(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Stored cache values as ``dtype`` (fp8 values are multiplied by ``scale`` in float32)."""
+    if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return (x.float() * scale.float()).to(dtype)
+    return x.to(dtype)
+
+
+def write_kv(
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> None:
+    """Store ``key``/``value`` ([T, num_kv_heads, head_size]) at ``slot_mapping`` (-1 = skip)."""
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    slots = slot_mapping.long()
+    key, value = key[:n], value[:n]
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots, key, value = slots[valid], key[valid], value[valid]
+    kv_heads, head_size = kv_cache.shape[-2], kv_cache.shape[-1]
+    k_flat = kv_cache[0].view(-1, kv_heads, head_size)
+    v_flat = kv_cache[1].view(-1, kv_heads, head_size)
+    k_flat[slots] = quantize_to_cache(key, kv_cache.dtype, k_scale)
+    v_flat[slots] = quantize_to_cache(value, kv_cache.dtype, v_scale)
+
+
+def slots_of(
+    block_table_row: torch.Tensor, positions: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Cache slots of ``positions`` for a request with the given block-table row."""
+    positions = positions.long()
+    return block_table_row.long()[positions // block_size] * block_size + positions % block_size
+
+
+def read_kv(
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values stored at ``slots`` (any shape), dequantized to ``dtype``.
+
+    Returns two tensors of shape ``slots.shape + (num_kv_heads, head_size)``.
+    """
+    kv_heads, head_size = kv_cache.shape[-2], kv_cache.shape[-1]
+    flat = slots.reshape(-1).long()
+    k = kv_cache[0].view(-1, kv_heads, head_size)[flat]
+    v = kv_cache[1].view(-1, kv_heads, head_size)[flat]
+    shape = (*slots.shape, kv_heads, head_size)
+    return (
+        dequantize_from_cache(k, k_scale, dtype).view(shape),
+        dequantize_from_cache(v, v_scale, dtype).view(shape),
+    )
