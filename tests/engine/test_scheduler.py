@@ -1,0 +1,76 @@
+"""Scheduler and KV-cache manager, with stand-in requests (no model)."""
+
+from __future__ import annotations
+
+from llmhal.engine.kv_cache_manager import KVCacheManager
+from llmhal.engine.request import Request, RequestStatus
+from llmhal.engine.sampling_params import SamplingParams
+from llmhal.engine.scheduler import Scheduler
+
+
+class _Detok:
+    text = ""
+
+
+def req(rid: str, prompt_len: int) -> Request:
+    return Request(rid, None, list(range(prompt_len)), SamplingParams(), 100, frozenset(), _Detok())  # type: ignore[arg-type]
+
+
+def run_step(sched: Scheduler):
+    batch = sched.schedule()
+    for r, n in batch.items:
+        r.num_computed_tokens += n
+        if r.num_computed_tokens == r.num_tokens:
+            r.output_token_ids.append(1)
+    return batch
+
+
+def test_prefill_is_chunked_under_the_token_budget_and_decodes_come_first():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=10)
+    a, b = req("a", 3), req("b", 25)
+    s.add(a)
+    s.add(b)
+    first = run_step(s)
+    assert [(r.request_id, n) for r, n in first.items] == [("a", 3), ("b", 7)]
+    second = run_step(s)
+    # a decodes (1 token) ahead of b's next prefill chunk, which fills the rest of the budget.
+    assert [(r.request_id, n) for r, n in second.items] == [("a", 1), ("b", 9)]
+    third = run_step(s)
+    assert [(r.request_id, n) for r, n in third.items] == [("a", 1), ("b", 9)]
+    assert b.num_computed_tokens == 25 and len(b.output_token_ids) == 1
+
+
+def test_max_num_seqs_limits_admission():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    s = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=100)
+    for i in range(3):
+        s.add(req(str(i), 2))
+    batch = run_step(s)
+    assert len(batch.items) == 2 and len(s.waiting) == 1
+
+
+def test_preemption_frees_the_latest_request_and_requeues_it_first():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    a, b = req("a", 8), req("b", 8)
+    s.add(a)
+    s.add(b)
+    run_step(s)  # each holds 2 blocks (8 tokens), pool empty
+    assert kv.num_free_blocks == 0
+    batch = run_step(s)  # a's 9th token needs a 3rd block: b is preempted
+    assert b in batch.preempted and b.status == RequestStatus.PREEMPTED
+    assert b.num_computed_tokens == 0 and b.block_ids == []
+    assert s.waiting[0] is b
+    assert [(r.request_id, n) for r, n in batch.items] == [("a", 1)]
+
+
+def test_finished_requests_return_their_blocks():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    a = req("a", 9)
+    s.add(a)
+    run_step(s)
+    assert kv.num_free_blocks == 5
+    s.finish(a, RequestStatus.FINISHED_STOPPED)
+    assert kv.num_free_blocks == 8 and not s.has_unfinished()
