@@ -1,0 +1,206 @@
+"""``llmhal bench engine``: llmhal against HF transformers on the same weights, in one run.
+
+Each system runs in its own worker process (clean memory figures, no shared caches), on the same
+token-id prompts: decode tokens/s at each batch size, prefill tokens/s for a long prompt, and peak
+resident memory. The table reports llmhal/transformers ratios measured in this run.
+
+Both run the same weights in the same dtype: for a GGUF model transformers dequantizes it to float32
+(its GGUF loader), and llmhal runs it through the ``gguf`` method (quantized) — the ``--exact`` flag
+makes llmhal use the dequantize-per-call reference kernel instead, for a like-for-like check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from typing import Any
+
+
+def _prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(batch)]
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _worker_llmhal(a: argparse.Namespace) -> dict[str, Any]:
+    from llmhal import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        a.model,
+        dtype=a.dtype,
+        max_num_seqs=max(a.batch_sizes),
+        **({"quantization": a.quantization} if a.quantization else {}),
+    )
+    load = time.perf_counter() - t0
+    vocab = llm.engine.config.model.hf_config.vocab_size
+    engine = llm.engine
+    llm.generate(
+        [{"prompt_token_ids": p} for p in _prompts(vocab, 2, 16, 99)],
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+    )
+    out: dict[str, Any] = {"load_s": load, "decode": {}, "weight_bytes": llm.load_report.weight_bytes,
+                           "attention": llm.load_report.attention_backends, "quantization": llm.load_report.quantization}  # fmt: skip
+    for b in a.batch_sizes:
+        engine.stats.__init__()
+        prompts = _prompts(vocab, b, a.prompt_len, b)
+        llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0, max_tokens=a.new_tokens, ignore_eos=True),
+        )
+        out["decode"][b] = engine.stats.decode_tps
+    engine.stats.__init__()
+    p = _prompts(vocab, 1, a.prefill_len, 7)
+    t = time.perf_counter()
+    llm.generate(
+        [{"prompt_token_ids": p[0]}], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    )
+    out["prefill_tps"] = a.prefill_len / (time.perf_counter() - t)
+    out["peak_rss_mb"] = _peak_rss_mb()
+    return out
+
+
+def _hf_model(path: str, dtype: str) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    td = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": torch.float32}[dtype]
+    if path.endswith(".gguf"):
+        folder, name = os.path.split(path)
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=td)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=td)
+
+
+def _worker_hf(a: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    t0 = time.perf_counter()
+    model = _hf_model(a.model, a.dtype).eval()
+    load = time.perf_counter() - t0
+    vocab = model.config.vocab_size
+
+    def gen(ids: list[list[int]], n: int) -> float:
+        x = torch.tensor(ids)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        return time.perf_counter() - t
+
+    gen(_prompts(vocab, 2, 16, 99), 4)
+    out: dict[str, Any] = {"load_s": load, "decode": {}}
+    for b in a.batch_sizes:
+        prompts = _prompts(vocab, b, a.prompt_len, b)  # equal lengths: no padding needed
+        first = gen(prompts, 1)
+        full = gen(prompts, a.new_tokens)
+        out["decode"][b] = b * (a.new_tokens - 1) / max(full - first, 1e-9)
+    out["prefill_tps"] = a.prefill_len / gen(_prompts(vocab, 1, a.prefill_len, 7), 1)
+    out["peak_rss_mb"] = _peak_rss_mb()
+    return out
+
+
+def _run_worker(system: str, a: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "llmhal.benchmarks.engine", "--worker", system, "--model", a.model, "--dtype", a.dtype,
+           "--batch-sizes", ",".join(map(str, a.batch_sizes)), "--new-tokens", str(a.new_tokens),
+           "--prompt-len", str(a.prompt_len), "--prefill-len", str(a.prefill_len)]  # fmt: skip
+    if a.quantization:
+        cmd += ["--quantization", a.quantization]
+    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
+    if res.returncode != 0:
+        raise RuntimeError(f"{system} worker failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _table(rows: list[tuple[str, Any, Any]]) -> str:
+    lines = [f"{'metric':<28}{'llmhal':>12}{'transformers':>14}{'ratio':>8}"]
+    for name, ours, theirs in rows:
+        ratio = f"{ours / theirs:.2f}x" if isinstance(theirs, float) and theirs else "-"
+        t = f"{theirs:.1f}" if isinstance(theirs, float) else "-"
+        lines.append(f"{name:<28}{ours:>12.1f}{t:>14}{ratio:>8}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="llmhal bench engine", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--model", default=None, help="default: the default model (SmolLM2-135M-Instruct Q4_1)"
+    )
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--prefill-len", type=int, default=512)
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument(
+        "--exact", action="store_true", help="llmhal uses the reference (dequantize) GGUF kernel"
+    )
+    p.add_argument("--json", dest="json_path", help="also write the results here")
+    p.add_argument("--worker", choices=["llmhal", "hf"], help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    a.batch_sizes = [int(x) for x in str(a.batch_sizes).split(",")]
+    if a.model is None:
+        from llmhal.default_model import default_model_path
+
+        a.model = default_model_path()
+    if a.worker:
+        result = _worker_llmhal(a) if a.worker == "llmhal" else _worker_hf(a)
+        print(json.dumps(result))
+        return 0
+    import torch
+
+    env = {"LLMHAL_GGUF_KERNEL": "dequant"} if a.exact else {}
+    ours = _run_worker("llmhal", a, env)
+    theirs = None if a.no_hf else _run_worker("hf", a, {})
+    rows = []
+    for b in a.batch_sizes:
+        rows.append(
+            (
+                f"decode tok/s, batch {b}",
+                ours["decode"][str(b)],
+                theirs["decode"][str(b)] if theirs else None,
+            )
+        )
+    rows.append(
+        (
+            f"prefill tok/s, {a.prefill_len} tok",
+            ours["prefill_tps"],
+            theirs["prefill_tps"] if theirs else None,
+        )
+    )
+    rows.append(("peak RSS MB", ours["peak_rss_mb"], theirs["peak_rss_mb"] if theirs else None))
+    print(f"model: {a.model}\nthreads: {torch.get_num_threads()}  llmhal attention: {ours['attention']}  "
+          f"quantization: {ours['quantization']}  weights: {ours['weight_bytes'] / 2**20:.1f} MiB")  # fmt: skip
+    print(_table(rows))
+    if a.json_path:
+        with open(a.json_path, "w") as f:
+            json.dump(
+                {
+                    "llmhal": ours,
+                    "transformers": theirs,
+                    "args": {k: v for k, v in vars(a).items()},
+                },
+                f,
+                indent=1,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
