@@ -95,12 +95,16 @@ def get_op(op: str) -> Callable[..., Any]:
     raise AssertionError("unreachable: core implementation always resolves")
 
 
+def op_implementation(op: str) -> OpImplementation:
+    """Which implementation ``op`` uses (resolving it if needed; raises like :func:`get_op`)."""
+    get_op(op)
+    with _lock:
+        return _resolved[op][1]
+
+
 def op_implementations() -> list[OpImplementation]:
     """Which implementation each op uses (resolving any not yet resolved)."""
-    for op in CORE_OPS:
-        get_op(op)
-    with _lock:
-        return [_resolved[op][1] for op in CORE_OPS]
+    return [op_implementation(op) for op in CORE_OPS]
 
 
 def _reset_for_tests() -> None:
