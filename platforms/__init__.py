@@ -66,15 +66,10 @@ def get_current_platform() -> Platform:
     global _platform, _selection, _resolving_thread, _init_trace
     if _platform is not None:
         return _platform
-    from llmhal.platforms.resolver import PlatformResolutionError, resolve
+    from llmhal.platforms.resolver import resolve
 
     if _resolving_thread == threading.get_ident():
-        who = "".join(traceback.format_stack(limit=12)[:-1])
-        raise PlatformResolutionError(
-            "llmhal.platforms.current_platform was accessed while platform plugins are being "
-            "discovered. A platform probe or platform module must not touch current_platform at "
-            "import time or inside its probe (it does not exist yet). Accessed from:\n" + who
-        )
+        raise _reentrant_access_error()
     with _lock:
         if _platform is not None:
             return _platform
@@ -87,6 +82,20 @@ def get_current_platform() -> Platform:
         _selection = selection
         _platform = platform
         return platform
+
+
+def _reentrant_access_error() -> Exception:
+    from llmhal.platforms.resolver import PlatformResolutionError, probing_now
+    from llmhal.plugins import loading_now
+
+    during = loading_now() or probing_now() or "platform plugins were being discovered"
+    who = "".join(traceback.format_stack(limit=14)[:-2])
+    return PlatformResolutionError(
+        f"llmhal.platforms.current_platform was accessed while {during}, before any "
+        f"platform exists. A platform probe or platform module must not touch current_platform at "
+        f"import time or inside its probe; read it later (inside methods) or use the Platform "
+        f"class itself. Fix the plugin, or exclude it with VLLM_PLUGINS. Accessed from:\n{who}"
+    )
 
 
 def get_platform_selection() -> PlatformSelection:

@@ -78,15 +78,36 @@ def called_by_llmhal() -> bool:
     return getattr(_state, "probing", False)
 
 
+def probing_now() -> str | None:
+    """What this thread's resolver is doing right now (a probe, a class import), or None."""
+    return getattr(_state, "step", None)
+
+
+def _requested_platform() -> str | None:
+    return (os.environ.get("VLLM_PLATFORM") or "").strip() or None
+
+
+def _load_probes() -> dict[str, Any]:
+    """Import the allowed platform probes; with VLLM_PLATFORM, only that one."""
+    from llmhal.plugins import PLATFORM_PLUGINS_GROUP, load_plugins_by_group
+
+    requested = _requested_platform()
+    return load_plugins_by_group(
+        PLATFORM_PLUGINS_GROUP,
+        only=frozenset({requested}) if requested else None,
+        skip_reason=f"VLLM_PLATFORM={requested} selects another platform",
+        reraise=(PlatformResolutionError,),
+    )
+
+
 def declared_platform_classes() -> dict[str, str]:
     """Entry name -> class path declared with ``@platform_probe`` (for inactive platforms too).
 
-    Only imports the probe modules that VLLM_PLUGINS allows, never the platform classes.
+    Imports only the probe modules that VLLM_PLUGINS allows (with VLLM_PLATFORM, only that one),
+    never the platform classes.
     """
-    from llmhal.plugins import PLATFORM_PLUGINS_GROUP, load_plugins_by_group
-
     out = {}
-    for name, probe in load_plugins_by_group(PLATFORM_PLUGINS_GROUP).items():
+    for name, probe in _load_probes().items():
         path = getattr(probe, "llmhal_platform_class", None)
         if isinstance(path, str):
             out[name] = path
@@ -99,6 +120,8 @@ def _import_platform_class(path: str) -> tuple[type[Platform] | None, str]:
 
     try:
         cls = resolve_obj_by_qualname(path)
+    except PlatformResolutionError:
+        raise
     except Exception as e:
         return None, f"could not import {path}: {type(e).__name__}: {e}"
     if not isinstance(cls, type) or not issubclass(cls, Platform):
@@ -125,8 +148,11 @@ def _probe(name: str, probe: Any, record: Any) -> tuple[ProbeResult, type[Platfo
         return ProbeResult(name, value, dist, version, status, path, prio, reason)
 
     _state.probing = True
+    _state.step = f"calling the probe of platform plugin {name!r} ({value}) from {record.origin}"
     try:
         path = probe()
+    except PlatformResolutionError:
+        raise
     except PlatformUnavailable as e:
         return result(UNAVAILABLE, str(e) or "probe reported unavailable"), None
     except Exception as e:
@@ -136,11 +162,16 @@ def _probe(name: str, probe: Any, record: Any) -> tuple[ProbeResult, type[Platfo
         return result(UNAVAILABLE, f"probe raised {type(e).__name__}: {e}"), None
     finally:
         _state.probing = False
+        _state.step = None
     if path is None:
         return result(UNAVAILABLE, "probe found no device (returned None)"), None
     if not isinstance(path, str):
         return result(REJECTED, f"probe returned {type(path).__name__}, not a class path"), None
-    cls, why = _import_platform_class(path)
+    _state.step = f"importing {path}, the class of platform plugin {name!r} from {record.origin}"
+    try:
+        cls, why = _import_platform_class(path)
+    finally:
+        _state.step = None
     if cls is None:
         logger.warning("Platform plugin %r skipped: %s", name, why)
         return result(REJECTED, why, path), None
@@ -166,18 +197,10 @@ def _no_platform_reason(results: list[ProbeResult]) -> str:
 
 def resolve() -> tuple[Platform, PlatformSelection]:
     """Run the resolution rules and instantiate the winner. Callers hold the module lock."""
-    from llmhal.plugins import (
-        FAILED,
-        NOT_ALLOWED,
-        PLATFORM_PLUGINS_GROUP,
-        load_plugins_by_group,
-        plugin_records,
-    )
+    from llmhal.plugins import FAILED, NOT_ALLOWED, PLATFORM_PLUGINS_GROUP, plugin_records
 
-    requested = (os.environ.get("VLLM_PLATFORM") or "").strip() or None
-    probes = load_plugins_by_group(
-        PLATFORM_PLUGINS_GROUP, only=frozenset({requested}) if requested else None
-    )
+    requested = _requested_platform()
+    probes = _load_probes()
     records = {r.name: r for r in plugin_records() if r.group == PLATFORM_PLUGINS_GROUP}
 
     results: list[ProbeResult] = []

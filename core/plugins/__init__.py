@@ -71,16 +71,24 @@ class PluginRecord:
 
     @property
     def origin(self) -> str:
-        if self.distribution is None:
-            return "unknown distribution"
-        return f"{self.distribution} {self.version or '?'}"
+        return _origin(self.distribution, self.version)
+
+
+def _origin(distribution: str | None, version: str | None) -> str:
+    if distribution is None:
+        return "unknown distribution"
+    return f"{distribution} {version or '?'}"
 
 
 _lock = threading.RLock()
 _records: dict[tuple[str, str], PluginRecord] = {}
 _loaded: dict[tuple[str, str], Any] = {}
 _warned_unknown: set[str] = set()
+_warned_conflicts: set[tuple[str, str]] = set()
+_general_lock = threading.RLock()
 _general_loaded = False
+# The plugin being imported by this thread, for diagnostics of re-entrant access (see loading_now).
+_state = threading.local()
 
 
 def allowed_plugins() -> frozenset[str] | None:
@@ -92,16 +100,33 @@ def allowed_plugins() -> frozenset[str] | None:
 
 
 def discover(group: str) -> list[EntryPoint]:
-    """The entry points of ``group``, in discovery order, without importing any of them."""
+    """The entry points of ``group``, in discovery order, without importing any of them.
+
+    The same entry point seen twice (a distribution on ``sys.path`` twice) counts once. Two different
+    entry points with the same name in one group are a conflict: the first found wins and a warning
+    names both, since ``VLLM_PLUGINS`` and ``VLLM_PLATFORM`` select plugins by name.
+    """
     from importlib.metadata import entry_points
 
-    seen: set[str] = set()
+    seen: dict[str, EntryPoint] = {}
     out = []
     for ep in entry_points(group=group):
-        if ep.name in seen:  # the same distribution on sys.path twice
-            continue
-        seen.add(ep.name)
-        out.append(ep)
+        first = seen.get(ep.name)
+        if first is None:
+            seen[ep.name] = ep
+            out.append(ep)
+        elif first.value != ep.value and (group, ep.name) not in _warned_conflicts:
+            _warned_conflicts.add((group, ep.name))
+            logger.warning(
+                "Two plugins are named %r in group %s: %s from %s and %s from %s; using the first. "
+                "Uninstall one of them.",
+                ep.name,
+                group,
+                first.value,
+                _origin(*_dist_of(first)),
+                ep.value,
+                _origin(*_dist_of(ep)),
+            )
     return out
 
 
@@ -134,12 +159,23 @@ def _warn_unknown_names(allowed: frozenset[str]) -> None:
         )
 
 
-def load_plugins_by_group(group: str, *, only: frozenset[str] | None = None) -> dict[str, Any]:
+def load_plugins_by_group(
+    group: str,
+    *,
+    only: frozenset[str] | None = None,
+    skip_reason: str = "not requested",
+    reraise: tuple[type[BaseException], ...] = (),
+) -> dict[str, Any]:
     """Import the allowed entry points of ``group`` and return ``{name: loaded object}``.
 
     Idempotent and thread-safe: each entry point is imported at most once per process, and later
-    calls return the cached objects. ``only`` narrows further (used by ``VLLM_PLATFORM``); entry
-    points outside it are recorded as skipped and not imported.
+    calls return the cached objects. ``only`` narrows further (``VLLM_PLATFORM`` uses it); entry
+    points outside it are recorded as skipped with ``skip_reason`` and not imported.
+
+    An import failure is recorded and logged once, and the plugin is not retried in this process.
+    It raises :class:`PluginLoadError` when the plugin is named in ``VLLM_PLUGINS``; an exception of
+    a type in ``reraise`` is recorded and then propagates unchanged (rule violations that must stop
+    the caller rather than just disable the plugin).
     """
     if group not in GROUPS:
         raise ValueError(f"unknown plugin group {group!r}; known groups: {', '.join(GROUPS)}")
@@ -156,21 +192,25 @@ def load_plugins_by_group(group: str, *, only: frozenset[str] | None = None) -> 
             if allowed is not None and ep.name not in allowed:
                 _record(ep, group, NOT_ALLOWED, "not listed in VLLM_PLUGINS")
                 continue
-            if only is not None and ep.name not in only:
-                if _records.get(key, None) is None or _records[key].status != FAILED:
-                    _record(ep, group, SKIPPED, "VLLM_PLATFORM selects another platform")
-                continue
             prev = _records.get(key)
             if prev is not None and prev.status == FAILED:
                 continue  # logged once already; never retried in this process
+            if only is not None and ep.name not in only:
+                _record(ep, group, SKIPPED, skip_reason)
+                continue
+            _state.loading = (group, ep.name, ep.value, _origin(*_dist_of(ep)))
             try:
                 obj = ep.load()
             except BaseException as e:
                 if isinstance(e, KeyboardInterrupt):
                     raise
                 rec = _record(ep, group, FAILED, f"import failed: {type(e).__name__}: {e}")
+                if isinstance(e, reraise):
+                    raise
                 _report_failure(rec, e, explicit=allowed is not None and ep.name in allowed)
                 continue
+            finally:
+                _state.loading = None
             _loaded[key] = obj
             _record(ep, group, LOADED)
             out[ep.name] = obj
@@ -178,8 +218,17 @@ def load_plugins_by_group(group: str, *, only: frozenset[str] | None = None) -> 
     return out
 
 
+def loading_now() -> str | None:
+    """A description of the plugin this thread is importing right now, or None (diagnostics)."""
+    current = getattr(_state, "loading", None)
+    if current is None:
+        return None
+    group, name, value, origin = current
+    return f"importing plugin {name!r} ({value}, group {group}) from {origin}"
+
+
 def _report_failure(rec: PluginRecord, exc: BaseException, *, explicit: bool) -> None:
-    msg = f"Plugin {rec.name!r} ({rec.value}) from {rec.origin} failed: {rec.reason}"
+    msg = f"Plugin {rec.name!r} ({rec.value}) from {rec.origin} failed: {rec.reason.rstrip('.')}"
     if explicit:
         raise PluginLoadError(
             f"{msg}. It is listed in VLLM_PLUGINS, so this is an error; fix or uninstall the "
@@ -221,10 +270,12 @@ def load_general_plugins() -> None:
     """Load and run every allowed general plugin, once per process (thread-safe).
 
     The flag is set before running, so a plugin that fails is not retried in this process; a
-    second thread waits until the first has finished instead of running the plugins again.
+    second thread waits until the first has finished instead of running the plugins again. The
+    plugins run outside the registry lock, so they may resolve ``current_platform`` or look up
+    other plugins.
     """
     global _general_loaded
-    with _lock:
+    with _general_lock:
         if _general_loaded:
             return
         _general_loaded = True
@@ -237,8 +288,9 @@ def load_general_plugins() -> None:
 def _reset_for_tests() -> None:
     """Forget everything loaded (tests only; plugins' side effects are not undone)."""
     global _general_loaded
-    with _lock:
+    with _general_lock, _lock:
         _records.clear()
         _loaded.clear()
         _warned_unknown.clear()
+        _warned_conflicts.clear()
         _general_loaded = False
