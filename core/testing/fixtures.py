@@ -1,0 +1,47 @@
+"""Pytest fixtures for plugin and platform tests; import them into a ``conftest.py``::
+
+    from llmhal.testing.fixtures import install_dists, markers  # noqa: F401
+
+``markers``: a folder that modules built with ``marker_code`` write to (also set in the environment).
+``install_dists``: ``install_dists(*FakeDistribution) -> Path`` builds the distributions and makes them
+visible to this process with a fresh plugin state (see :mod:`llmhal.testing.isolation`); everything
+is restored after the test. ``VLLM_PLUGINS``/``VLLM_PLATFORM`` are unset for the test either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+from llmhal.testing.distributions import MARKER_DIR_ENV, FakeDistribution, build_distributions
+from llmhal.testing.isolation import fresh_plugin_state
+
+
+@pytest.fixture
+def markers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "markers"
+    folder.mkdir()
+    monkeypatch.setenv(MARKER_DIR_ENV, str(folder))
+    return folder
+
+
+@pytest.fixture
+def install_dists(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Callable[..., Path]]:
+    for var in ("VLLM_PLUGINS", "VLLM_PLATFORM", "VLLM_ATTENTION_BACKEND"):
+        monkeypatch.delenv(var, raising=False)
+    with ExitStack() as stack:
+        count = 0
+
+        def install(*dists: FakeDistribution) -> Path:
+            nonlocal count
+            count += 1
+            root = build_distributions(tmp_path / f"dists{count}", *dists)
+            stack.enter_context(fresh_plugin_state(root))
+            return root
+
+        yield install

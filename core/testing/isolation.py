@@ -1,0 +1,67 @@
+"""Run plugin discovery and platform resolution again inside one test process, then put things back.
+
+:func:`fresh_plugin_state` forgets every loaded plugin, the resolved platform and the registrations
+plugins make (attention backends, quantization methods, op kernels, models), so a test can put a
+throwaway distribution on ``sys.path`` and resolve again. On exit it restores the previous plugin
+records and platform, drops the registrations made inside, and unloads modules imported from the
+throwaway folders, so later tests see the session as it was.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def _clear_registries() -> None:
+    from llmhal.attention import registry as attention_registry
+    from llmhal.attention import selector
+    from llmhal.models.registry import ModelRegistry
+    from llmhal.ops import registry as ops_registry
+    from llmhal.quantization import registry as quant_registry
+
+    attention_registry._clear_registrations_for_tests()
+    selector._clear_cache_for_tests()
+    quant_registry._clear_registrations_for_tests()
+    ops_registry._reset_for_tests()
+    ModelRegistry._restore_builtins_for_tests()
+
+
+def _unload_modules_under(roots: list[Path]) -> None:
+    resolved = [r.resolve() for r in roots]
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if file and any(Path(file).resolve().is_relative_to(r) for r in resolved):
+            del sys.modules[name]
+
+
+@contextmanager
+def fresh_plugin_state(*dist_roots: Path | str) -> Iterator[None]:
+    """Within the block: no plugin loaded, no platform resolved, ``dist_roots`` first on sys.path."""
+    import llmhal.platforms as platforms
+    import llmhal.plugins as plugins
+
+    roots = [Path(r) for r in dist_roots]
+    with plugins._general_lock, plugins._lock:
+        saved_plugins = (dict(plugins._records), dict(plugins._loaded), plugins._general_loaded)
+    with platforms._lock:
+        saved_platform = (platforms._platform, platforms._selection)
+    saved_path = list(sys.path)
+    plugins._reset_for_tests()
+    platforms.set_current_platform(None)
+    _clear_registries()
+    sys.path[:0] = [str(r) for r in roots]
+    try:
+        yield
+    finally:
+        sys.path[:] = saved_path
+        _unload_modules_under(roots)
+        _clear_registries()
+        plugins._reset_for_tests()
+        with plugins._general_lock, plugins._lock:
+            plugins._records.update(saved_plugins[0])
+            plugins._loaded.update(saved_plugins[1])
+            plugins._general_loaded = saved_plugins[2]
+        platforms.set_current_platform(*saved_platform)
