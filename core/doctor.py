@@ -1,0 +1,367 @@
+"""``llmhal doctor``: what is installed, what loaded, which platform won and why, what works here.
+
+:func:`collect` builds one JSON-able report; :func:`format_report` renders it for people. Nothing in
+here raises on a broken installation: every failure becomes a reason in the report. The exit code
+of :func:`main` is 0 when a platform is usable, 1 otherwise.
+
+Report keys: ``llmhal`` (versions), ``platform`` {name, class, selected_by, reason, device, probes},
+``plugins`` [{group, name, value, distribution, version, status, reason}], ``attention_backends``
+[{name, provider, class_path, available, reasons}], ``quantization_methods`` [{name, provider,
+class_path, supported, reasons}], ``ops`` [{name, implementation, source, note}],
+``attention_selections`` [{name, selected_by, reason, requirements}], ``env`` {name: value},
+``errors`` [str].
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from llmhal.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _versions() -> dict[str, str | None]:
+    import platform as pyplatform
+    from importlib.metadata import PackageNotFoundError, version
+
+    import llmhal
+
+    out: dict[str, str | None] = {
+        "llmhal": llmhal.__version__,
+        "python": pyplatform.python_version(),
+    }
+    for dist in ("torch", "transformers", "triton"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def _platform_section(errors: list[str]) -> tuple[Any, dict[str, Any]]:
+    """(the active platform or None, the report's platform section)."""
+    from llmhal.platforms import UnspecifiedPlatform, get_current_platform, get_platform_selection
+
+    try:
+        platform = get_current_platform()
+        sel = get_platform_selection()
+    except Exception as e:
+        errors.append(f"platform resolution failed: {_error(e)}")
+        section = {"name": None, "class": None, "selected_by": "error", "reason": _error(e)}
+        return None, section | {"usable": False, "device": None, "probes": []}
+    try:
+        device = platform.describe()
+    except Exception as e:
+        device = {"error": _error(e)}
+    section = {
+        "name": sel.name,
+        "class": sel.class_path,
+        "selected_by": sel.selected_by,
+        "reason": sel.reason,
+        "usable": not isinstance(platform, UnspecifiedPlatform),
+        "device": device,
+        "probes": [
+            {
+                "name": p.name,
+                "distribution": p.distribution,
+                "version": p.version,
+                "status": p.status,
+                "class": p.class_path,
+                "priority": p.priority,
+                "reason": p.reason,
+            }
+            for p in sel.probes
+        ],
+    }
+    return platform, section
+
+
+def _plugins_section(probes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every discovered entry point; a loaded platform plugin shows what its probe said."""
+    from llmhal.plugins import LOADED, PLATFORM_PLUGINS_GROUP, plugin_records
+
+    said = {p["name"]: p for p in probes}
+    out = []
+    for r in plugin_records():
+        status, reason = r.status, r.reason
+        probe = said.get(r.name) if r.group == PLATFORM_PLUGINS_GROUP else None
+        if probe is not None and status == LOADED:
+            status, reason = probe["status"], probe["reason"]
+        out.append(
+            {
+                "group": r.group,
+                "name": r.name,
+                "value": r.value,
+                "distribution": r.distribution,
+                "version": r.version,
+                "status": status,
+                "reason": reason,
+            }
+        )
+    return out
+
+
+def _inactive_reason(provider: str, probes: list[dict[str, Any]]) -> str:
+    """Why a contribution of another platform cannot be used here (the selector's wording)."""
+    probe = next((p for p in probes if p["name"] == provider), None)
+    why = "not installed"
+    if probe is not None:
+        why = f"{probe['status']}: {probe['reason']}" if probe["reason"] else probe["status"]
+    return f"provided by the {provider} platform, which is not active here ({why})"
+
+
+def _backend_reasons(entry: Any, platform: Any, probes: list[dict[str, Any]]) -> list[str]:
+    from llmhal.attention.registry import is_usable_provider, load_backend_class
+
+    if not is_usable_provider(entry):
+        return [_inactive_reason(entry.provider, probes)]
+    try:
+        return list(load_backend_class(entry).availability(platform))
+    except Exception as e:
+        return [f"cannot import {entry.class_path}: {_error(e)}"]
+
+
+def _entries_section(
+    what: str, list_entries: Any, reasons_of: Any, flag: str, errors: list[str]
+) -> list[dict[str, Any]]:
+    """One row per registry entry, with its reasons; a failing listing becomes an error."""
+    try:
+        entries = list_entries()
+    except Exception as e:
+        errors.append(f"listing {what} failed: {_error(e)}")
+        return []
+    out = []
+    for entry in entries:
+        reasons = reasons_of(entry)
+        out.append(
+            {
+                "name": entry.name,
+                "provider": entry.provider,
+                "class_path": entry.class_path,
+                flag: not reasons,
+                "reasons": reasons,
+            }
+        )
+    return out
+
+
+def _quantization_reasons(entry: Any, platform: Any, probes: list[dict[str, Any]]) -> list[str]:
+    from llmhal.quantization.registry import CORE, REGISTERED
+    from llmhal.utils.imports import resolve_obj_by_qualname
+
+    if entry.provider not in (CORE, REGISTERED, platform.name):
+        return [_inactive_reason(entry.provider, probes)]
+    reasons = []
+    try:
+        platform.verify_quantization(entry.name)
+    except ValueError as e:
+        reasons.append(str(e))
+    try:
+        cls = resolve_obj_by_qualname(entry.class_path)
+    except Exception as e:
+        return [*reasons, f"cannot import {entry.class_path}: {_error(e)}"]
+    try:
+        reasons += list(cls.availability(platform))
+        needed = cls.get_min_capability()
+    except Exception as e:
+        return [*reasons, f"{entry.class_path} failed its checks: {_error(e)}"]
+    cap = platform.device_capability()
+    if needed is not None and needed > 0 and cap is not None and cap.to_int() < needed:
+        reasons.append(
+            f"needs device capability {needed // 10}.{needed % 10}; this device is "
+            f"{cap.as_version_str()}"
+        )
+    return reasons
+
+
+def _ops_section() -> list[dict[str, Any]]:
+    from llmhal.ops.registry import CORE_OPS, op_implementation
+
+    out = []
+    for op in CORE_OPS:
+        try:
+            impl = op_implementation(op)
+        except Exception as e:
+            out.append({"name": op, "implementation": None, "source": None, "note": _error(e)})
+            continue
+        out.append(
+            {
+                "name": impl.name,
+                "implementation": impl.implementation,
+                "source": impl.source,
+                "note": impl.note,
+            }
+        )
+    return out
+
+
+def _selections_section() -> list[dict[str, Any]]:
+    from llmhal.attention.selector import recent_selections
+
+    return [
+        {
+            "name": s.name,
+            "selected_by": s.selected_by,
+            "reason": s.reason,
+            "requirements": s.requirements.describe(),
+        }
+        for s in recent_selections()
+    ]
+
+
+def collect() -> dict[str, Any]:
+    """The whole report (see the module docstring). Never raises for a broken installation."""
+    from llmhal import envs
+    from llmhal.plugins import load_general_plugins
+
+    errors: list[str] = []
+    try:
+        load_general_plugins()
+    except Exception as e:
+        errors.append(f"general plugins failed: {_error(e)}")
+    platform, platform_section = _platform_section(errors)
+    probes = platform_section["probes"]
+    report: dict[str, Any] = {
+        "llmhal": _versions(),
+        "platform": platform_section,
+        "plugins": _plugins_section(probes),
+        "attention_backends": [],
+        "quantization_methods": [],
+        "ops": [],
+        "attention_selections": [],
+        "env": envs.in_effect(),
+        "errors": errors,
+    }
+    if platform is None:
+        return report
+    from llmhal.attention.registry import list_attention_backends
+    from llmhal.quantization.registry import list_quantization_methods
+
+    report["attention_backends"] = _entries_section(
+        "attention backends",
+        list_attention_backends,
+        lambda e: _backend_reasons(e, platform, probes),
+        "available",
+        errors,
+    )
+    report["quantization_methods"] = _entries_section(
+        "quantization methods",
+        list_quantization_methods,
+        lambda e: _quantization_reasons(e, platform, probes),
+        "supported",
+        errors,
+    )
+    if platform_section["usable"]:
+        report["ops"] = _ops_section()
+    report["attention_selections"] = _selections_section()
+    return report
+
+
+# ------------------------------------------------------------------------------------ rendering
+def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
+    if not rows:
+        return [f"{indent}(none)"]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    out = []
+    for r in rows:
+        cells = [c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)] + [r[-1]]
+        out.append((indent + "  ".join(cells)).rstrip())
+    return out
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as text for a terminal."""
+    v = report["llmhal"]
+    lines = [
+        "llmhal doctor",
+        "  " + ", ".join(f"{k} {val}" for k, val in v.items() if val is not None),
+        "",
+    ]
+    p = report["platform"]
+    lines.append(f"Platform: {p['name'] or 'none'} ({p['class'] or 'no class'})")
+    lines.append(f"  selected by: {p['selected_by']}")
+    lines.append(f"  why: {p['reason']}")
+    device = p.get("device") or {}
+    if device.get("device_name"):
+        lines.append(
+            f"  device: {device['device_name']} x{device.get('device_count')} "
+            f"(dtypes: {', '.join(device.get('supported_dtypes', []))})"
+        )
+    lines += ["", "Plugins (entry points):"]
+    lines += _table(
+        [
+            [
+                r["group"].removeprefix("vllm."),
+                r["name"],
+                f"{r['distribution'] or '?'} {r['version'] or ''}".strip(),
+                r["status"],
+                r["reason"],
+            ]
+            for r in report["plugins"]
+        ]
+    )
+    lines += ["", "Attention backends:"]
+    lines += _table(
+        [
+            [b["name"], b["provider"], "yes" if b["available"] else "no", "; ".join(b["reasons"])]
+            for b in report["attention_backends"]
+        ]
+    )
+    lines += ["", "Quantization methods:"]
+    lines += _table(
+        [
+            [q["name"], q["provider"], "yes" if q["supported"] else "no", "; ".join(q["reasons"])]
+            for q in report["quantization_methods"]
+        ]
+    )
+    lines += ["", "Custom ops:"]
+    lines += _table(
+        [
+            [o["name"], o["source"] or "-", o["implementation"] or "unavailable", o["note"]]
+            for o in report["ops"]
+        ]
+    )
+    if report["attention_selections"]:
+        lines += ["", "Attention selections in this process:"]
+        lines += _table(
+            [
+                [s["name"], s["selected_by"], f"{s['requirements']}: {s['reason']}"]
+                for s in report["attention_selections"]
+            ]
+        )
+    lines += ["", "Environment:"]
+    lines += _table([[k, val] for k, val in report["env"].items()])
+    if report["errors"]:
+        lines += ["", "Errors:"] + [f"  - {e}" for e in report["errors"]]
+    usable = p.get("usable")
+    lines += ["", "Status: " + ("OK" if usable else "no usable platform (see above)")]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``llmhal doctor [--json]``; returns 0 when a platform is usable, 1 otherwise."""
+    parser = argparse.ArgumentParser(
+        prog="llmhal doctor",
+        description="Show installed plugins, the selected platform and why, and what works here.",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    report = collect()
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print(format_report(report))
+    return 0 if report["platform"].get("usable") else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
