@@ -16,6 +16,7 @@ weight loads, the platform's allow-list (``Platform.verify_quantization``), :met
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -122,6 +123,17 @@ class QuantizationConfig(ABC):
     def availability(cls, platform: Platform) -> list[str]:
         """Reasons the method cannot run on ``platform`` (missing library, ...); empty = it can."""
         return []
+
+    def map_checkpoint_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        """Rename or drop checkpoint tensors before the model routes them (called once by the loader).
+
+        Models route ``<module>.<param>`` names to the module's parameter; a format whose names do
+        not have that shape (bitsandbytes stores ``<module>.weight.absmax``) renames them here.
+        The default passes the stream through unchanged.
+        """
+        return weights
 
     def get_cache_scale(self, name: str) -> str | None:
         """Map a checkpoint's KV-cache scale tensor name to the attention layer's buffer name."""
