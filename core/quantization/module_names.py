@@ -1,0 +1,56 @@
+"""Matching our layer names against the module names a quantized checkpoint's config lists.
+
+Checkpoint configs name the original modules (``q_proj``, ``lm_head``) in skip lists and targets;
+our merged layers (``qkv_proj``, ``gate_up_proj``) stand for several of them. A merged layer is
+skipped (or gets a scheme) only when all its projections agree; a checkpoint that treats them
+differently cannot be served by one merged matmul and is reported as such.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
+
+# Used when the model did not fill QuantizationConfig.packed_modules_mapping.
+DEFAULT_PACKED_MODULES: dict[str, list[str]] = {
+    "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+    "gate_up_proj": ["gate_proj", "up_proj"],
+}
+
+T = TypeVar("T")
+
+
+def checkpoint_modules(prefix: str, packed: Mapping[str, Sequence[str]] | None = None) -> list[str]:
+    """The checkpoint module names our layer ``prefix`` stands for (itself unless merged)."""
+    parent, _, last = prefix.rpartition(".")
+    mapping = {**DEFAULT_PACKED_MODULES, **(packed or {})}
+    if last in mapping:
+        return [f"{parent}.{m}" if parent else m for m in mapping[last]]
+    return [prefix]
+
+
+def name_matches(name: str, entry: str) -> bool:
+    """True when ``entry`` is ``name`` or a run of its dotted components (``mlp.gate`` matches
+    ``model.layers.0.mlp.gate``; ``self_attn`` matches everything under a ``self_attn``)."""
+    return f".{entry.strip('.')}." in f".{name}."
+
+
+def agree(prefix: str, packed: Mapping[str, Sequence[str]] | None, fn: Callable[[str], T]) -> T:
+    """``fn`` of every checkpoint module behind ``prefix``; they must all give the same answer."""
+    names = checkpoint_modules(prefix, packed)
+    answers = [fn(n) for n in names]
+    if any(a != answers[0] for a in answers[1:]):
+        detail = ", ".join(f"{n}: {a}" for n, a in zip(names, answers, strict=True))
+        raise ValueError(
+            f"Layer {prefix} merges {len(names)} checkpoint projections that are quantized "
+            f"differently ({detail}); llmhal runs them as one matmul, so they must share one "
+            "quantization scheme."
+        )
+    return answers[0]
+
+
+def is_skipped(
+    prefix: str, skip: Sequence[str], packed: Mapping[str, Sequence[str]] | None = None
+) -> bool:
+    """True when the checkpoint leaves layer ``prefix`` unquantized (listed in ``skip``)."""
+    return agree(prefix, packed, lambda n: any(name_matches(n, s) for s in skip))
