@@ -16,6 +16,8 @@ ENV_VARS: dict[str, str] = {
     "LLMHAL_MODEL": "model used by the CLI when --model is not given",
     "LLMHAL_GGUF_KERNEL": "GGUF matmul kernel: 'auto' (packed where exact), 'dequant' (reference)",
     "LLMHAL_NUM_THREADS": "torch intra-op threads on the CPU platform (default: all cores)",
+    "LLMHAL_FP8_DEQUANT": "fp8 weights where fp8 matmuls are unavailable: 'call' (default: keep fp8, "
+    "convert per call) or 'load' (convert once at load: faster, 2-4x the weight memory)",
     "LLMHAL_CPU_COMPILE": "'1' lets the CPU platform torch.compile its custom ops (default off)",
     "TRITON_INTERPRET": "'1' runs Triton kernels in the interpreter (CPU testing)",
     "CUDA_VISIBLE_DEVICES": "devices visible to the CUDA platform",
