@@ -181,15 +181,16 @@ def _probe(name: str, probe: Any, record: Any) -> tuple[ProbeResult, type[Platfo
 def _no_platform_reason(results: list[ProbeResult]) -> str:
     from llmhal.plugins import PLATFORM_PLUGINS_GROUP, allowed_plugins, discover
 
-    installed = [ep.name for ep in discover(PLATFORM_PLUGINS_GROUP)]
+    installed = sorted(ep.name for ep in discover(PLATFORM_PLUGINS_GROUP))
     allowed = allowed_plugins()
     if not installed:
         return "no platform package is installed (pip install llmhal[cpu])"
     if allowed is not None and not (set(installed) & allowed):
         raw = os.environ.get("VLLM_PLUGINS", "")
+        example = ",".join([*installed, *sorted(allowed)])
         return (
             f"VLLM_PLUGINS={raw!r} allows none of the installed platforms ({', '.join(installed)}); "
-            f"platforms are plugins too, so list one, e.g. VLLM_PLUGINS={','.join([installed[0], *sorted(allowed)])}"
+            f"platforms are plugins too, so list them as well, e.g. VLLM_PLUGINS={example}"
         )
     said = "; ".join(f"{r.name}: {r.reason}" for r in results) or "no probe ran"
     return f"no installed platform is available ({said})"

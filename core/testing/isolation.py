@@ -9,6 +9,7 @@ throwaway folders, so later tests see the session as it was.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,10 +31,10 @@ def _clear_registries() -> None:
 
 
 def _unload_modules_under(roots: list[Path]) -> None:
-    resolved = [r.resolve() for r in roots]
+    prefixes = tuple({os.path.join(str(p), "") for r in roots for p in (r, r.resolve())})
     for name, module in list(sys.modules.items()):
         file = getattr(module, "__file__", None)
-        if file and any(Path(file).resolve().is_relative_to(r) for r in resolved):
+        if isinstance(file, str) and file.startswith(prefixes):
             del sys.modules[name]
 
 

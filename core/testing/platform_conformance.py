@@ -32,7 +32,6 @@ runs them all and raises one AssertionError listing everything. For pytest, subc
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -178,17 +177,13 @@ def _import_target(path: str, what: str, report: ContributionReport) -> Any:
     """The object at ``path``; None after recording a problem or a skip."""
     module_name, attr = split_qualname(path)
     try:
-        spec = importlib.util.find_spec(module_name)
-    except Exception as e:  # a parent package failed to import: cannot tell, so skip
-        report.skipped.append(f"{what} ({path}): {type(e).__name__}: {e}")
-        return None
-    if spec is None:
-        report.problems.append(f"{what} ({path}): module {module_name!r} does not exist")
-        return None
-    try:
         obj: Any = importlib.import_module(module_name)
-    except Exception as e:  # an optional library missing on this machine
-        report.skipped.append(f"{what} ({path}): not importable here: {type(e).__name__}: {e}")
+    except Exception as e:
+        missing = getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
+        if missing and (module_name == missing or module_name.startswith(missing + ".")):
+            report.problems.append(f"{what} ({path}): module {missing!r} does not exist")
+        else:  # the module exists but needs a library this machine lacks
+            report.skipped.append(f"{what} ({path}): not importable here: {type(e).__name__}: {e}")
         return None
     for part in attr.split("."):
         if not hasattr(obj, part):

@@ -1,0 +1,187 @@
+"""Platform resolution rules, in this process with throwaway platform distributions."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import llmhal.platforms as platforms
+import llmhal.plugins as plugins
+from llmhal.platforms import PlatformNotUsableError, UnspecifiedPlatform
+from llmhal.platforms.resolver import PlatformResolutionError
+from llmhal.testing.distributions import marker_count
+from llmhal.testing.fake_vendor import accelerator_distribution
+
+
+def _probe(name: str):
+    return next(p for p in platforms.get_platform_selection().probes if p.name == name)
+
+
+def test_cpu_is_selected_by_probe_when_nothing_else_is_installed(install_dists):
+    install_dists()
+    sel = platforms.get_platform_selection()
+    assert platforms.current_platform.name == "cpu"
+    assert (sel.name, sel.class_path, sel.selected_by) == (
+        "cpu",
+        "llmhal_cpu.platform:CpuPlatform",
+        "probe",
+    )
+    # The first-party accelerators are installed beside it and say why they are not used.
+    for other in ("cuda", "rocm"):
+        res = _probe(other)
+        assert res.status in ("unavailable", "rejected") and res.reason
+
+
+def test_an_accelerator_beats_the_cpu_fallback(install_dists, markers):
+    install_dists(accelerator_distribution("acc_a", priority=50))
+    assert platforms.current_platform.name == "acc_a"
+    sel = platforms.get_platform_selection()
+    assert sel.selected_by == "probe" and "cpu (priority 0)" in sel.reason
+    assert marker_count(markers, "acc_a.platform") == 1
+
+
+def test_highest_priority_wins(install_dists):
+    install_dists(
+        accelerator_distribution("acc_a", priority=50),
+        accelerator_distribution("acc_b", priority=70),
+    )
+    assert platforms.current_platform.name == "acc_b"
+
+
+def test_a_tie_is_an_error_naming_the_contenders_and_the_remedy(install_dists):
+    install_dists(accelerator_distribution("acc_a"), accelerator_distribution("acc_b"))
+    with pytest.raises(PlatformResolutionError) as err:
+        platforms.get_current_platform()
+    msg = str(err.value)
+    assert "'acc_a'" in msg and "'acc_b'" in msg
+    assert "VLLM_PLATFORM=acc_a" in msg and "VLLM_PLUGINS" in msg
+
+
+def test_vllm_platform_selects_without_loading_others(install_dists, markers, monkeypatch):
+    install_dists(accelerator_distribution("acc_a"), accelerator_distribution("acc_b"))
+    monkeypatch.setenv("VLLM_PLATFORM", "acc_b")
+    assert platforms.current_platform.name == "acc_b"
+    sel = platforms.get_platform_selection()
+    assert sel.selected_by == "VLLM_PLATFORM"
+    assert marker_count(markers, "acc_a") == 0 and marker_count(markers, "acc_a.platform") == 0
+    assert _probe("acc_a").status == "not loaded"
+    assert "VLLM_PLATFORM=acc_b" in _probe("acc_a").reason
+
+
+def test_vllm_platform_naming_an_unusable_platform_is_an_error(install_dists, monkeypatch):
+    install_dists(accelerator_distribution("acc_a", probe_body="    return None\n"))
+    monkeypatch.setenv("VLLM_PLATFORM", "acc_a")
+    with pytest.raises(PlatformResolutionError, match="VLLM_PLATFORM='acc_a'.*returned None"):
+        platforms.get_current_platform()
+    monkeypatch.setenv("VLLM_PLATFORM", "nope")
+    with pytest.raises(PlatformResolutionError, match="no platform plugin named 'nope'"):
+        platforms.get_current_platform()
+
+
+def test_a_raising_probe_counts_as_unavailable_with_its_reason(install_dists):
+    install_dists(
+        accelerator_distribution(
+            "acc_a", probe_body="    raise RuntimeError('driver 550 missing')\n"
+        )
+    )
+    assert platforms.current_platform.name == "cpu"
+    res = _probe("acc_a")
+    assert res.status == "unavailable"
+    assert "RuntimeError" in res.reason and "driver 550 missing" in res.reason
+
+
+def test_platform_unavailable_reason_is_kept_verbatim(install_dists):
+    body = (
+        "    from llmhal.platforms import PlatformUnavailable\n"
+        "    raise PlatformUnavailable('firmware 3.1 required, found 2.0')\n"
+    )
+    install_dists(accelerator_distribution("acc_a", probe_body=body))
+    assert _probe("acc_a").reason == "firmware 3.1 required, found 2.0"
+
+
+def test_a_class_of_another_framework_is_skipped_with_a_warning(install_dists, caplog):
+    install_dists(accelerator_distribution("acc_a", base="object"))
+    with caplog.at_level(logging.WARNING, logger="llmhal"):
+        assert platforms.current_platform.name == "cpu"
+    res = _probe("acc_a")
+    assert res.status == "rejected" and "not a subclass of llmhal.platforms.Platform" in res.reason
+    assert any("acc_a" in r.getMessage() and "Platform" in r.getMessage() for r in caplog.records)
+
+
+def test_an_incompatible_api_version_is_rejected_naming_both(install_dists):
+    install_dists(accelerator_distribution("acc_a", api_version=99))
+    assert platforms.current_platform.name == "cpu"
+    res = _probe("acc_a")
+    assert res.status == "rejected"
+    assert "version 99" in res.reason and f"version {platforms.PLATFORM_API_VERSION}" in res.reason
+
+
+def test_no_platform_installed_gives_unspecified_naming_the_package(install_dists, monkeypatch):
+    install_dists()
+    monkeypatch.setattr(plugins, "discover", lambda group: [])
+    platform = platforms.current_platform
+    assert isinstance(platform, UnspecifiedPlatform)
+    sel = platforms.get_platform_selection()
+    assert sel.selected_by == "none" and "pip install llmhal[cpu]" in sel.reason
+    with pytest.raises(PlatformNotUsableError, match=r"pip install llmhal\[cpu\]"):
+        platform.mem_get_info()
+    with pytest.raises(PlatformNotUsableError, match=r"pip install llmhal\[cpu\]"):
+        platform.attention_backend_priority(None)
+
+
+def test_empty_allow_list_blames_the_variable(install_dists, monkeypatch):
+    install_dists()
+    monkeypatch.setenv("VLLM_PLUGINS", "")
+    assert isinstance(platforms.current_platform, UnspecifiedPlatform)
+    reason = platforms.get_platform_selection().reason
+    assert "VLLM_PLUGINS=''" in reason and "VLLM_PLUGINS=cpu,cuda,rocm" in reason
+
+
+def test_touching_current_platform_in_a_probe_is_a_clear_error(install_dists):
+    body = "    import llmhal.platforms\n    llmhal.platforms.current_platform\n    return None\n"
+    install_dists(accelerator_distribution("acc_a", probe_body=body))
+    with pytest.raises(PlatformResolutionError) as err:
+        platforms.get_current_platform()
+    msg = str(err.value)
+    assert "probe of platform plugin 'acc_a'" in msg and "acc_a-fake 1.0.0" in msg
+    assert "acc_a/__init__.py" in msg  # the stack shows who touched it
+
+
+def test_touching_current_platform_at_import_is_a_clear_error(install_dists):
+    prelude = "import llmhal.platforms\nllmhal.platforms.current_platform\n"
+    install_dists(accelerator_distribution("acc_a", probe_prelude=prelude))
+    with pytest.raises(PlatformResolutionError) as err:
+        platforms.get_current_platform()
+    assert "importing plugin 'acc_a'" in str(err.value)
+
+
+def test_first_party_probes_return_none_outside_the_resolver():
+    import llmhal_cpu
+    import llmhal_cuda
+    import llmhal_rocm
+
+    for probe in (
+        llmhal_cpu.cpu_platform_plugin,
+        llmhal_cuda.cuda_platform_plugin,
+        llmhal_rocm.rocm_platform_plugin,
+    ):
+        assert probe() is None
+        assert isinstance(probe.llmhal_platform_class, str)
+
+
+def test_set_current_platform_swaps_and_forgets(install_dists):
+    install_dists()
+    from llmhal_cpu.platform import CpuPlatform
+
+    custom = CpuPlatform()
+    platforms.set_current_platform(custom)
+    assert platforms.current_platform is custom
+    assert platforms.get_platform_selection().selected_by == "set_current_platform"
+    platforms.set_current_platform(None)
+    assert platforms.current_platform is not custom
+
+
+def test_unknown_attribute_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
+        platforms.nonsense  # noqa: B018
