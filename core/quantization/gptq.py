@@ -32,21 +32,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmhal.layers.weights import WeightLoadError
-from llmhal.ops.quant_linear import GroupedQuantWeight
 from llmhal.quantization.base import QuantizationConfig, QuantizeMethodBase
-from llmhal.quantization.grouped_linear import GroupedLinearMethod, GroupedPart
+from llmhal.quantization.grouped_linear import (
+    GroupedLinearMethod,
+    GroupedPart,
+    act_order_parts,
+    stashed_g_idx,
+)
 from llmhal.quantization.int_packing import unpack_int32
 from llmhal.quantization.module_names import agree, name_matches
 from llmhal.quantization.tracked_params import (
     add_param,
     add_stash_param,
     check_loaded,
-    expect_shape,
     layer_name,
-    shard_ids,
-    shard_slices,
-    stashed,
 )
 
 SUPPORTED_BITS = (4, 8)
@@ -211,7 +210,7 @@ class GPTQLinearMethod(GroupedLinearMethod):
 
     def grouped_parts(self, layer: nn.Module) -> list[GroupedPart]:
         check_loaded(layer, ["qweight", "qzeros", "scales", "g_idx"], "GPTQ")
-        k, g = layer.input_size, layer.gptq_group_size
+        g = layer.gptq_group_size
         q = unpack_int32(layer.qweight.data, self.bits, dim=0).t()  # [N, K] unsigned
         z = unpack_int32(layer.qzeros.data, self.bits, dim=1).t().to(torch.float32)  # [N, K/g]
         if self.config.checkpoint_format == "gptq":
@@ -224,59 +223,5 @@ class GPTQLinearMethod(GroupedLinearMethod):
             offset = offset + 128 * scale
             offset = None if bool((offset == 0).all()) else offset
 
-        g_idx = self._shard_g_idx(layer)
-        trivial = torch.arange(k, device=q.device) // g
-        perms = {sid: None if torch.equal(gi, trivial) else gi for sid, gi in g_idx.items()}
-        distinct = {None if p is None else tuple(p.tolist()) for p in perms.values()}
-        if len(distinct) == 1:
-            only = next(iter(perms.values()))
-            return [self._part(layer, q, scale, offset, only)]
-        parts = []
-        for sid, (start, size) in shard_slices(layer).items():
-            rows = slice(start, start + size)
-            off = None if offset is None else offset[rows]
-            parts.append(self._part(layer, q[rows], scale[rows], off, perms[sid]))
-        return parts
-
-    def _shard_g_idx(self, layer: nn.Module) -> dict[Any, torch.Tensor]:
-        k = layer.input_size
-        groups = k // layer.gptq_group_size
-        out = {}
-        for sid, gi in stashed(layer, "g_idx").items():
-            expect_shape(layer, "g_idx", sid, gi, (k,))
-            gi = gi.to(torch.int64)
-            if gi.numel() and (int(gi.min()) < 0 or int(gi.max()) >= groups):
-                raise WeightLoadError(
-                    f"{layer_name(layer)}.g_idx: group indices must lie in [0, {groups}), got "
-                    f"[{int(gi.min())}, {int(gi.max())}]"
-                )
-            out[sid] = gi
-        if None in out:  # loaded without a shard id into a merged layer: it serves every shard
-            whole = out.pop(None)
-            out = {sid: out.get(sid, whole) for sid in shard_ids(layer)}
-        return out
-
-    def _part(
-        self,
-        layer: nn.Module,
-        q: torch.Tensor,
-        scale: torch.Tensor,
-        offset: torch.Tensor | None,
-        g_idx: torch.Tensor | None,
-    ) -> GroupedPart:
-        g = layer.gptq_group_size
-        if g_idx is None:
-            return GroupedPart(GroupedQuantWeight(q.contiguous(), scale, offset, g, self.bits))
-        counts = torch.bincount(g_idx, minlength=scale.shape[1])
-        if bool((counts == g).all()):
-            perm = torch.argsort(g_idx, stable=True)
-            w = GroupedQuantWeight(
-                q.index_select(1, perm).contiguous(), scale, offset, g, self.bits
-            )
-            return GroupedPart(w, perm)
-        # Groups of unequal size: exact, but only as a dense weight.
-        qf = q.to(torch.float32)
-        dense = qf * scale.index_select(1, g_idx)
-        if offset is not None:
-            dense = dense + offset.index_select(1, g_idx)
-        return GroupedPart(dense)
+        g_idx = stashed_g_idx(layer, "g_idx", g)
+        return act_order_parts(layer, q, scale, offset, g, self.bits, g_idx)

@@ -50,6 +50,81 @@ class DenseKernel:
         return F.linear(x, self.weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
 
+def grouped_part(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor | None,
+    group_size: int,
+    bits: int,
+    g_idx: torch.Tensor | None = None,
+) -> GroupedPart:
+    """A part from ``q`` [N, K] with per-group ``scale``/``offset`` [N, K/g], where input column
+    ``k`` belongs to group ``g_idx[k]`` (None: ``k // g``, contiguous groups)."""
+    if g_idx is None:
+        return GroupedPart(GroupedQuantWeight(q.contiguous(), scale, offset, group_size, bits))
+    counts = torch.bincount(g_idx, minlength=scale.shape[1])
+    if bool((counts == group_size).all()):
+        perm = torch.argsort(g_idx, stable=True)
+        w = GroupedQuantWeight(
+            q.index_select(1, perm).contiguous(), scale, offset, group_size, bits
+        )
+        return GroupedPart(w, perm)
+    # Groups of unequal size: exact, but only as a dense weight.
+    dense = q.to(torch.float32) * scale.index_select(1, g_idx)
+    if offset is not None:
+        dense = dense + offset.index_select(1, g_idx)
+    return GroupedPart(dense)
+
+
+def stashed_g_idx(layer: nn.Module, name: str, group_size: int) -> dict[Any, torch.Tensor]:
+    """Shard id -> the group index of each input column, from a stash parameter ``name``."""
+    from llmhal.layers.weights import WeightLoadError
+    from llmhal.quantization.tracked_params import expect_shape, layer_name, shard_ids, stashed
+
+    k = layer.input_size
+    groups = k // group_size
+    out = {}
+    for sid, gi in stashed(layer, name).items():
+        expect_shape(layer, name, sid, gi, (k,))
+        gi = gi.to(torch.int64)
+        if gi.numel() and (int(gi.min()) < 0 or int(gi.max()) >= groups):
+            raise WeightLoadError(
+                f"{layer_name(layer)}.{name}: group indices must lie in [0, {groups}), got "
+                f"[{int(gi.min())}, {int(gi.max())}]"
+            )
+        out[sid] = gi
+    if None in out:  # loaded without a shard id into a merged layer: it serves every shard
+        whole = out.pop(None)
+        out = {sid: out.get(sid, whole) for sid in shard_ids(layer)}
+    return out
+
+
+def act_order_parts(
+    layer: nn.Module,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor | None,
+    group_size: int,
+    bits: int,
+    g_idx: dict[Any, torch.Tensor],
+) -> list[GroupedPart]:
+    """Parts for a layer whose shards each have a ``g_idx``: one part when they agree (the usual
+    case: q/k/v see the same input, so act-order gives them the same order), else one per shard."""
+    from llmhal.quantization.tracked_params import shard_slices
+
+    trivial = torch.arange(layer.input_size, device=q.device) // group_size
+    perms = {sid: None if torch.equal(gi, trivial) else gi for sid, gi in g_idx.items()}
+    distinct = {None if p is None else tuple(p.tolist()) for p in perms.values()}
+    if len(distinct) == 1:
+        return [grouped_part(q, scale, offset, group_size, bits, next(iter(perms.values())))]
+    parts = []
+    for sid, (start, size) in shard_slices(layer).items():
+        rows = slice(start, start + size)
+        off = None if offset is None else offset[rows]
+        parts.append(grouped_part(q[rows], scale[rows], off, group_size, bits, perms[sid]))
+    return parts
+
+
 def make_kernel(weight: GroupedQuantWeight, act_dtype: torch.dtype) -> Any:
     """The platform's ``quant_linear`` kernel for ``weight`` (core's native one if it declines)."""
     from llmhal.ops.registry import get_op
