@@ -29,9 +29,7 @@ def markers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.fixture
-def install_dists(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[Callable[..., Path]]:
+def install_dists(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Path]]:
     for var in ("VLLM_PLUGINS", "VLLM_PLATFORM", "VLLM_ATTENTION_BACKEND"):
         monkeypatch.delenv(var, raising=False)
     with ExitStack() as stack:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, ClassVar
 
-from llmhal.platforms import Platform, PlatformCapabilities
+from llmhal.platforms import Platform, PlatformCapabilities, called_by_llmhal, platform_probe
 from llmhal.testing.fake_vendor import fakenpu_distribution
 from llmhal.testing.platform_conformance import (
     PlatformConformanceSuite,
@@ -38,10 +38,16 @@ class GoodPlatform(Platform):
         return 6 * GiB, 8 * GiB
 
 
+@platform_probe(f"{__name__}:GoodPlatform")
+def good_probe() -> str | None:
+    return f"{__name__}:GoodPlatform" if called_by_llmhal() else None
+
+
 class TestGoodPlatformConformance(PlatformConformanceSuite):
     """The pytest base class, exactly as a vendor package uses it."""
 
     platform_cls = GoodPlatform
+    probe = staticmethod(good_probe)
 
 
 def test_a_good_platform_has_no_problems():
