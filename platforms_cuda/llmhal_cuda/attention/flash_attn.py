@@ -1,0 +1,219 @@
+"""``flash_attn``: FlashAttention 2/3 over the shared paged KV cache.
+
+Which FlashAttention runs is decided by what is installed and the device:
+
+* **FA3** (``flash_attn_interface``, the ``hopper/`` build of flash-attention) on compute capability
+  9.x: ``flash_attn_with_kvcache`` with ``page_table`` reads the paged cache directly, any block size.
+* **FA2** (``flash_attn``) otherwise, on 8.0+. Its paged path (``flash_attn_varlen_func(...,
+  block_table=...)``) requires the page size to be a multiple of 256, so with such block sizes the
+  kernel reads the pages directly; with smaller blocks (the default 16) the step's keys and values are
+  first gathered into contiguous varlen tensors (one extra copy of the attended KV per layer).
+
+Semantics (see ``llmhal.attention.backend``): FlashAttention's causal mask is aligned bottom-right,
+which is what a chunk continuing a cached context needs; a sliding window ``W`` is
+``window_size=(W - 1, 0)``; a soft-cap ``c`` is ``softcap=c``. fp16/bf16 only, head sizes that are
+multiples of 8 up to 256, KV cache in the model dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from llmhal.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayerState,
+    AttentionMetadataBuilder,
+    AttentionRequirements,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from llmhal.utils.imports import is_available, require
+from llmhal_cuda.attention.common import (
+    SharedPagedLayout,
+    check_step,
+    kv_token_slots,
+    not_installed,
+    store_and_allocate,
+)
+from llmhal_cuda.attention.common import platform_reasons as _platform_reasons
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from llmhal.platforms import Platform
+
+FA2_MODULE = "flash_attn"
+FA3_MODULE = "flash_attn_interface"
+EXTRA = "flash-attn"
+FA2_PAGE_MULTIPLE = 256  # flash-attn 2's paged kernels need page sizes divisible by 256
+MAX_HEAD_SIZE = 256
+
+
+def flash_attn_version(capability: tuple[int, int] | None) -> int | None:
+    """3 when FA3 is installed and the device is Hopper (9.x), else 2 when FA2 is installed, else
+    None."""
+    if capability is not None and capability[0] == 9 and is_available(FA3_MODULE):
+        return 3
+    if is_available(FA2_MODULE):
+        return 2
+    return None
+
+
+@dataclass(frozen=True)
+class FlashAttnMetadata:
+    """One step, in the form FlashAttention's varlen/paged entry points take."""
+
+    version: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_reqs]
+    cu_seqlens_k: torch.Tensor  # int32 [num_reqs + 1]
+    block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
+    slot_mapping: torch.Tensor  # int64 [num_actual_tokens]
+    kv_slots: torch.Tensor | None  # FA2 with small blocks: slots of every cached token to gather
+
+
+class FlashAttnMetadataBuilder(AttentionMetadataBuilder[FlashAttnMetadata]):
+    def __init__(self, requirements: AttentionRequirements, device: torch.device) -> None:
+        super().__init__(requirements, device)
+        cap = requirements.device_capability
+        if cap is None and device.type == "cuda":
+            import torch
+
+            cap = tuple(torch.cuda.get_device_capability(device))
+        version = flash_attn_version(cap)
+        if version is None:
+            raise RuntimeError(
+                f"The flash_attn backend was built but {not_installed(FA2_MODULE, EXTRA)}"
+            )
+        self.version = version
+        self.block_size = requirements.block_size
+        self.gather = version == 2 and requirements.block_size % FA2_PAGE_MULTIPLE != 0
+
+    def build(self, common: CommonAttentionMetadata) -> FlashAttnMetadata:
+        check_step(common, FlashAttentionBackend.name)
+        kv_slots, cu_k = kv_token_slots(common.block_table, common.seq_lens_cpu, self.block_size)
+        return FlashAttnMetadata(
+            version=self.version,
+            num_actual_tokens=common.num_actual_tokens,
+            max_query_len=common.max_query_len,
+            max_seq_len=common.max_seq_len,
+            query_start_loc=common.query_start_loc.int(),
+            seq_lens=common.seq_lens.int(),
+            cu_seqlens_k=cu_k,
+            block_table=common.block_table.int().contiguous(),
+            slot_mapping=common.slot_mapping,
+            kv_slots=kv_slots if self.gather else None,
+        )
+
+
+class FlashAttentionImpl(AttentionImpl[FlashAttnMetadata]):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(
+                f"flash_attn stores the KV cache in the model dtype; kv_cache_dtype="
+                f"{self.kv_cache_dtype!r} needs another backend (flashinfer supports fp8)"
+            )
+        w = self.sliding_window
+        self.window_size = (w - 1, 0) if w else (-1, -1)
+        self.softcap = float(self.logits_soft_cap or 0.0)
+
+    def forward(
+        self,
+        layer: AttentionLayerState,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: FlashAttnMetadata,
+    ) -> torch.Tensor:
+        m = attn_metadata
+        n = m.num_actual_tokens
+        out = store_and_allocate(layer, query, key, value, kv_cache, m.slot_mapping)
+        if n == 0:
+            return out
+        k_pages, v_pages = kv_cache[0], kv_cache[1]
+        common: dict[str, Any] = {
+            "softmax_scale": self.scale,
+            "causal": True,
+            "window_size": self.window_size,
+            "softcap": self.softcap,
+        }
+        if m.version == 3:
+            fa3 = require(FA3_MODULE, package=f"llmhal-cuda[{EXTRA}]", purpose="FlashAttention 3")
+            result = fa3.flash_attn_with_kvcache(
+                query[:n],
+                k_pages,
+                v_pages,
+                cache_seqlens=m.seq_lens,
+                page_table=m.block_table,
+                cu_seqlens_q=m.query_start_loc,
+                max_seqlen_q=m.max_query_len,
+                **common,
+            )
+        else:
+            fa2 = require(FA2_MODULE, package=f"llmhal-cuda[{EXTRA}]", purpose="FlashAttention 2")
+            if m.kv_slots is not None:
+                h, d = kv_cache.shape[-2], kv_cache.shape[-1]
+                k = k_pages.reshape(-1, h, d)[m.kv_slots]
+                v = v_pages.reshape(-1, h, d)[m.kv_slots]
+                paged: dict[str, Any] = {}
+            else:
+                k, v, paged = k_pages, v_pages, {"block_table": m.block_table}
+            result = fa2.flash_attn_varlen_func(
+                query[:n],
+                k,
+                v,
+                m.query_start_loc,
+                m.cu_seqlens_k,
+                m.max_query_len,
+                m.max_seq_len,
+                **common,
+                **paged,
+            )
+        out[:n] = result[0] if isinstance(result, tuple) else result
+        return out
+
+
+class FlashAttentionBackend(SharedPagedLayout, AttentionBackend):
+    name: ClassVar[str] = "flash_attn"
+    supported_dtypes = ("float16", "bfloat16")
+    supported_block_sizes = (MultipleOf(16),)
+    supported_kv_cache_dtypes = ("auto",)
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
+    min_device_capability = (8, 0)
+
+    @staticmethod
+    def get_impl_cls() -> type[FlashAttentionImpl]:
+        return FlashAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[FlashAttnMetadataBuilder]:
+        return FlashAttnMetadataBuilder
+
+    @classmethod
+    def availability(cls, platform: Platform) -> list[str]:
+        reasons = _platform_reasons(platform)
+        if not is_available(FA2_MODULE) and not is_available(FA3_MODULE):
+            reasons.append(not_installed(FA2_MODULE, EXTRA))
+        return reasons
+
+    @classmethod
+    def supports_combination(cls, requirements: AttentionRequirements) -> str | None:
+        hs = requirements.head_size
+        if hs % 8 or hs > MAX_HEAD_SIZE:
+            return f"head_size {hs} not supported (multiples of 8 up to {MAX_HEAD_SIZE})"
+        if flash_attn_version(requirements.device_capability) is None and is_available(FA3_MODULE):
+            cap = requirements.device_capability
+            have = ".".join(map(str, cap)) if cap else "unknown"
+            return (
+                f"only FlashAttention 3 (flash_attn_interface) is installed, which needs compute "
+                f"capability 9.x (this device: {have}); {not_installed(FA2_MODULE, EXTRA)}"
+            )
+        return None
