@@ -1,0 +1,231 @@
+"""Split-KV paged decode attention in Triton: the decode path of ``rocm_attn``.
+
+Decodes have one query token per request, so one program per (request, query head) would leave most
+of an MI300's 304 compute units idle on small batches with long contexts. The KV range of every
+request is therefore cut into splits of ``pages_per_split`` pages; each (request, head, split)
+program computes a partial softmax (its running max, denominator and weighted sum, in float32), and a
+second kernel merges the splits of each (request, head) with the usual log-sum-exp rescaling.
+
+Masking follows ``llmhal.attention.backend``: the query sits at position ``seq_len - 1`` and sees
+keys ``seq_len - 1 - W < k <= seq_len - 1`` with a sliding window ``W``; a soft-cap ``c`` maps a
+score ``s`` to ``c * tanh(s / c)``. Cache values are read through the shared paged layout and, for
+fp8 caches, multiplied by the layer's scale. All arithmetic is float32 (Triton's interpreter
+mishandles bf16, and fp32 accumulation is what the accuracy needs anyway).
+
+This module imports Triton at import time; ``rocm_attn`` imports it on first use only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+DEFAULT_PAGES_PER_SPLIT = 16
+MAX_SPLITS = 64  # the merge kernel holds every split of a row in registers
+
+
+@triton.jit
+def _tanh(x):
+    # tanh without libdevice (portable across the CUDA, HIP and interpreter backends).
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,  # [B, H, D]
+    k_ptr,  # [num_blocks, block_size, KVH, D]
+    v_ptr,
+    block_table_ptr,  # [B, max_blocks] int32
+    seq_lens_ptr,  # [B] int32
+    acc_ptr,  # [B, H, S, D] float32
+    max_ptr,  # [B, H, S] float32
+    sum_ptr,  # [B, H, S] float32
+    k_scale_ptr,
+    v_scale_ptr,
+    scale,
+    soft_cap,
+    window,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_bt,
+    num_splits,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_PAD: tl.constexpr,
+    PAGES_PER_SPLIT: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    kvh = h // GROUP
+    seq_len = tl.load(seq_lens_ptr + b)
+    first = 0
+    if USE_WINDOW:
+        first = tl.maximum(seq_len - window, 0)
+
+    d = tl.arange(0, HEAD_PAD)
+    d_ok = d < HEAD_SIZE
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d, mask=d_ok, other=0.0).to(tl.float32)
+    k_scale = tl.load(k_scale_ptr).to(tl.float32)
+    v_scale = tl.load(v_scale_ptr).to(tl.float32)
+
+    t = tl.arange(0, BLOCK_PAD)
+    m_i = -float("inf")
+    l_i = 0.0
+    acc = tl.zeros([HEAD_PAD], dtype=tl.float32)
+    page_lo = split * PAGES_PER_SPLIT
+    for i in range(PAGES_PER_SPLIT):
+        page = page_lo + i
+        pos = page * BLOCK_SIZE + t
+        ok = (t < BLOCK_SIZE) & (pos < seq_len) & (pos >= first)
+        if tl.sum(ok.to(tl.int32), axis=0) > 0:
+            block = tl.load(block_table_ptr + b * stride_bt + page).to(tl.int64)
+            off = block * stride_kb + t[:, None] * stride_kt + kvh * stride_kh + d[None, :]
+            tile_ok = ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + off, mask=tile_ok, other=0.0).to(tl.float32) * k_scale
+            s = tl.sum(k * q[None, :], axis=1) * scale
+            if USE_SOFT_CAP:
+                s = soft_cap * _tanh(s / soft_cap)
+            s = tl.where(ok, s, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new)
+            v = tl.load(v_ptr + off, mask=tile_ok, other=0.0).to(tl.float32) * v_scale
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            m_i = m_new
+    row = (b * tl.num_programs(1) + h) * num_splits + split
+    tl.store(acc_ptr + row * HEAD_PAD + d, acc)
+    tl.store(max_ptr + row, m_i)
+    tl.store(sum_ptr + row, l_i)
+
+
+@triton.jit
+def _merge_kernel(
+    acc_ptr,  # [B, H, S, HEAD_PAD] float32
+    max_ptr,  # [B, H, S]
+    sum_ptr,
+    out_ptr,  # [B, H, D]
+    stride_ob,
+    stride_oh,
+    num_splits,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    SPLIT_PAD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row0 = (b * tl.num_programs(1) + h) * num_splits
+    s = tl.arange(0, SPLIT_PAD)
+    s_ok = s < num_splits
+    m = tl.load(max_ptr + row0 + s, mask=s_ok, other=-float("inf"))
+    denoms = tl.load(sum_ptr + row0 + s, mask=s_ok, other=0.0)
+    m_all = tl.max(m, axis=0)
+    # A row that sees no key at all (every split empty) outputs zeros.
+    w = tl.where(m > -float("inf"), tl.exp(m - m_all), 0.0)
+    denom = tl.sum(w * denoms, axis=0)
+    d = tl.arange(0, HEAD_PAD)
+    acc = tl.load(
+        acc_ptr + (row0 + s[:, None]) * HEAD_PAD + d[None, :], mask=s_ok[:, None], other=0.0
+    )
+    o = tl.sum(acc * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(
+        out_ptr + b * stride_ob + h * stride_oh + d,
+        o.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_SIZE,
+    )
+
+
+def paged_decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    pages_per_split: int = DEFAULT_PAGES_PER_SPLIT,
+) -> torch.Tensor:
+    """Attention of one query token per request over its paged KV history.
+
+    ``query`` [B, H, D]; ``kv_cache`` in the shared layout ``[2, blocks, block_size, KVH, D]``;
+    ``block_table`` int32 [B, max_blocks]; ``seq_lens`` int32 [B] (including the query token, whose
+    key/value must already be in the cache). Returns [B, H, D] in the query's dtype.
+    """
+    num_reqs, num_heads, head_size = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    out = torch.empty_like(query)
+    if num_reqs == 0:
+        return out
+    max_pages = max(1, triton.cdiv(max_seq_len, block_size))
+    # Fewer, longer splits when the context is very long: the merge holds MAX_SPLITS at most.
+    pages_per_split = max(pages_per_split, triton.cdiv(max_pages, MAX_SPLITS))
+    num_splits = triton.cdiv(max_pages, pages_per_split)
+    head_pad = triton.next_power_of_2(head_size)
+    dev = query.device
+    acc = torch.empty(num_reqs, num_heads, num_splits, head_pad, dtype=torch.float32, device=dev)
+    mx = torch.empty(num_reqs, num_heads, num_splits, dtype=torch.float32, device=dev)
+    sm = torch.empty_like(mx)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    q = query.contiguous()
+    table = block_table.contiguous()
+    # Pages past a request's table width are never loaded (their positions exceed seq_len), but
+    # the table must be wide enough for the split grid's page arithmetic to stay in bounds.
+    if table.shape[1] < num_splits * pages_per_split:
+        pad = num_splits * pages_per_split - table.shape[1]
+        table = torch.nn.functional.pad(table, (0, pad))
+    _decode_split_kernel[(num_reqs, num_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        table,
+        seq_lens,
+        acc,
+        mx,
+        sm,
+        k_scale,
+        v_scale,
+        float(scale),
+        float(logits_soft_cap or 0.0),
+        int(sliding_window or 0),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        table.stride(0),
+        num_splits,
+        GROUP=num_heads // num_kv_heads,
+        HEAD_SIZE=head_size,
+        HEAD_PAD=head_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_PAD=triton.next_power_of_2(block_size),
+        PAGES_PER_SPLIT=pages_per_split,
+        USE_SOFT_CAP=bool(logits_soft_cap),
+        USE_WINDOW=bool(sliding_window),
+    )
+    _merge_kernel[(num_reqs, num_heads)](
+        acc,
+        mx,
+        sm,
+        out,
+        out.stride(0),
+        out.stride(1),
+        num_splits,
+        HEAD_SIZE=head_size,
+        HEAD_PAD=head_pad,
+        SPLIT_PAD=triton.next_power_of_2(num_splits),
+    )
+    return out

@@ -1,0 +1,161 @@
+"""``rocm_aiter_fa``: AMD aiter's Composable-Kernel flash attention (MI300/MI350: gfx942, gfx950).
+
+Every step gathers the attended keys and values of each request from the shared paged cache into
+contiguous varlen tensors and calls ``aiter.flash_attn_varlen_func`` once for the whole batch
+(decodes and prefill chunks alike; aiter's causal mask is aligned bottom-right, which is what a chunk
+continuing a cached context needs). The gather keeps the backend independent of aiter's paged-KV
+entry points, whose page-size rules change between releases; it costs one copy of the attended KV
+per layer.
+
+Selection: an explicit ``VLLM_ATTENTION_BACKEND=rocm_aiter_fa`` is honoured whenever aiter is
+installed and the arch supports it. Automatic selection considers it only with
+``VLLM_ROCM_USE_AITER=1``: aiter compiles its kernels on first use (minutes), so it is opt-in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from llmhal.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayerState,
+    AttentionMetadataBuilder,
+    AttentionRequirements,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from llmhal.utils.imports import is_available, require
+from llmhal_rocm.arch import AITER_ARCHS, supports_aiter
+from llmhal_rocm.attention.common import (
+    SharedPagedLayout,
+    check_step,
+    kv_token_slots,
+    not_installed,
+    rocm_platform,
+    store_and_allocate,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from llmhal.platforms import Platform
+
+MODULE = "aiter"
+EXTRA = "aiter"
+MAX_HEAD_SIZE = 256
+
+
+@dataclass(frozen=True)
+class AiterFaMetadata:
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    cu_seqlens_k: torch.Tensor  # int32 [num_reqs + 1]
+    slot_mapping: torch.Tensor
+    kv_slots: torch.Tensor  # int64 [sum(seq_lens)]: the cache slot of every attended token
+
+
+class AiterFaMetadataBuilder(AttentionMetadataBuilder[AiterFaMetadata]):
+    def build(self, common: CommonAttentionMetadata) -> AiterFaMetadata:
+        check_step(common, AiterFlashAttentionBackend.name)
+        slots, cu_k = kv_token_slots(
+            common.block_table, common.seq_lens_cpu, self.requirements.block_size
+        )
+        return AiterFaMetadata(
+            num_actual_tokens=common.num_actual_tokens,
+            max_query_len=common.max_query_len,
+            max_seq_len=common.max_seq_len,
+            query_start_loc=common.query_start_loc.int(),
+            cu_seqlens_k=cu_k,
+            slot_mapping=common.slot_mapping,
+            kv_slots=slots,
+        )
+
+
+class AiterFlashAttentionImpl(AttentionImpl[AiterFaMetadata]):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(
+                f"rocm_aiter_fa stores the KV cache in the model dtype; kv_cache_dtype="
+                f"{self.kv_cache_dtype!r} needs the rocm_attn backend"
+            )
+        w = self.sliding_window
+        self.window_size = (w - 1, 0) if w else (-1, -1)
+
+    def forward(
+        self,
+        layer: AttentionLayerState,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AiterFaMetadata,
+    ) -> torch.Tensor:
+        m = attn_metadata
+        n = m.num_actual_tokens
+        out = store_and_allocate(layer, query, key, value, kv_cache, m.slot_mapping)
+        if n == 0:
+            return out
+        aiter = require(MODULE, package=f"llmhal-rocm[{EXTRA}]", purpose="rocm_aiter_fa")
+        h, d = kv_cache.shape[-2], kv_cache.shape[-1]
+        k = kv_cache[0].reshape(-1, h, d)[m.kv_slots]
+        v = kv_cache[1].reshape(-1, h, d)[m.kv_slots]
+        result = aiter.flash_attn_varlen_func(
+            query[:n],
+            k,
+            v,
+            m.query_start_loc,
+            m.cu_seqlens_k,
+            m.max_query_len,
+            m.max_seq_len,
+            softmax_scale=self.scale,
+            logits_soft_cap=float(self.logits_soft_cap or 0.0),
+            causal=True,
+            window_size=self.window_size,
+        )
+        out[:n] = result[0] if isinstance(result, tuple) else result
+        return out
+
+
+class AiterFlashAttentionBackend(SharedPagedLayout, AttentionBackend):
+    name: ClassVar[str] = "rocm_aiter_fa"
+    supported_dtypes = ("float16", "bfloat16")
+    supported_block_sizes = (MultipleOf(16),)
+    supported_kv_cache_dtypes = ("auto",)
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
+
+    @staticmethod
+    def get_impl_cls() -> type[AiterFlashAttentionImpl]:
+        return AiterFlashAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AiterFaMetadataBuilder]:
+        return AiterFaMetadataBuilder
+
+    @classmethod
+    def availability(cls, platform: Platform) -> list[str]:
+        rocm = rocm_platform(platform)
+        if rocm is None:
+            return [f"needs the rocm platform (this is the {platform.name} platform)"]
+        reasons = []
+        if not is_available(MODULE):
+            reasons.append(not_installed(MODULE, EXTRA))
+        archs = sorted({d.arch for d in rocm.visible_devices()})
+        unsupported = [a for a in archs if not supports_aiter(a)]
+        if unsupported:
+            reasons.append(
+                f"aiter flash attention needs {' or '.join(sorted(AITER_ARCHS))} "
+                f"(this device: {', '.join(unsupported)})"
+            )
+        return reasons
+
+    @classmethod
+    def supports_combination(cls, requirements: AttentionRequirements) -> str | None:
+        if requirements.head_size > MAX_HEAD_SIZE:
+            return f"head_size {requirements.head_size} not supported (at most {MAX_HEAD_SIZE})"
+        return None

@@ -1,0 +1,279 @@
+"""rocm_attn and rocm_aiter_fa on this CPU machine.
+
+* The split-KV decode kernel and ``rocm_attn`` run for real, in Triton's interpreter
+  (``TRITON_INTERPRET=1``, set by a fixture, with the kernel modules re-imported under it).
+* aiter needs an MI300/MI350, so its glue is checked through a pure-torch stand-in that follows
+  ``aiter.flash_attn_varlen_func``'s documented contract (bottom-right causal mask, ``window_size``,
+  ``logits_soft_cap``); the conformance suite compares against core's reference backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import sys
+import types
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from llmhal.attention import selector
+from llmhal.attention.backend import AttentionRequirements
+from llmhal.attention.batch import build_common_metadata
+from llmhal.attention.selector import AttentionBackendError, select_attention_backend
+from llmhal.platforms import get_current_platform, get_platform_selection, set_current_platform
+from llmhal.testing.attention_conformance import (
+    check_attention_case,
+    conformance_cases,
+    run_attention_case,
+)
+from llmhal_rocm.attention.rocm_aiter_fa import AiterFlashAttentionBackend, AiterFlashAttentionImpl
+from llmhal_rocm.attention.rocm_attn import RocmAttentionBackend, _sub_step
+from llmhal_rocm.platform import RocmPlatform
+
+KERNEL_MODULE = "llmhal_rocm.attention.paged_decode"
+
+
+@pytest.fixture
+def triton_device(monkeypatch: pytest.MonkeyPatch) -> str:
+    """The device Triton kernels run on here: a GPU, else the CPU through the interpreter."""
+    if torch.cuda.is_available():
+        return "cuda"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    # Triton decides between compiling and interpreting when a kernel is decorated: re-import
+    # every loaded Triton kernel module of ours and core's under the variable.
+    for name in [
+        n for n in sys.modules if n == KERNEL_MODULE or n.startswith("llmhal.attention.triton")
+    ]:
+        importlib.reload(sys.modules[name])
+    return "cpu"
+
+
+@pytest.fixture
+def rocm(rocm_env, gpus, fake_inventory) -> Iterator:
+    """``rocm(model)``: a fake RocmPlatform on that GPU, made the current platform."""
+    previous = (get_current_platform(), get_platform_selection())
+    selector._clear_cache_for_tests()
+
+    def make(model: str) -> RocmPlatform:
+        p = RocmPlatform(fake_inventory(getattr(gpus, model)))
+        set_current_platform(p)
+        selector._clear_cache_for_tests()
+        return p
+
+    yield make
+    set_current_platform(*previous)
+    selector._clear_cache_for_tests()
+
+
+# ----------------------------------------------------------------------- split-KV decode kernel
+def _decode_reference(q, kv, tables, seq, bs, window=None, cap=None, k_scale=1.0, v_scale=1.0):
+    out = []
+    h, kvh = q.shape[1], kv.shape[3]
+    for i, n in enumerate(seq):
+        slots = torch.tensor([tables[i][p // bs] * bs + p % bs for p in range(n)])
+        k = kv[0].reshape(-1, kvh, kv.shape[-1])[slots].float().repeat_interleave(h // kvh, 1)
+        v = kv[1].reshape(-1, kvh, kv.shape[-1])[slots].float().repeat_interleave(h // kvh, 1)
+        s = torch.einsum("hd,khd->hk", q[i].float(), k * k_scale) * q.shape[-1] ** -0.5
+        if cap:
+            s = cap * torch.tanh(s / cap)
+        if window:
+            s[:, torch.arange(n) <= n - 1 - window] = float("-inf")
+        out.append(torch.einsum("hk,khd->hd", s.softmax(-1), v * v_scale))
+    return torch.stack(out).to(q.dtype)
+
+
+@pytest.mark.parametrize(
+    ("window", "cap", "pages_per_split", "dtype", "block_size", "head_size"),
+    [
+        (None, None, 16, torch.float32, 16, 64),  # one split per request
+        (None, None, 1, torch.float32, 16, 80),  # many splits, non-power-of-2 head size
+        (13, 1.5, 1, torch.bfloat16, 32, 64),  # window skips whole splits; soft-cap
+    ],
+)
+def test_paged_decode_kernel(
+    triton_device, window, cap, pages_per_split, dtype, block_size, head_size
+):
+    from llmhal_rocm.attention.paged_decode import paged_decode
+
+    gen = torch.Generator().manual_seed(0)
+    seq, h, kvh = [19, 70, 7, 1], 8, 2
+    need = [-(-n // block_size) for n in seq]
+    perm = torch.randperm(sum(need) + 2, generator=gen).tolist()
+    tables, at = [], 0
+    for n in need:
+        tables.append(perm[at : at + n])
+        at += n
+    kv = torch.randn(2, len(perm), block_size, kvh, head_size, generator=gen).to(dtype)
+    table = torch.zeros(len(seq), max(need), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = torch.tensor(t)
+    q = torch.randn(len(seq), h, head_size, generator=gen).to(dtype)
+    one = torch.tensor(1.0)
+    dev = torch.device(triton_device)
+    out = paged_decode(
+        q.to(dev), kv.to(dev), table.to(dev), torch.tensor(seq, dtype=torch.int32, device=dev),
+        max(seq), head_size**-0.5, one.to(dev), one.to(dev), sliding_window=window,
+        logits_soft_cap=cap, pages_per_split=pages_per_split,
+    )  # fmt: skip
+    ref = _decode_reference(q, kv, tables, seq, block_size, window, cap)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.cpu().float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_sub_step_rebases_a_prefill_part():
+    common = build_common_metadata(
+        [1, 1, 5, 3], [16, 40, 30, 0], [[4, 0], [9, 1, 2], [3, 8, 5], [6]], 16
+    )
+    part = _sub_step(common, 2, 4)
+    whole = build_common_metadata([5, 3], [30, 0], [[3, 8, 5], [6]], 16)
+    for field in (
+        "query_start_loc",
+        "seq_lens",
+        "slot_mapping",
+        "positions",
+        "num_computed_tokens_cpu",
+    ):
+        assert getattr(part, field).tolist() == getattr(whole, field).tolist(), field
+    assert part.block_table[:, :3].tolist() == [[3, 8, 5], [6, 0, 0]]
+    assert (part.num_reqs, part.num_actual_tokens, part.max_query_len, part.max_seq_len) == (
+        2,
+        8,
+        5,
+        35,
+    )
+    assert (part.num_decodes, part.num_decode_tokens) == (0, 0)
+
+
+# ------------------------------------------------------------------------------- rocm_attn
+@pytest.mark.parametrize(
+    "case",
+    [c for i, c in enumerate(conformance_cases(RocmAttentionBackend)) if i in (0, 1, 4)],
+    ids=lambda c: c.id,
+)
+def test_rocm_attn_matches_reference(triton_device, rocm, case):
+    platform = rocm("MI300X")
+    check_attention_case(RocmAttentionBackend, case, device=triton_device, platform=platform)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", conformance_cases(RocmAttentionBackend), ids=lambda c: c.id)
+def test_rocm_attn_matches_reference_all_quick_cases(triton_device, rocm, case):
+    platform = rocm("MI300X")
+    check_attention_case(RocmAttentionBackend, case, device=triton_device, platform=platform)
+
+
+def _platform_on(arch: str) -> RocmPlatform:
+    from llmhal_rocm.arch import arch_capability
+    from llmhal_rocm.detect import RocmDevice, RocmInventory
+
+    device = RocmDevice(0, "AMD GPU", "", arch, arch_capability(arch), 16 << 30)
+    return RocmPlatform(RocmInventory((device,)))
+
+
+def test_rocm_attn_availability(rocm_env, monkeypatch):
+    from llmhal_cpu.platform import CpuPlatform
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    supported = RocmAttentionBackend.availability(_platform_on("gfx90a"))
+    assert not [r for r in supported if "Triton does not support" in r]
+    reasons = RocmAttentionBackend.availability(_platform_on("gfx906"))
+    assert any("Triton does not support this GPU (gfx906" in r for r in reasons)
+    assert RocmAttentionBackend.availability(CpuPlatform()) == [
+        "needs the rocm platform (this is the cpu platform)"
+    ]
+
+
+# --------------------------------------------------------------------------- rocm_aiter_fa
+def _attend(q, k, v, scale, window, softcap):
+    sq, sk = q.shape[0], k.shape[0]
+    g = q.shape[1] // k.shape[1]
+    k, v = (t.float().repeat_interleave(g, 1) for t in (k, v))
+    s = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(sq)[:, None] + (sk - sq)  # bottom-right aligned causal mask
+    j = torch.arange(sk)[None, :]
+    ok = (j <= i) & ((j >= i - window[0]) if window[0] >= 0 else True)
+    p = s.masked_fill(~ok, float("-inf")).softmax(-1).nan_to_num(0.0)
+    return torch.einsum("hqk,khd->qhd", p, v).to(q.dtype)
+
+
+def fake_aiter() -> types.ModuleType:
+    m = types.ModuleType("aiter")
+    m.__spec__ = importlib.machinery.ModuleSpec("aiter", None)
+
+    def flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max_q, max_k, *, softmax_scale, logits_soft_cap, causal, window_size
+    ):
+        assert causal and k.shape[0] == int(cu_k[-1])
+        out = torch.empty_like(q)
+        for r in range(cu_q.numel() - 1):
+            qs, qe, ks, ke = (int(x) for x in (cu_q[r], cu_q[r + 1], cu_k[r], cu_k[r + 1]))
+            out[qs:qe] = _attend(
+                q[qs:qe], k[ks:ke], v[ks:ke], softmax_scale, window_size, logits_soft_cap
+            )
+        return out
+
+    m.flash_attn_varlen_func = flash_attn_varlen_func
+    return m
+
+
+@pytest.fixture
+def aiter(monkeypatch):
+    def install(present: bool) -> None:
+        monkeypatch.setitem(sys.modules, "aiter", fake_aiter() if present else None)
+
+    install(False)
+    return install
+
+
+@pytest.mark.parametrize("case", conformance_cases(AiterFlashAttentionBackend), ids=lambda c: c.id)
+def test_aiter_glue_matches_reference(rocm, aiter, case):
+    platform = rocm("MI300X")
+    aiter(True)
+    result = run_attention_case(AiterFlashAttentionBackend, case, platform=platform)
+    if result.skipped:
+        assert case.kv_cache_dtype != "auto", result.skipped  # only fp8 cases are refused
+        return
+    assert result.failures == ()
+
+
+def test_aiter_availability_reasons(rocm, aiter):
+    req = AttentionRequirements(64, 8, 2, torch.bfloat16)
+    assert AiterFlashAttentionBackend.availability(rocm("MI300X")) == [
+        "aiter is not installed (pip install llmhal-rocm[aiter])"
+    ]
+    aiter(True)
+    assert AiterFlashAttentionBackend.validate(req, rocm("MI355X")) == []
+    assert AiterFlashAttentionBackend.availability(rocm("MI250X")) == [
+        "aiter flash attention needs gfx942 or gfx950 (this device: gfx90a)"
+    ]
+    with pytest.raises(ValueError, match="needs the rocm_attn backend"):
+        AiterFlashAttentionImpl(8, 64, 0.125, 2, kv_cache_dtype="fp8_e4m3")
+
+
+def test_aiter_selection_is_opt_in(rocm, aiter, monkeypatch):
+    rocm("MI300X")
+    aiter(True)
+    req = AttentionRequirements(64, 8, 2, torch.bfloat16)
+    assert select_attention_backend(req).name != "rocm_aiter_fa"
+    selector._clear_cache_for_tests()
+    monkeypatch.setenv("VLLM_ROCM_USE_AITER", "1")
+    assert select_attention_backend(req).name == "rocm_aiter_fa"
+    selector._clear_cache_for_tests()
+    monkeypatch.delenv("VLLM_ROCM_USE_AITER")
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "rocm_aiter_fa")  # explicit choice: honoured
+    assert select_attention_backend(req).name == "rocm_aiter_fa"
+
+
+def test_aiter_explicit_choice_on_an_unsupported_arch(rocm, aiter, monkeypatch):
+    rocm("RX7900")
+    aiter(True)
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "rocm_aiter_fa")
+    with pytest.raises(AttentionBackendError) as err:
+        select_attention_backend(AttentionRequirements(64, 8, 2, torch.bfloat16))
+    msg = str(err.value)
+    assert "on the rocm platform" in msg and "this device: gfx1100" in msg
+    assert "Backends that work here:" in msg
