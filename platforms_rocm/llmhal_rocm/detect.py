@@ -81,9 +81,10 @@ def _read_device(smi: ModuleType, index: int, handle: Any) -> RocmDevice:
     except Exception:
         uuid = ""
     total, _used = vram_bytes(smi, handle)
+    market = str(asic.get("market_name") or "").strip()  # amdsmi says "N/A" when it has none
     return RocmDevice(
         index=index,
-        name=str(asic.get("market_name") or f"AMD GPU ({arch})"),
+        name=market if market and market != "N/A" else f"AMD GPU ({arch})",
         uuid=uuid,
         arch=arch,
         capability=arch_capability(arch),
