@@ -98,7 +98,8 @@ def detect_rocm() -> RocmInventory:
         smi = import_amdsmi()
     except ImportError:
         raise PlatformUnavailable(
-            "amdsmi is not installed (it ships with ROCm: pip install /opt/rocm/share/amd_smi)"
+            "amdsmi is not installed (it ships with ROCm: pip install /opt/rocm/share/amd_smi, or "
+            "pip install llmhal-rocm[amdsmi])"
         ) from None
     except Exception as e:  # KeyError/OSError: the Python package is there, libamd_smi.so is not
         raise PlatformUnavailable(
