@@ -41,7 +41,7 @@ from torch import nn
 
 from llmhal.layers.weights import WeightLoadError
 from llmhal.quantization.base import QuantizationConfig, QuantizeMethodBase
-from llmhal.quantization.module_names import is_skipped
+from llmhal.quantization.module_names import is_skipped, kv_cache_scale_name
 from llmhal.quantization.tracked_params import (
     add_param,
     add_stash_param,
@@ -162,6 +162,9 @@ class Fp8Config(QuantizationConfig):
     @classmethod
     def availability(cls, platform: Any) -> list[str]:
         return fp8_availability(platform)
+
+    def get_cache_scale(self, name: str) -> str | None:
+        return kv_cache_scale_name(name)
 
     def scheme(self) -> Fp8Scheme:
         block = tuple(self.weight_block_size) if self.weight_block_size else None

@@ -54,3 +54,19 @@ def is_skipped(
 ) -> bool:
     """True when the checkpoint leaves layer ``prefix`` unquantized (listed in ``skip``)."""
     return agree(prefix, packed, lambda n: any(name_matches(n, s) for s in skip))
+
+
+def kv_cache_scale_name(name: str) -> str | None:
+    """Map a checkpoint's KV-cache scale onto llmhal's attention buffer (``<attn>.attn.k_scale``).
+
+    Checkpoints store them as ``self_attn.k_proj.output_scale`` (AutoFP8, older llm-compressor) or
+    ``self_attn.k_scale`` (newer); None for any other tensor.
+    """
+    for src, kind in ((".k_proj.output_scale", "k"), (".v_proj.output_scale", "v")):
+        if name.endswith(src):
+            return f"{name[: -len(src)]}.attn.{kind}_scale"
+    for kind in ("k", "v"):
+        src = f".{kind}_scale"
+        if name.endswith(src) and not name.endswith(f".attn{src}"):
+            return f"{name[: -len(src)]}.attn{src}"
+    return None

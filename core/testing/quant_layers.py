@@ -17,6 +17,7 @@ import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -34,6 +35,36 @@ def quant_context(quant_config: Any, dtype: torch.dtype = torch.float32) -> Iter
     )
     with set_current_config(cfg):
         yield cfg
+
+
+@contextlib.contextmanager
+def native_quant_kernel() -> Iterator[None]:
+    """Run ``quant_linear`` with core's exact :class:`NativeQuantLinear` instead of the platform's
+    kernel (which may trade precision for speed, e.g. bf16 activations on CPU)."""
+    from llmhal.ops import registry
+
+    registry.register_op_kernel("quant_linear", "llmhal.ops.quant_linear:NativeQuantLinear")
+    try:
+        yield
+    finally:
+        registry._reset_for_tests()
+
+
+@pytest.fixture(autouse=True)
+def exact_quant_kernel(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Autouse fixture (import it into a test module): tests run the native kernel, for exact
+    comparisons, except tests whose name contains ``platform_kernel``, which use the platform's."""
+    if "platform_kernel" in request.node.name:
+        yield
+        return
+    with native_quant_kernel():
+        yield
+
+
+def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """``|y - ref| / |ref|`` (Frobenius norms, float64)."""
+    y, ref = y.to(torch.float64), ref.to(torch.float64)
+    return float((y - ref).norm() / ref.norm())
 
 
 def build_linear(

@@ -16,8 +16,11 @@ from llmhal.quantization.awq import AWQConfig, AWQLinearMethod
 from llmhal.testing.quant_layers import (
     assert_close_to_reference,
     build_linear,
+    exact_quant_kernel,  # noqa: F401 (autouse fixture)
     finish,
+    layer_output,
     load_tensors,
+    relative_error,
     weight_bytes,
 )
 
@@ -137,3 +140,12 @@ def test_unsupported_configs_say_why():
         cfg(w_bit=3)
     with pytest.raises(ValueError, match="multiples of 8"):
         build_linear(cfg(), "replicated", in_features=64, out_features=12)
+
+
+def test_platform_kernel():
+    tensors, w = make_awq(256, 128, 128, seed=9)
+    layer = build_linear(cfg(q_group_size=128), "replicated", in_features=256, out_features=128)
+    load_tensors(layer, tensors)
+    finish(layer)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(9))
+    assert relative_error(layer_output(layer, x), x.double() @ w.T) < 1e-2

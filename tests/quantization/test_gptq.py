@@ -18,8 +18,11 @@ from llmhal.quantization.gptq import GPTQConfig, GPTQLinearMethod
 from llmhal.testing.quant_layers import (
     assert_close_to_reference,
     build_linear,
+    exact_quant_kernel,  # noqa: F401 (autouse fixture)
     finish,
+    layer_output,
     load_tensors,
+    relative_error,
     weight_bytes,
 )
 
@@ -232,3 +235,16 @@ def test_dynamic_exclusion_and_lm_head():
         build_linear(cfg(), "lm_head", vocab=64, hidden=64).quant_method.__class__.__name__
         == "UnquantizedLinearMethod"
     )
+
+
+def test_act_order_platform_kernel():
+    # Whatever quant_linear kernel the platform provides (on CPU: int4pack with bf16 activations).
+    k, n, g = 256, 128, 64
+    tensors, w = make_gptq(k, n, g, act_order=True, seed=9)
+    layer = build_linear(
+        cfg(group_size=g, desc_act=True), "replicated", in_features=k, out_features=n
+    )
+    load_tensors(layer, tensors)
+    finish(layer)
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(9))
+    assert relative_error(layer_output(layer, x), x.double() @ w.T) < 1e-2
