@@ -29,7 +29,9 @@ class CpuPlatform(Platform):
     attention_backends: ClassVar[dict[str, str]] = {
         "cpu_attn": "llmhal_cpu.attention.cpu_attn:CpuAttentionBackend",
     }
-    op_kernels: ClassVar[dict[str, str]] = {}
+    op_kernels: ClassVar[dict[str, str]] = {
+        "quant_linear": "llmhal_cpu.kernels.quant_linear:CpuQuantLinear",
+    }
     # None: every registered method may run here (each checks its own needs in validate()).
     supported_quantization = None
 
