@@ -85,20 +85,21 @@ def _decode_reference(q, kv, tables, seq, bs, window=None, cap=None, k_scale=1.0
 
 
 @pytest.mark.parametrize(
-    ("window", "cap", "pages_per_split", "dtype", "block_size", "head_size"),
+    ("window", "cap", "pages_per_split", "dtype", "block_size", "head_size", "heads", "fp8"),
     [
-        (None, None, 16, torch.float32, 16, 64),  # one split per request
-        (None, None, 1, torch.float32, 16, 80),  # many splits, non-power-of-2 head size
-        (13, 1.5, 1, torch.bfloat16, 32, 64),  # window skips whole splits; soft-cap
+        (None, None, 16, torch.float32, 16, 64, (4, 2), False),  # one split per request
+        (None, None, 1, torch.float32, 16, 80, (8, 1), False),  # many splits, odd head size, MQA
+        (13, 1.5, 1, torch.bfloat16, 32, 64, (4, 4), False),  # window skips splits; soft-cap
+        (None, None, 2, torch.float32, 16, 64, (4, 2), True),  # fp8 cache with scales
     ],
 )
 def test_paged_decode_kernel(
-    triton_device, window, cap, pages_per_split, dtype, block_size, head_size
+    triton_device, window, cap, pages_per_split, dtype, block_size, head_size, heads, fp8
 ):
     from llmhal_rocm.attention.paged_decode import paged_decode
 
     gen = torch.Generator().manual_seed(0)
-    seq, h, kvh = [19, 50, 7, 1], 4, 2
+    seq, (h, kvh) = [19, 50, 7, 1], heads
     need = [-(-n // block_size) for n in seq]
     perm = torch.randperm(sum(need) + 2, generator=gen).tolist()
     tables, at = [], 0
@@ -110,14 +111,16 @@ def test_paged_decode_kernel(
     for i, t in enumerate(tables):
         table[i, : len(t)] = torch.tensor(t)
     q = torch.randn(len(seq), h, head_size, generator=gen).to(dtype)
-    one = torch.tensor(1.0)
+    ks, vs = (0.05, 0.03) if fp8 else (1.0, 1.0)
+    if fp8:
+        kv = torch.stack([(kv[0] / ks), (kv[1] / vs)]).to(torch.float8_e4m3fn)
     dev = torch.device(triton_device)
     out = paged_decode(
         q.to(dev), kv.to(dev), table.to(dev), torch.tensor(seq, dtype=torch.int32, device=dev),
-        max(seq), head_size**-0.5, one.to(dev), one.to(dev), sliding_window=window,
-        logits_soft_cap=cap, pages_per_split=pages_per_split,
+        max(seq), head_size**-0.5, torch.tensor(ks, device=dev), torch.tensor(vs, device=dev),
+        sliding_window=window, logits_soft_cap=cap, pages_per_split=pages_per_split,
     )  # fmt: skip
-    ref = _decode_reference(q, kv, tables, seq, block_size, window, cap)
+    ref = _decode_reference(q, kv, tables, seq, block_size, window, cap, ks, vs)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.cpu().float(), ref.float(), atol=tol, rtol=tol)
 

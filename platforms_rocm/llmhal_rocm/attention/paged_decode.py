@@ -1,28 +1,37 @@
 """Split-KV paged decode attention in Triton: the decode path of ``rocm_attn``.
 
-Decodes have one query token per request, so one program per (request, query head) would leave most
-of an MI300's 304 compute units idle on small batches with long contexts. The KV range of every
-request is therefore cut into splits of ``pages_per_split`` pages; each (request, head, split)
-program computes a partial softmax (its running max, denominator and weighted sum, in float32), and a
-second kernel merges the splits of each (request, head) with the usual log-sum-exp rescaling.
+Decodes have one query token per request, so one program per (request, KV head) would leave most of
+an MI300's 304 compute units idle on small batches with long contexts. The KV range of every request
+is therefore cut into splits of ``pages_per_split`` pages; each (request, KV head, split) program
+computes, for all the query heads that share that KV head, a partial softmax (running max,
+denominator and weighted sum, in float32) with two matrix products per page, and a second kernel
+merges the splits of each (request, query head) with the usual log-sum-exp rescaling.
 
 Masking follows ``llmhal.attention.backend``: the query sits at position ``seq_len - 1`` and sees
 keys ``seq_len - 1 - W < k <= seq_len - 1`` with a sliding window ``W``; a soft-cap ``c`` maps a
 score ``s`` to ``c * tanh(s / c)``. Cache values are read through the shared paged layout and, for
-fp8 caches, multiplied by the layer's scale. All arithmetic is float32 (Triton's interpreter
-mishandles bf16, and fp32 accumulation is what the accuracy needs anyway).
+fp8 caches, multiplied by the layer's scale. Products take the model dtype with float32 accumulation
+(float32 throughout for float32 models and in Triton's interpreter, which mishandles bf16); the
+softmax statistics are always float32.
 
 This module imports Triton at import time; ``rocm_attn`` imports it on first use only.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 DEFAULT_PAGES_PER_SPLIT = 16
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 MAX_SPLITS = 64  # the merge kernel holds every split of a row in registers
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -38,7 +47,7 @@ def _decode_split_kernel(
     v_ptr,
     block_table_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32
-    acc_ptr,  # [B, H, S, D] float32
+    acc_ptr,  # [B, H, S, HEAD_PAD] float32
     max_ptr,  # [B, H, S] float32
     sum_ptr,  # [B, H, S] float32
     k_scale_ptr,
@@ -52,8 +61,10 @@ def _decode_split_kernel(
     stride_kt,
     stride_kh,
     stride_bt,
+    num_heads,
     num_splits,
     GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # >= 16: the M side of tl.dot
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -61,26 +72,34 @@ def _decode_split_kernel(
     PAGES_PER_SPLIT: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    DEQUANT: tl.constexpr,  # fp8 cache: multiply by the layer's scales
+    COMPUTE: tl.constexpr,  # dtype fed to tl.dot (float32 in the interpreter / for fp32 models)
+    PRECISION: tl.constexpr,
 ):
+    # One program serves every query head of one KV head (GQA), so K/V pages are read once per
+    # group and the scores are a [GROUP_PAD, BLOCK_PAD] matrix product.
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    kvh = tl.program_id(1)
     split = tl.program_id(2)
-    kvh = h // GROUP
     seq_len = tl.load(seq_lens_ptr + b)
     first = 0
     if USE_WINDOW:
         first = tl.maximum(seq_len - window, 0)
 
+    g = tl.arange(0, GROUP_PAD)
+    g_ok = g < GROUP
+    heads = kvh * GROUP + g
     d = tl.arange(0, HEAD_PAD)
     d_ok = d < HEAD_SIZE
-    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d, mask=d_ok, other=0.0).to(tl.float32)
+    q_off = b * stride_qb + heads[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(COMPUTE)
     k_scale = tl.load(k_scale_ptr).to(tl.float32)
     v_scale = tl.load(v_scale_ptr).to(tl.float32)
 
     t = tl.arange(0, BLOCK_PAD)
-    m_i = -float("inf")
-    l_i = 0.0
-    acc = tl.zeros([HEAD_PAD], dtype=tl.float32)
+    m_i = tl.full([GROUP_PAD], -float("inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_PAD], dtype=tl.float32)
     page_lo = split * PAGES_PER_SPLIT
     for i in range(PAGES_PER_SPLIT):
         page = page_lo + i
@@ -90,22 +109,26 @@ def _decode_split_kernel(
             block = tl.load(block_table_ptr + b * stride_bt + page).to(tl.int64)
             off = block * stride_kb + t[:, None] * stride_kt + kvh * stride_kh + d[None, :]
             tile_ok = ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + off, mask=tile_ok, other=0.0).to(tl.float32) * k_scale
-            s = tl.sum(k * q[None, :], axis=1) * scale
+            k = tl.load(k_ptr + off, mask=tile_ok, other=0.0)
+            v = tl.load(v_ptr + off, mask=tile_ok, other=0.0)
+            if DEQUANT:
+                k = k.to(tl.float32) * k_scale
+                v = v.to(tl.float32) * v_scale
+            s = tl.dot(q, tl.trans(k.to(COMPUTE)), input_precision=PRECISION) * scale
             if USE_SOFT_CAP:
                 s = soft_cap * _tanh(s / soft_cap)
-            s = tl.where(ok, s, -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            s = tl.where(ok[None, :], s, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new)
-            v = tl.load(v_ptr + off, mask=tile_ok, other=0.0).to(tl.float32) * v_scale
-            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-            l_i = l_i * alpha + tl.sum(p, axis=0)
+            p = tl.exp(s - m_new[:, None])
+            pv = tl.dot(p.to(COMPUTE), v.to(COMPUTE), input_precision=PRECISION)
+            acc = acc * alpha[:, None] + pv
+            l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
-    row = (b * tl.num_programs(1) + h) * num_splits + split
-    tl.store(acc_ptr + row * HEAD_PAD + d, acc)
-    tl.store(max_ptr + row, m_i)
-    tl.store(sum_ptr + row, l_i)
+    rows = (b * num_heads + heads) * num_splits + split
+    tl.store(acc_ptr + rows[:, None] * HEAD_PAD + d[None, :], acc, mask=g_ok[:, None])
+    tl.store(max_ptr + rows, m_i, mask=g_ok)
+    tl.store(sum_ptr + rows, l_i, mask=g_ok)
 
 
 @triton.jit
@@ -186,7 +209,11 @@ def paged_decode(
     if table.shape[1] < num_splits * pages_per_split:
         pad = num_splits * pages_per_split - table.shape[1]
         table = torch.nn.functional.pad(table, (0, pad))
-    _decode_split_kernel[(num_reqs, num_heads, num_splits)](
+    group = num_heads // num_kv_heads
+    # tl.dot takes bf16/fp16 on the device with fp32 accumulation; float32 models (and the
+    # interpreter, whose bf16 arithmetic is unreliable) use full-precision float32 products.
+    exact = query.dtype == torch.float32 or _interpreted()
+    _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
         q,
         k_cache,
         v_cache,
@@ -206,8 +233,10 @@ def paged_decode(
         k_cache.stride(1),
         k_cache.stride(2),
         table.stride(0),
+        num_heads,
         num_splits,
-        GROUP=num_heads // num_kv_heads,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_SIZE=head_size,
         HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size,
@@ -215,6 +244,9 @@ def paged_decode(
         PAGES_PER_SPLIT=pages_per_split,
         USE_SOFT_CAP=bool(logits_soft_cap),
         USE_WINDOW=bool(sliding_window),
+        DEQUANT=kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2),
+        COMPUTE=tl.float32 if exact else _TL_DTYPES[query.dtype],
+        PRECISION="ieee" if exact else "tf32",
     )
     _merge_kernel[(num_reqs, num_heads)](
         acc,
