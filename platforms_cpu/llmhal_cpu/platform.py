@@ -30,6 +30,10 @@ class CpuPlatform(Platform):
         "cpu_attn": "llmhal_cpu.attention.cpu_attn:CpuAttentionBackend",
     }
     op_kernels: ClassVar[dict[str, str]] = {
+        "rms_norm": "llmhal_cpu.ops:rms_norm",
+        "fused_add_rms_norm": "llmhal_cpu.ops:fused_add_rms_norm",
+        "rotary_embedding": "llmhal_cpu.ops:rotary_embedding",
+        "silu_and_mul": "llmhal_cpu.ops:silu_and_mul",
         "quant_linear": "llmhal_cpu.kernels.quant_linear:CpuQuantLinear",
     }
     # None: every registered method may run here (each checks its own needs in validate()).
