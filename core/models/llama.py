@@ -1,0 +1,232 @@
+"""Llama-family decoders: Llama, Mistral (sliding window), and the base of Qwen2/Qwen3.
+
+Decode at batch 1 is dominated by Python and dispatch overhead on small models, so each layer runs
+as few ops as possible: one fused q/k/v matmul, one fused gate/up matmul, rotary on q and k in one
+op call, and the residual add fused into the next RMSNorm (the residual stream is carried between
+layers and added by the following norm).
+
+Interface the engine relies on: ``Model(hf_config, prefix="")`` built inside
+:func:`llmhal.config.set_current_config`; ``forward(input_ids [T], positions [T]) -> [T, hidden]``
+for a flattened varlen step (attention metadata from the forward context); ``compute_logits(hidden)
+-> float32 [N, vocab]``; ``load_weights(iterable of (hf_name, tensor)) -> set of loaded names``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from llmhal.attention.layer import Attention
+from llmhal.config import get_current_config
+from llmhal.layers.activation import get_act_and_mul
+from llmhal.layers.layernorm import RMSNorm
+from llmhal.layers.linear import MergedLinear, QKVLinear, ReplicatedLinear
+from llmhal.layers.rotary_embedding import RotaryEmbedding, get_rope_from_hf_config
+from llmhal.layers.vocab_embedding import ParallelLMHead, VocabEmbedding
+from llmhal.models.utils import (
+    LLAMA_STACKED,
+    layer_sliding_window,
+    load_weights_by_name,
+    packed_mapping,
+)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, *, bias: bool = False, prefix: str = "") -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedLinear(
+            config.hidden_size, [inter, inter], bias=bias, prefix=_join(prefix, "gate_up_proj")
+        )
+        self.down_proj = ReplicatedLinear(
+            inter, config.hidden_size, bias=bias, prefix=_join(prefix, "down_proj")
+        )
+        self.act_fn = get_act_and_mul(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with fused q/k/v, RoPE, optional per-head q/k RMSNorm (Qwen3)."""
+
+    def __init__(
+        self,
+        config: Any,
+        rotary_emb: RotaryEmbedding,
+        *,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool = False,
+        sliding_window: int | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVLinear(
+            config.hidden_size,
+            self.head_dim,
+            self.num_heads,
+            self.num_kv_heads,
+            bias=qkv_bias,
+            prefix=_join(prefix, "qkv_proj"),
+        )
+        self.o_proj = ReplicatedLinear(
+            self.q_size, config.hidden_size, bias=o_bias, prefix=_join(prefix, "o_proj")
+        )
+        # Shared by every layer of the model: not registered as a child here.
+        self._rotary = (rotary_emb,)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            self.num_kv_heads,
+            sliding_window=sliding_window,
+            prefix=_join(prefix, "attn"),
+        )
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            t = q.shape[0]
+            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, self.q_size)
+            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, self.kv_size)
+        q, k = self._rotary[0](positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, config: Any, rotary_emb: RotaryEmbedding, layer_opts: dict[str, Any], prefix: str
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(
+            config, rotary_emb, prefix=_join(prefix, "self_attn"), **layer_opts
+        )
+        self.mlp = LlamaMLP(
+            config, bias=bool(getattr(config, "mlp_bias", False)), prefix=_join(prefix, "mlp")
+        )
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, layer_options: Any, prefix: str = "") -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = VocabEmbedding(
+            config.vocab_size, config.hidden_size, prefix=_join(prefix, "embed_tokens")
+        )
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads
+        )
+        # The table covers what the engine serves (max_model_len), not the model's whole context.
+        max_len = get_current_config().model.max_model_len
+        self.rotary_emb = get_rope_from_hf_config(config, head_dim, max_position=max_len or None)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(
+                config, self.rotary_emb, layer_options(config, i), _join(prefix, f"layers.{i}")
+            )
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama (and Llama-architecture checkpoints such as SmolLM2); tied or untied LM head."""
+
+    # Bias flags read from the HF config: q/k/v projections and the output projection.
+    qkv_bias_attr: ClassVar[str | None] = "attention_bias"
+    o_bias_attr: ClassVar[str | None] = "attention_bias"
+    force_qkv_bias: ClassVar[bool] = False
+    qk_norm: ClassVar[bool] = False
+    supports_sliding_window: ClassVar[bool] = False
+
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = packed_mapping(LLAMA_STACKED)
+
+    def __init__(self, hf_config: Any, prefix: str = "") -> None:
+        super().__init__()
+        self.config = hf_config
+        quant_config = get_current_config().quant_config
+        if quant_config is not None and not quant_config.packed_modules_mapping:
+            quant_config.packed_modules_mapping = {
+                k: list(v) for k, v in self.packed_modules_mapping.items()
+            }
+        self.model = LlamaModel(hf_config, self.layer_options, prefix=_join(prefix, "model"))
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = ParallelLMHead(
+                hf_config.vocab_size, hf_config.hidden_size, prefix=_join(prefix, "lm_head")
+            )
+
+    @classmethod
+    def layer_options(cls, config: Any, layer_idx: int) -> dict[str, Any]:
+        """Per-layer attention options (biases, q/k norm, sliding window) for this architecture."""
+
+        def flag(attr: str | None) -> bool:
+            return bool(attr and getattr(config, attr, False))
+
+        window = layer_sliding_window(config, layer_idx) if cls.supports_sliding_window else None
+        return {
+            "qkv_bias": cls.force_qkv_bias or flag(cls.qkv_bias_attr),
+            "o_bias": flag(cls.o_bias_attr),
+            "qk_norm": cls.qk_norm,
+            "sliding_window": window,
+        }
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head.logits(hidden)
+        return logits if logits.dtype == torch.float32 else logits.float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        ignored = ("lm_head.",) if self.tie_word_embeddings else ()
+        return load_weights_by_name(self, weights, stacked=LLAMA_STACKED, ignored_prefixes=ignored)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama with an optional sliding window on every layer (``sliding_window``)."""
+
+    supports_sliding_window = True
