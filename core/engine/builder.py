@@ -189,7 +189,10 @@ def build_engine(args: EngineArgs) -> tuple[Any, LoadReport]:
         model = model_cls(hf_config)
     model.eval()
     with set_current_config(config), torch.no_grad():
-        loaded = model.load_weights(ckpt.weights())
+        weights = ckpt.weights()
+        if quant_config is not None:  # formats whose tensor names need mapping (bitsandbytes)
+            weights = quant_config.map_checkpoint_weights(weights)
+        loaded = model.load_weights(weights)
         _check_all_loaded(model, loaded)
         process_weights_after_loading(model)
 
