@@ -238,7 +238,10 @@ def _report_failure(rec: PluginRecord, exc: BaseException, *, explicit: bool) ->
 
 
 def mark_failed(group: str, name: str, reason: str, exc: BaseException | None = None) -> None:
-    """Record that a loaded plugin failed when used (e.g. a probe or general plugin raised)."""
+    """Record that a loaded plugin failed when used (a general plugin or one of its hooks raised).
+
+    Logs the failure, or raises :class:`PluginLoadError` when ``VLLM_PLUGINS`` names the plugin.
+    """
     with _lock:
         prev = _records.get((group, name))
         if prev is None:
