@@ -246,21 +246,23 @@ def collect() -> dict[str, Any]:
     from llmhal.attention.registry import list_attention_backends
     from llmhal.quantization.registry import list_quantization_methods
 
+    usable = platform_section["usable"]
+    inactive = ["no llmhal platform is active (see the platform's reason)"]
     report["attention_backends"] = _entries_section(
         "attention backends",
         list_attention_backends,
-        lambda e: _backend_reasons(e, platform, probes),
+        lambda e: _backend_reasons(e, platform, probes) if usable else inactive,
         "available",
         errors,
     )
     report["quantization_methods"] = _entries_section(
         "quantization methods",
         list_quantization_methods,
-        lambda e: _quantization_reasons(e, platform, probes),
+        lambda e: _quantization_reasons(e, platform, probes) if usable else inactive,
         "supported",
         errors,
     )
-    if platform_section["usable"]:
+    if usable:
         report["ops"] = _ops_section()
     report["attention_selections"] = _selections_section()
     return report
@@ -291,7 +293,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(f"  selected by: {p['selected_by']}")
     lines.append(f"  why: {p['reason']}")
     device = p.get("device") or {}
-    if device.get("device_name"):
+    if p.get("usable") and device.get("device_name"):
         lines.append(
             f"  device: {device['device_name']} x{device.get('device_count')} "
             f"(dtypes: {', '.join(device.get('supported_dtypes', []))})"
@@ -339,7 +341,7 @@ def format_report(report: dict[str, Any]) -> str:
             ]
         )
     lines += ["", "Environment:"]
-    lines += _table([[k, val] for k, val in report["env"].items()])
+    lines += _table([[k, val or "''"] for k, val in report["env"].items()])
     if report["errors"]:
         lines += ["", "Errors:"] + [f"  - {e}" for e in report["errors"]]
     usable = p.get("usable")
