@@ -20,29 +20,14 @@ from llmhal.quantization.gguf_dequant import (
     ggml_type,
     to_grouped,
 )
+from llmhal.testing.gguf_files import random_blocks
 
 QUANTIZED = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
-# Byte offsets of the fp16 fields (d, m/dmin) in each block (ggml-common.h).
-FP16_FIELDS = {
-    "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-    "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
-}  # fmt: skip
 # Grouped form: (bits, group size), as documented in gguf_dequant.
 GROUPED = {
     "Q4_0": (4, 32), "Q4_1": (4, 32), "Q5_0": (8, 32), "Q5_1": (8, 32), "Q8_0": (8, 32),
     "Q2_K": (4, 16), "Q3_K": (4, 16), "Q4_K": (4, 32), "Q5_K": (8, 32), "Q6_K": (8, 16),
 }  # fmt: skip
-
-
-def random_blocks(name: str, n_blocks: int, seed: int = 0) -> np.ndarray:
-    """uint8 [n_blocks, type_size]: random codes and scales, fp16 fields finite (|x| ~ 0.05)."""
-    rng = np.random.default_rng(seed)
-    _, type_size = gguf.GGML_QUANT_SIZES[T[name]]
-    blocks = rng.integers(0, 256, (n_blocks, type_size), dtype=np.uint8)
-    for pos in FP16_FIELDS[name]:
-        f16 = (rng.standard_normal(n_blocks) * 0.05).astype(np.float16)
-        blocks[:, pos : pos + 2] = f16.view(np.uint8).reshape(n_blocks, 2)
-    return blocks
 
 
 def reference(raw: np.ndarray, name: str) -> torch.Tensor:

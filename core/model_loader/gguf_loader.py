@@ -1,0 +1,411 @@
+"""Loading a model from one GGUF file: HF config, tokenizer, quantization config and weight stream.
+
+:class:`GGUFFile` parses the header (metadata and tensor table) itself, because it is fast: tens of
+milliseconds, where the gguf package's ``GGUFReader`` and transformers' GGUF config path (which
+builds on it) take seconds on a 49k-token vocabulary. Tensor data is memory-mapped, never read
+up front; :meth:`GGUFFile.weights` yields zero-copy views:
+
+* quantized tensors as raw uint8 ``[rows, row_bytes]`` (blocks run along a row, i.e. along K);
+* F32/F16/BF16 tensors as float tensors in their own dtype;
+* HF names (``model.layers.0.self_attn.q_proj.weight``), mapped with the gguf package's tensor-name
+  map for the file's architecture;
+* llama's q/k rows un-permuted: llama.cpp's converter reorders each head's rows for its rotary
+  layout, and the inverse reorders whole rows, so it applies to quantized rows as well.
+
+Supported architectures: llama (also Mistral and SmolLM, which llama.cpp writes as llama), qwen2,
+qwen3. The tokenizer (with its chat template) is built by transformers from the file's vocabulary
+and merges; the HF config is built here from the metadata.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from llmhal.quantization.gguf_dequant import GGMLType, ggml_type
+
+# GGUF architecture -> (transformers model_type, HF architecture)
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+_PERMUTED_ARCHS = ("llama",)  # llama.cpp permutes q/k rows only for these
+_CONFIG_KEYS = {  # "<arch>.<key>" -> HF config field
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+}
+_TOKEN_IDS = {
+    "bos_token_id": "bos",
+    "eos_token_id": "eos",
+    "pad_token_id": "padding",
+    "unk_token_id": "unknown",
+}
+_HF_TOP = ("model.embed_tokens", "model.norm", "lm_head")
+_HF_BLOCK = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "self_attn.q_norm",
+    "self_attn.k_norm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+_FIXED = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}  # fmt: skip
+_NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}  # fmt: skip
+_STRING, _ARRAY = 8, 9
+
+
+class GGUFFormatError(ValueError):
+    """The file is not a GGUF file llmhal can load; the message names the tensor or key."""
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One tensor of the file: ``shape`` in torch order (rows first), data at ``offset``."""
+
+    name: str
+    shape: tuple[int, ...]
+    type_id: int
+    offset: int  # from the start of the file
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SkippedArray:
+    """A long string array (a vocabulary) left unread in :attr:`GGUFFile.metadata`."""
+
+    count: int
+
+    def __len__(self) -> int:
+        return self.count
+
+
+class _Header:
+    """A cursor over the file's bytes (``struct`` on the memory map)."""
+
+    def __init__(self, buf: np.ndarray, path: Path) -> None:
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def take(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.take("<Q")
+        raw = bytes(self.buf[self.pos : self.pos + n])
+        self.pos += n
+        return raw.decode("utf-8", errors="replace")
+
+    def value(self, vtype: int, keep_strings: bool) -> Any:
+        if vtype in _FIXED:
+            return self.take(_FIXED[vtype])
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            etype, count = self.take("<I"), self.take("<Q")
+            if etype in _NP:
+                arr = np.frombuffer(self.buf, _NP[etype], count, self.pos)
+                self.pos += arr.nbytes
+                return arr.tolist() if count <= 1024 else arr
+            if etype == _STRING and count > 1024 and not keep_strings:
+                # Vocabularies are skipped over, not decoded: transformers builds the tokenizer.
+                for _ in range(count):
+                    length = self.take("<Q")
+                    self.pos += length
+                return SkippedArray(count)
+            return [self.value(etype, keep_strings) for _ in range(count)]
+        raise GGUFFormatError(
+            f"{self.path}: unknown metadata value type {vtype} at byte {self.pos}"
+        )
+
+
+class GGUFFile:
+    """A GGUF file: metadata, tensor table, and what the engine needs from it (see module doc)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._buf = np.memmap(self.path, dtype=np.uint8, mode="c")  # copy-on-write: never written
+        h = _Header(self._buf, self.path)
+        if bytes(self._buf[:4]) != b"GGUF":
+            raise GGUFFormatError(f"{self.path} is not a GGUF file (no GGUF magic bytes)")
+        h.pos = 4
+        version, n_tensors, n_kv = h.take("<I"), h.take("<Q"), h.take("<Q")
+        if version not in (2, 3):
+            raise GGUFFormatError(f"{self.path}: GGUF version {version} is not supported (2, 3)")
+        self.metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = h.string()
+            self.metadata[key] = h.value(h.take("<I"), keep_strings=False)
+        table = []
+        for _ in range(n_tensors):
+            name = h.string()
+            dims = [h.take("<Q") for _ in range(h.take("<I"))]
+            table.append((name, tuple(reversed(dims)), h.take("<I"), h.take("<Q")))
+        align = int(self.metadata.get("general.alignment", 32))
+        start = (h.pos + align - 1) // align * align
+        self.tensors: dict[str, GGUFTensorInfo] = {}
+        for name, shape, type_id, offset in table:
+            self.tensors[name] = GGUFTensorInfo(
+                name, shape, type_id, start + offset, self._nbytes(name, shape, type_id)
+            )
+            if start + offset + self.tensors[name].nbytes > len(self._buf):
+                raise GGUFFormatError(f"{self.path}: tensor {name} runs past the end of the file")
+        if "general.architecture" not in self.metadata:
+            raise GGUFFormatError(f"{self.path} has no general.architecture")
+
+    def _nbytes(self, name: str, shape: tuple[int, ...], type_id: int) -> int:
+        t = self.tensor_type(name, type_id)
+        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        try:
+            return rows * t.row_bytes(shape[-1])
+        except ValueError as e:
+            raise GGUFFormatError(f"GGUF tensor {name}: {e}") from None
+
+    def tensor_type(self, name: str, type_id: int | None = None) -> GGMLType:
+        """The tensor's type; an unsupported one is an error naming the tensor."""
+        tid = self.tensors[name].type_id if type_id is None else type_id
+        try:
+            return ggml_type(tid)
+        except ValueError as e:
+            raise GGUFFormatError(f"GGUF tensor {name} in {self.path.name}: {e}") from None
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata["general.architecture"])
+
+    def _arch(self) -> tuple[str, str]:
+        if self.architecture not in ARCHITECTURES:
+            raise GGUFFormatError(
+                f"{self.path.name}: GGUF architecture {self.architecture!r} is not supported; "
+                f"supported: {', '.join(ARCHITECTURES)} (Mistral files are written as llama)"
+            )
+        return ARCHITECTURES[self.architecture]
+
+    def _meta(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(f"{self.architecture}.{key}", default)
+
+    # -- config ---------------------------------------------------------------------------------
+
+    def hf_config(self) -> Any:
+        """The transformers config (``architectures`` set, so the engine can pick the model)."""
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(self._arch()[0], **self.config_dict())
+
+    def config_dict(self) -> dict[str, Any]:
+        model_type, arch_cls = self._arch()
+        cfg: dict[str, Any] = {"architectures": [arch_cls]}
+        for key, field in _CONFIG_KEYS.items():
+            if self._meta(key) is not None:
+                cfg[field] = self._meta(key)
+        cfg.setdefault("num_key_value_heads", cfg.get("num_attention_heads"))
+        head_dim = self._meta("attention.key_length")
+        if head_dim is None and model_type == "llama":
+            head_dim = self._meta("rope.dimension_count")
+        if head_dim is not None:
+            cfg["head_dim"] = head_dim
+        vocab = self._meta("vocab_size")
+        tokens = self.metadata.get("tokenizer.ggml.tokens")
+        if vocab is None and tokens is not None:
+            vocab = len(tokens)
+        if vocab is None:
+            vocab = self.tensors["token_embd.weight"].shape[0]
+        cfg["vocab_size"] = int(vocab)
+        cfg["tie_word_embeddings"] = "output.weight" not in self.tensors
+        if model_type == "llama":
+            cfg["attention_bias"] = "blk.0.attn_q.bias" in self.tensors
+        for field, key in _TOKEN_IDS.items():
+            tid = self.metadata.get(f"tokenizer.ggml.{key}_token_id")
+            if tid is not None:
+                cfg[field] = int(tid)
+        scaling = self._rope_scaling()
+        if scaling is not None:
+            cfg["rope_scaling"] = scaling
+        return cfg
+
+    def _rope_scaling(self) -> dict[str, Any] | None:
+        kind = self._meta("rope.scaling.type")
+        if kind in (None, "none"):
+            return None
+        if kind not in ("linear", "yarn"):
+            raise GGUFFormatError(
+                f"{self.path.name}: rope scaling {kind!r} is not supported (linear, yarn)"
+            )
+        out: dict[str, Any] = {
+            "rope_type": kind,
+            "factor": float(self._meta("rope.scaling.factor")),
+        }
+        orig = self._meta("rope.scaling.original_context_length")
+        if orig is not None:
+            out["original_max_position_embeddings"] = int(orig)
+        return out
+
+    # -- tokenizer and quantization ---------------------------------------------------------------
+
+    def tokenizer(self) -> Any:
+        """The tokenizer from the file's vocabulary, merges, special tokens and chat template."""
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(
+            str(self.path.parent), gguf_file=self.path.name, local_files_only=True
+        )
+
+    def quant_config(self) -> Any:
+        """A :class:`~llmhal.quantization.gguf.GGUFConfig`: each weight's type by HF module name."""
+        from llmhal.quantization.gguf import GGUFConfig
+
+        self.validate()
+        types = {}
+        for name, info in self.tensors.items():
+            base, _, suffix = name.rpartition(".")
+            if suffix == "weight" and len(info.shape) == 2:
+                types[self.name_map[base]] = self.tensor_type(name).type_id
+        return GGUFConfig(types, tie_word_embeddings="output.weight" not in self.tensors)
+
+    # -- names, shapes, weights -------------------------------------------------------------------
+
+    @cached_property
+    def name_map(self) -> dict[str, str]:
+        """GGUF tensor base name (``blk.0.attn_q``) -> HF module name, via gguf's tensor map."""
+        import gguf
+
+        self._arch()
+        arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == self.architecture)
+        n_layers = int(self._meta("block_count", 0))
+        gmap = gguf.get_tensor_name_map(arch, n_layers)
+        hf = [*_HF_TOP, *(f"model.layers.{i}.{m}" for i in range(n_layers) for m in _HF_BLOCK)]
+        out = {}
+        for name in hf:
+            base = gmap.get_name(name)
+            if base is not None:
+                out[base] = name
+        return out
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF tensor name -> shape the model needs, from the config (``lm_head`` only if untied)."""
+        c = self.config_dict()
+        hidden, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+        heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
+        hd = c.get("head_dim", hidden // heads)
+        out: dict[str, tuple[int, ...]] = {
+            "model.embed_tokens.weight": (vocab, hidden),
+            "model.norm.weight": (hidden,),
+        }
+        if not c["tie_word_embeddings"]:
+            out["lm_head.weight"] = (vocab, hidden)
+        bias = self.architecture == "qwen2" or c.get("attention_bias", False)
+        for i in range(c["num_hidden_layers"]):
+            p = f"model.layers.{i}."
+            layer = {
+                "input_layernorm.weight": (hidden,),
+                "post_attention_layernorm.weight": (hidden,),
+                "self_attn.q_proj.weight": (heads * hd, hidden),
+                "self_attn.k_proj.weight": (kv * hd, hidden),
+                "self_attn.v_proj.weight": (kv * hd, hidden),
+                "self_attn.o_proj.weight": (hidden, heads * hd),
+                "mlp.gate_proj.weight": (inter, hidden),
+                "mlp.up_proj.weight": (inter, hidden),
+                "mlp.down_proj.weight": (hidden, inter),
+            }
+            if bias:
+                layer.update({f"self_attn.{x}_proj.bias": (n * hd,) for x, n in (("q", heads), ("k", kv), ("v", kv))})  # fmt: skip
+            if self.architecture == "qwen3":
+                layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
+            out.update({p + k: v for k, v in layer.items()})
+        return out
+
+    def hf_name(self, gguf_name: str) -> str:
+        """The HF name of a GGUF tensor; unmapped tensors are an error naming them."""
+        base, _, suffix = gguf_name.rpartition(".")
+        if gguf_name == "rope_freqs.weight":
+            raise GGUFFormatError(
+                f"{self.path.name}: tensor rope_freqs.weight holds Llama-3-style rope frequency "
+                "factors, which llmhal does not apply yet; use a model without them"
+            )
+        if base not in self.name_map:
+            raise GGUFFormatError(
+                f"{self.path.name}: GGUF tensor {gguf_name} has no counterpart in the "
+                f"{self.architecture} model (unmapped tensor)"
+            )
+        return f"{self.name_map[base]}.{suffix}"
+
+    def validate(self) -> None:
+        """Every tensor mapped, of a supported type and the expected shape; none missing."""
+        expected = self.expected_shapes()
+        seen = set()
+        for name, info in self.tensors.items():
+            hf = self.hf_name(name)
+            self.tensor_type(name)
+            if hf not in expected:
+                raise GGUFFormatError(
+                    f"{self.path.name}: GGUF tensor {name} ({hf}) is not part of the "
+                    f"{self.architecture} model described by the file's metadata"
+                )
+            if tuple(info.shape) != expected[hf]:
+                raise GGUFFormatError(
+                    f"{self.path.name}: GGUF tensor {name} ({hf}) has shape {info.shape}, the "
+                    f"metadata implies {expected[hf]}"
+                )
+            seen.add(hf)
+        missing = sorted(set(expected) - seen)
+        if missing:
+            raise GGUFFormatError(
+                f"{self.path.name} lacks {len(missing)} tensor(s) the {self.architecture} model "
+                f"needs: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
+            )
+
+    def raw(self, name: str) -> torch.Tensor:
+        """Zero-copy view of tensor ``name``: uint8 ``[..., row_bytes]``, or a float tensor."""
+        info = self.tensors[name]
+        t = self.tensor_type(name)
+        data = self._buf[info.offset : info.offset + info.nbytes]
+        if t.is_float:
+            shape = info.shape
+            np_dtype = {"F32": np.float32, "F16": np.float16, "BF16": np.int16}[t.name]
+            out = torch.from_numpy(data.view(np_dtype).reshape(shape))
+            return out.view(torch.bfloat16) if t.name == "BF16" else out
+        return torch.from_numpy(data.reshape(*info.shape[:-1], t.row_bytes(info.shape[-1])))
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, tensor)`` for every tensor, in file order (see the module docstring)."""
+        self.validate()
+        c = self.config_dict()
+        heads = {"q_proj": c["num_attention_heads"], "k_proj": c["num_key_value_heads"]}
+        for name in self.tensors:
+            hf = self.hf_name(name)
+            tensor = self.raw(name)
+            proj = hf.split(".")[-2]
+            if self.architecture in _PERMUTED_ARCHS and proj in heads:
+                tensor = unpermute_rows(tensor, heads[proj])
+            yield hf, tensor
+
+
+def unpermute_rows(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order: within each head, rows ``[0::2]`` then ``[1::2]`` become
+    the two halves the HF rotary embedding expects. Works on raw quantized rows (whole rows move)."""
+    rows = t.shape[0]
+    return (
+        t.reshape(n_head, rows // n_head // 2, 2, *t.shape[1:])
+        .transpose(1, 2)
+        .reshape(t.shape)
+        .contiguous()
+    )

