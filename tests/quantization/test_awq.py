@@ -149,3 +149,31 @@ def test_platform_kernel():
     finish(layer)
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(9))
     assert relative_error(layer_output(layer, x), x.double() @ w.T) < 1e-2
+
+
+def awq_rtn(w: torch.Tensor, g: int):
+    """Asymmetric round-to-nearest in AWQ's stored form (AWQ's scale search left out)."""
+    n, k = w.shape
+    v = w.view(n, k // g, g)
+    lo, hi = v.amin(-1).clamp(max=0), v.amax(-1).clamp(min=0)
+    scales = ((hi - lo) / 15).clamp(min=1e-8).to(torch.float16)  # [N, K/g]
+    zeros = torch.round(-lo / scales.float()).long()
+    q = torch.clamp(torch.round(v / scales.float()[..., None]) + zeros[..., None], 0, 15).long()
+    deq = ((q - zeros[..., None]).double() * scales.double()[..., None]).view(n, k)
+    tensors = {
+        "qweight": awq_pack(q.view(n, k).T),
+        "qzeros": awq_pack(zeros.T),
+        "scales": scales.T.contiguous(),
+    }
+    return tensors, deq
+
+
+def test_model_level_greedy_parity(tmp_path):
+    from llmhal.testing.quant_models import assert_greedy_parity, write_pair
+
+    qcfg = {"quant_method": "awq", "w_bit": 4, "q_group_size": 64, "zero_point": True,
+            "version": "gemm"}  # fmt: skip
+    quant, ref = write_pair(tmp_path, lambda name, w: awq_rtn(w, 64), qcfg)
+    q_report, ref_report = assert_greedy_parity(quant, ref, logprob_atol=1e-3)
+    assert q_report.quantization == "awq"
+    assert q_report.weight_bytes < ref_report.weight_bytes

@@ -226,3 +226,18 @@ def test_layer_output_in_bf16():
     y = layer_output(layer, x.bfloat16())
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.double(), x.double() @ ref.T, atol=0.02, rtol=0.02)
+
+
+@pytest.mark.parametrize("double", [False, True])
+def test_model_level_greedy_parity(tmp_path, double):
+    from llmhal.testing.quant_models import assert_greedy_parity, write_pair
+
+    def quantize(name: str, w: torch.Tensor):
+        _lin, state, ref = linear4bit(w, "nf4", double)
+        return state, ref
+
+    qcfg = hf_config(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=double)
+    quant, ref = write_pair(tmp_path, quantize, qcfg)
+    q_report, ref_report = assert_greedy_parity(quant, ref, logprob_atol=1e-3)
+    assert q_report.quantization == "bitsandbytes"
+    assert q_report.weight_bytes < ref_report.weight_bytes

@@ -305,3 +305,40 @@ def test_platform_kernel(preset):
     layer = build_qkv(config, state)
     x = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(8))
     assert relative_error(layer_output(layer, x), x.double() @ qkv_reference(reference).T) < 1e-2
+
+
+def quantize_linear(w: torch.Tensor, preset: str):
+    """One nn.Linear quantized and compressed by the library: (tensors, library dequantization)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationStatus,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+
+    root = nn.Module()
+    root.add_module("proj", nn.Linear(w.shape[1], w.shape[0], bias=False))
+    root.proj.weight.data = w.clone()
+    qc = QuantizationConfig(
+        config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])},
+        quantization_status=QuantizationStatus.FROZEN,
+    )
+    apply_quantization_config(root, qc, show_progress=False)
+    _calibrate(root, act_amax=4.0)
+    compressor = ModelCompressor.from_pretrained_model(root)
+    compressor.compress_model(root)
+    tensors = {k: v.clone() for k, v in root.proj.state_dict().items()}
+    compressor.decompress_model(root)
+    return tensors, root.proj.weight.data.clone()
+
+
+@pytest.mark.parametrize("preset", ["W4A16_ASYM", "FP8_DYNAMIC"])
+def test_model_level_greedy_parity(tmp_path, preset):
+    from llmhal.testing.quant_models import assert_greedy_parity, write_pair
+
+    config, _state, _ref = make_checkpoint(preset)
+    quant, ref = write_pair(tmp_path, lambda name, w: quantize_linear(w, preset), config)
+    q_report, ref_report = assert_greedy_parity(quant, ref, logprob_atol=1e-3)
+    assert q_report.quantization == "compressed-tensors"
+    assert q_report.weight_bytes < ref_report.weight_bytes

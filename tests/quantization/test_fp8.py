@@ -243,3 +243,18 @@ def test_config_parsing_ignored_layers_and_availability():
     no_fp8._caps = PlatformCapabilities(fp8_storage=False)
     (reason,) = Fp8Config.availability(no_fp8)
     assert "cannot store fp8" in reason and "fakefp8" in reason
+
+
+def test_model_level_greedy_parity(tmp_path):
+    from llmhal.testing.quant_models import assert_greedy_parity, write_pair
+
+    def per_tensor(name: str, w: torch.Tensor):
+        w8, s = quantize(w)
+        return {"weight": w8, "weight_scale": s.reshape(1)}, w8.float() * s
+
+    quant, ref = write_pair(
+        tmp_path, per_tensor, {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    )
+    q_report, ref_report = assert_greedy_parity(quant, ref, logprob_atol=1e-3)
+    assert q_report.quantization == "fp8"
+    assert q_report.weight_bytes < ref_report.weight_bytes

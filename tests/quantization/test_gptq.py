@@ -248,3 +248,58 @@ def test_act_order_platform_kernel():
     finish(layer)
     x = torch.randn(4, k, generator=torch.Generator().manual_seed(9))
     assert relative_error(layer_output(layer, x), x.double() @ w.T) < 1e-2
+
+
+def gptq_rtn(w: torch.Tensor, g: int, *, sym: bool, fmt: str, act_order: bool, seed: int = 0):
+    """Round-to-nearest GPTQ-format quantization of w [N, K] (what GPTQ stores, without its
+    error compensation), packed as documented at the top of this file."""
+    n, k = w.shape
+    maxq = 15
+    if act_order:
+        perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
+        g_idx = torch.empty(k, dtype=torch.int64)
+        g_idx[perm] = torch.arange(k) // g
+    else:
+        g_idx = torch.arange(k) // g
+    groups = k // g
+    scales = torch.empty(groups, n)
+    zeros = torch.empty(groups, n, dtype=torch.int64)
+    for t in range(groups):
+        cols = w[:, g_idx == t]
+        lo, hi = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
+        if sym:
+            scales[t] = (2 * torch.maximum(lo.abs(), hi) / maxq).clamp(min=1e-8)
+            zeros[t] = 8
+        else:
+            scales[t] = ((hi - lo) / maxq).clamp(min=1e-8)
+            zeros[t] = torch.round(-lo / scales[t]).long()
+    scales = scales.to(torch.float16)
+    s_k, z_k = scales.float()[g_idx].T, zeros[g_idx].T  # per element [N, K]
+    q = torch.clamp(torch.round(w / s_k) + z_k, 0, maxq).long()
+    deq = (q - z_k).double() * s_k.double()
+    stored = zeros - 1 if fmt == "gptq" else zeros
+    tensors = {
+        "qweight": pack_along(q.T, 4, 0),
+        "qzeros": pack_along(stored, 4, 1),
+        "scales": scales,
+        "g_idx": g_idx.to(torch.int32),
+    }
+    return tensors, deq
+
+
+@pytest.mark.parametrize(
+    ("sym", "fmt", "act_order"), [(True, "gptq", False), (False, "gptq_v2", True)]
+)
+def test_model_level_greedy_parity(tmp_path, sym, fmt, act_order):
+    from llmhal.testing.quant_models import assert_greedy_parity, write_pair
+
+    qcfg = {"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": act_order,
+            "sym": sym, "checkpoint_format": fmt}  # fmt: skip
+    quant, ref = write_pair(
+        tmp_path,
+        lambda name, w: gptq_rtn(w, 64, sym=sym, fmt=fmt, act_order=act_order, seed=len(name)),
+        qcfg,
+    )
+    q_report, ref_report = assert_greedy_parity(quant, ref, logprob_atol=1e-3)
+    assert q_report.quantization == "gptq"
+    assert q_report.weight_bytes < ref_report.weight_bytes
