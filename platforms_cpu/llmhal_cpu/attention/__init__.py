@@ -1,0 +1,1 @@
+"""The CPU platform's attention backends (``cpu_attn``); imported only when a backend is selected."""

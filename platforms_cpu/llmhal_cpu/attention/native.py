@@ -1,0 +1,268 @@
+"""The native paged-attention kernel (``paged_attention.cpp``): built once per host, loaded with ctypes.
+
+The kernel is plain C++ with OpenMP and no torch headers, so it compiles in about a second with the
+system compiler and needs neither ninja nor a torch build environment. It is compiled for the host
+CPU (``-march=native``); the cache key includes the compiler, the flags and the CPU's ISA flags, so
+a cache directory shared between different machines never hands one a binary for another.
+
+:func:`load_kernel` returns ``None`` when the kernel cannot be used (no compiler, a failed build,
+``LLMHAL_CPU_ATTN_KERNEL=0``), and :func:`kernel_status` says why; ``cpu_attn`` then runs its
+pure-torch paths. Environment:
+
+* ``LLMHAL_CPU_ATTN_KERNEL``: ``0`` disables the native kernel (pure torch only).
+* ``LLMHAL_CACHE_DIR``: where built kernels are kept (default ``$XDG_CACHE_HOME/llmhal`` or
+  ``~/.cache/llmhal``).
+* ``LLMHAL_CPU_KERNEL_ARCH``: target flags replacing ``-march=native``, e.g. ``-march=haswell``
+  to build and check the AVX2 code path on an AVX-512 host.
+* ``CXX``: the C++ compiler (default ``c++``, then ``g++``, then ``clang++``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from llmhal.logger import init_logger
+from llmhal_cpu import cpuinfo
+
+logger = init_logger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention.cpp")
+
+# Element type codes understood by the kernel.
+CACHE_TYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 0,
+    torch.bfloat16: 1,
+    torch.float16: 2,
+    torch.float8_e4m3fn: 3,
+    torch.float8_e5m2: 4,
+}
+
+
+class KernelArgs(ctypes.Structure):
+    """Mirror of ``Args`` in paged_attention.cpp (checked against its ``sizeof`` on load)."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("q_s_tok", ctypes.c_int64),
+        ("q_s_head", ctypes.c_int64),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+        ("c_s_block", ctypes.c_int64),
+        ("c_s_tok", ctypes.c_int64),
+        ("c_s_head", ctypes.c_int64),
+        ("block_table", ctypes.c_void_p),
+        ("bt_s", ctypes.c_int64),
+        ("seq_lens", ctypes.c_void_p),
+        ("query_start_loc", ctypes.c_void_p),
+        ("num_reqs", ctypes.c_int32),
+        ("out", ctypes.c_void_p),
+        ("o_s_tok", ctypes.c_int64),
+        ("o_s_head", ctypes.c_int64),
+        ("num_heads", ctypes.c_int32),
+        ("num_kv_heads", ctypes.c_int32),
+        ("head_size", ctypes.c_int32),
+        ("block_size", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+        ("soft_cap", ctypes.c_float),
+        ("k_scale", ctypes.c_float),
+        ("v_scale", ctypes.c_float),
+        ("window", ctypes.c_int32),
+        ("num_threads", ctypes.c_int32),
+        ("min_split_tokens", ctypes.c_int32),
+    ]
+
+
+_lock = threading.Lock()
+_kernel: ctypes.CDLL | None = None
+_status: str | None = None  # None: not tried yet
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("LLMHAL_CACHE_DIR")
+    if root:
+        return Path(root) / "kernels"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg or Path.home() / ".cache") / "llmhal" / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _arch_flags() -> list[str]:
+    override = os.environ.get("LLMHAL_CPU_KERNEL_ARCH")
+    if override is not None:
+        return override.split()
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return ["-mcpu=native"]
+    if machine in ("x86_64", "amd64", "i686"):
+        return ["-march=native"]
+    return []
+
+
+def _build(cxx: str) -> Path:
+    src = SOURCE.read_bytes()
+    flags = [
+        "-O3",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-fopenmp",
+        "-fno-math-errno",
+        "-ffp-contract=fast",  # ISO mode would otherwise forbid fusing a * b + c into an FMA
+        *_arch_flags(),
+    ]
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256(
+        b"\0".join(
+            [
+                src,
+                " ".join(flags).encode(),
+                version.encode(),
+                platform.machine().encode(),
+                " ".join(sorted(cpuinfo.cpu_flags())).encode(),
+            ]
+        )
+    ).hexdigest()[:16]
+    out = _cache_dir() / f"paged_attention-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent processes never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run(
+            [cxx, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cxx} failed:\n{proc.stderr.strip()[-2000:]}")
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    logger.info("Built the cpu_attn paged-attention kernel: %s", out)
+    return out
+
+
+def load_kernel() -> ctypes.CDLL | None:
+    """The loaded kernel library, building it on first use; ``None`` when it cannot be used."""
+    global _kernel, _status
+    if os.environ.get("LLMHAL_CPU_ATTN_KERNEL", "1").strip() == "0":
+        return None
+    if _status is not None:
+        return _kernel
+    with _lock:
+        if _status is not None:
+            return _kernel
+        cxx = _compiler()
+        if cxx is None:
+            _status = "no C++ compiler found (set CXX or install g++/clang++)"
+        else:
+            try:
+                lib = ctypes.CDLL(str(_build(cxx)))
+                lib.llmhal_paged_attention.argtypes = [ctypes.POINTER(KernelArgs), ctypes.c_int]
+                lib.llmhal_paged_attention.restype = ctypes.c_int
+                lib.llmhal_paged_attention_args_size.restype = ctypes.c_int64
+                size = lib.llmhal_paged_attention_args_size()
+                if size != ctypes.sizeof(KernelArgs):
+                    raise RuntimeError(
+                        f"argument layout mismatch ({size} vs {ctypes.sizeof(KernelArgs)} bytes)"
+                    )
+                _kernel, _status = lib, "ok"
+            except Exception as e:  # any failure means: use the pure-torch paths, and say so
+                _status = f"{type(e).__name__}: {e}"
+        if _kernel is None:
+            logger.warning(
+                "cpu_attn: native paged-attention kernel unavailable (%s); using the slower "
+                "pure-torch paths",
+                _status,
+            )
+        return _kernel
+
+
+def kernel_status() -> str:
+    """``"ok"``, ``"disabled"``, ``"not built yet"`` or why the kernel is unavailable."""
+    if os.environ.get("LLMHAL_CPU_ATTN_KERNEL", "1").strip() == "0":
+        return "disabled by LLMHAL_CPU_ATTN_KERNEL=0"
+    return _status or "not built yet"
+
+
+def paged_attention(
+    lib: ctypes.CDLL,
+    *,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_reqs: int,
+    out: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    soft_cap: float | None,
+    k_scale: float,
+    v_scale: float,
+    window: int | None,
+    min_split_tokens: int,
+) -> None:
+    """Attention of the first ``num_reqs`` requests' tokens, written into ``out`` (one kernel call).
+
+    ``query``/``out`` are [tokens, num_heads, head_size] with the first token of request 0 at row 0;
+    ``k_cache``/``v_cache`` are [num_blocks, block_size, num_kv_heads, head_size] (last dimension
+    contiguous); ``block_table``/``seq_lens``/``query_start_loc`` are contiguous int32 tensors as in
+    ``CommonAttentionMetadata``. Any query/output dtype; the kernel itself works in fp32.
+    """
+    q = query
+    if q.dtype != torch.float32 or q.stride(-1) != 1:
+        q = q.to(torch.float32).contiguous()
+    o = out if out.dtype == torch.float32 and out.stride(-1) == 1 else torch.empty_like(q)
+    args = KernelArgs(
+        q=q.data_ptr(),
+        q_s_tok=q.stride(0),
+        q_s_head=q.stride(1),
+        k_cache=k_cache.data_ptr(),
+        v_cache=v_cache.data_ptr(),
+        c_s_block=k_cache.stride(0),
+        c_s_tok=k_cache.stride(1),
+        c_s_head=k_cache.stride(2),
+        block_table=block_table.data_ptr(),
+        bt_s=block_table.stride(0),
+        seq_lens=seq_lens.data_ptr(),
+        query_start_loc=query_start_loc.data_ptr(),
+        num_reqs=num_reqs,
+        out=o.data_ptr(),
+        o_s_tok=o.stride(0),
+        o_s_head=o.stride(1),
+        num_heads=q.shape[1],
+        num_kv_heads=num_kv_heads,
+        head_size=q.shape[2],
+        block_size=k_cache.shape[1],
+        scale=scale,
+        soft_cap=soft_cap or 0.0,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        window=window or 0,
+        num_threads=torch.get_num_threads(),
+        min_split_tokens=min_split_tokens,
+    )
+    if lib.llmhal_paged_attention(ctypes.byref(args), CACHE_TYPE_CODES[k_cache.dtype]) != 0:
+        raise RuntimeError(f"the paged-attention kernel does not take cache dtype {k_cache.dtype}")
+    if o is not out:
+        out.copy_(o)

@@ -1,0 +1,482 @@
+// Paged attention for llmhal's cpu_attn backend, compiled at run time for the host CPU
+// (native.py builds it with -march=native, so AVX2, AVX-512 or NEON is whatever the host has).
+//
+// One call serves every request of a step that is routed here (the decodes, and short query
+// chunks): a work item is (new token, KV head, key split), items run on OpenMP threads, and each
+// item walks the token's visible keys block by block straight out of the paged cache, so no
+// context is ever gathered into a contiguous copy. The query heads that share a KV head (GQA) are
+// processed together so each key/value row is read from memory once, and the next tile's rows are
+// prefetched while the current one is computed (shuffled blocks defeat the hardware prefetcher).
+//
+// Cache layout, per K and V: [num_blocks, block_size, num_kv_heads, head_size] with arbitrary
+// strides (given in elements); the last dimension must be contiguous. Element types: fp32, bf16,
+// fp16, fp8 e4m3fn, fp8 e5m2 (converted to fp32 with integer arithmetic, so any compiler
+// vectorizes it). Queries arrive as fp32, output is fp32; the caller converts.
+//
+// Semantics (the contract in llmhal/attention/backend.py): query token i of request r sits at
+// position p = seq_len[r] - q_len[r] + i and sees keys lo <= k <= p, lo = max(0, p - window + 1)
+// when window > 0. Scores are (q . k) * scale * k_scale, optionally c * tanh(s / c); the output
+// is softmax(scores) @ v * v_scale.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include <omp.h>
+
+namespace {
+
+// ------------------------------------------------------------------------------ vectors
+// GCC/Clang vector extensions: the same source becomes AVX-512, AVX2 or NEON code.
+#if defined(__AVX512F__)
+constexpr int W = 16;
+constexpr int kChunk = 4;  // vectors of one accumulator row kept in registers (32 registers)
+#elif defined(__AVX__)
+constexpr int W = 8;
+constexpr int kChunk = 2;  // 16 registers
+#else
+constexpr int W = 4;
+constexpr int kChunk = 2;
+#endif
+typedef float vf __attribute__((vector_size(W * sizeof(float))));
+
+inline vf vload(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline float hsum(vf v) {
+  float s = 0.f;
+  for (int i = 0; i < W; ++i) s += v[i];
+  return s;
+}
+
+// ------------------------------------------------------------------------- conversions
+inline float bits_to_f32(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Branch-free so that conversion loops vectorize.
+inline float half_bits_to_f32(uint32_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16;
+  const uint32_t mag = h & 0x7fffu;
+  const uint32_t exp = mag >> 10;
+  // Normal and Inf/NaN: rebias the exponent (15 -> 127; 31 -> 255). Subnormal: mantissa * 2^-24.
+  const uint32_t normal = sign | ((mag << 13) + (exp == 31 ? (224u << 23) : (112u << 23)));
+  const float sub = static_cast<float>(static_cast<int32_t>(mag)) * 0x1p-24f;
+  return exp == 0 ? (sign ? -sub : sub) : bits_to_f32(normal);
+}
+
+struct F32 {
+  using T = float;
+  static constexpr bool kDirect = true;
+  static inline float load(T x) { return x; }
+};
+
+struct BF16 {
+  using T = uint16_t;
+  static constexpr bool kDirect = false;
+  static inline float load(T x) { return bits_to_f32(static_cast<uint32_t>(x) << 16); }
+};
+
+struct F16 {
+  using T = uint16_t;
+  static constexpr bool kDirect = false;
+  static inline float load(T x) { return half_bits_to_f32(x); }
+};
+
+struct E4M3 {  // float8_e4m3fn: bias 7, no infinities, 0x7f/0xff are NaN
+  using T = uint8_t;
+  static constexpr bool kDirect = false;
+  static inline float load(T x) {
+    const uint32_t sign = (static_cast<uint32_t>(x) & 0x80u) << 24;
+    const uint32_t mag = x & 0x7fu;
+    const float sub = static_cast<float>(static_cast<int32_t>(mag)) * 0x1p-9f;
+    const float normal = bits_to_f32(sign | ((mag << 20) + (120u << 23)));
+    const float v = (mag >> 3) == 0 ? (sign ? -sub : sub) : normal;
+    return mag == 0x7fu ? std::numeric_limits<float>::quiet_NaN() : v;
+  }
+};
+
+struct E5M2 {  // float8_e5m2 is the high byte of an IEEE half
+  using T = uint8_t;
+  static constexpr bool kDirect = false;
+  static inline float load(T x) { return half_bits_to_f32(static_cast<uint32_t>(x) << 8); }
+};
+
+// exp via Cody-Waite range reduction and the Cephes single-precision polynomial (about 1 ulp);
+// written with selects only so the softmax loops vectorize (libm's expf does not).
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.3f), 88.3f);  // exp(-inf) becomes ~1e-38: harmless as a weight
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t e = static_cast<int32_t>(n) + 127;
+  return p * bits_to_f32(static_cast<uint32_t>(e) << 23);
+}
+
+// ------------------------------------------------------------------------------ kernel
+// Keys of one item are processed in tiles of at most this many tokens (bounded scratch).
+constexpr int kTile = 32;
+
+struct Args {
+  const float* q;
+  int64_t q_s_tok, q_s_head;
+  const void* k_cache;
+  const void* v_cache;
+  int64_t c_s_block, c_s_tok, c_s_head;
+  const int32_t* block_table;
+  int64_t bt_s;
+  const int32_t* seq_lens;
+  const int32_t* query_start_loc;
+  int32_t num_reqs;
+  float* out;
+  int64_t o_s_tok, o_s_head;
+  int32_t num_heads, num_kv_heads, head_size, block_size;
+  float scale, soft_cap, k_scale, v_scale;
+  int32_t window;
+  int32_t num_threads;
+  int32_t min_split_tokens;
+};
+
+// s[i * kTile + t] = q_i . k_t for GB query rows (stride D) and n key rows (stride ks); two keys
+// at a time so each query load feeds two FMAs.
+template <int GB>
+inline void tile_scores(const float* q, int D, const float* k, int64_t ks, int n, float* s) {
+  int t = 0;
+  for (; t + 2 <= n; t += 2) {
+    const float* k0 = k + t * ks;
+    const float* k1 = k0 + ks;
+    vf a0[GB] = {}, a1[GB] = {};
+    int d = 0;
+    for (; d + W <= D; d += W) {
+      const vf x0 = vload(k0 + d), x1 = vload(k1 + d);
+      for (int i = 0; i < GB; ++i) {
+        const vf qv = vload(q + i * D + d);
+        a0[i] += qv * x0;
+        a1[i] += qv * x1;
+      }
+    }
+    for (int i = 0; i < GB; ++i) {
+      float s0 = hsum(a0[i]), s1 = hsum(a1[i]);
+      for (int e = d; e < D; ++e) {
+        s0 += q[i * D + e] * k0[e];
+        s1 += q[i * D + e] * k1[e];
+      }
+      s[i * kTile + t] = s0;
+      s[i * kTile + t + 1] = s1;
+    }
+  }
+  for (; t < n; ++t) {
+    const float* k0 = k + t * ks;
+    vf a0[GB] = {};
+    int d = 0;
+    for (; d + W <= D; d += W) {
+      const vf x0 = vload(k0 + d);
+      for (int i = 0; i < GB; ++i) a0[i] += vload(q + i * D + d) * x0;
+    }
+    for (int i = 0; i < GB; ++i) {
+      float s0 = hsum(a0[i]);
+      for (int e = d; e < D; ++e) s0 += q[i * D + e] * k0[e];
+      s[i * kTile + t] = s0;
+    }
+  }
+}
+
+// acc_i += sum_t p[i * kTile + t] * v_t for GB accumulator rows (stride D); a chunk of each
+// accumulator row stays in registers across the whole tile.
+template <int GB, int C>
+inline int tile_accumulate_chunks(
+    float* acc, int D, int d, const float* p, const float* v, int64_t vs, int n) {
+  for (; d + C * W <= D; d += C * W) {
+    vf a[GB][C];
+    for (int i = 0; i < GB; ++i)
+      for (int j = 0; j < C; ++j) a[i][j] = vload(acc + i * D + d + j * W);
+    for (int t = 0; t < n; ++t) {
+      vf x[C];
+      for (int j = 0; j < C; ++j) x[j] = vload(v + t * vs + d + j * W);
+      for (int i = 0; i < GB; ++i) {
+        const vf pb = vf{} + p[i * kTile + t];
+        for (int j = 0; j < C; ++j) a[i][j] += pb * x[j];
+      }
+    }
+    for (int i = 0; i < GB; ++i)
+      for (int j = 0; j < C; ++j) vstore(acc + i * D + d + j * W, a[i][j]);
+  }
+  return d;
+}
+
+template <int GB>
+inline void tile_accumulate(float* acc, int D, const float* p, const float* v, int64_t vs, int n) {
+  int d = tile_accumulate_chunks<GB, kChunk>(acc, D, 0, p, v, vs, n);
+  d = tile_accumulate_chunks<GB, 1>(acc, D, d, p, v, vs, n);
+  for (; d < D; ++d)
+    for (int i = 0; i < GB; ++i) {
+      float s = acc[i * D + d];
+      for (int t = 0; t < n; ++t) s += p[i * kTile + t] * v[t * vs + d];
+      acc[i * D + d] = s;
+    }
+}
+
+template <typename C>
+struct Worker {
+  using T = typename C::T;
+  const Args& a;
+  int G, D;
+  std::vector<float> qs, acc, scores, kbuf, vbuf, m, l;
+
+  explicit Worker(const Args& args)
+      : a(args), G(args.num_heads / args.num_kv_heads), D(args.head_size) {
+    qs.resize(static_cast<size_t>(G) * D);
+    acc.resize(static_cast<size_t>(G) * D);
+    scores.resize(static_cast<size_t>(G) * kTile);
+    if (!C::kDirect) {
+      kbuf.resize(static_cast<size_t>(kTile) * D);
+      vbuf.resize(static_cast<size_t>(kTile) * D);
+    }
+    m.resize(G);
+    l.resize(G);
+  }
+
+  // Rows of a tile: direct pointers into an fp32 cache, or converted into a scratch buffer.
+  inline const float* rows(const T* base, int n, std::vector<float>& buf) {
+    if constexpr (C::kDirect) {
+      (void)n;
+      (void)buf;
+      return reinterpret_cast<const float*>(base);
+    } else {
+      for (int t = 0; t < n; ++t) {
+        const T* src = base + t * a.c_s_tok;
+        float* dst = buf.data() + static_cast<size_t>(t) * D;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) dst[d] = C::load(src[d]);
+      }
+      return buf.data();
+    }
+  }
+
+  inline void prefetch_row(const T* row) const {
+    const char* p = reinterpret_cast<const char*>(row);
+    const int64_t bytes = static_cast<int64_t>(D) * sizeof(T);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+  }
+
+  inline int tile_len(int64_t pos, int64_t end) const {
+    const int64_t off = pos % a.block_size;
+    return static_cast<int>(std::min<int64_t>({end - pos, a.block_size - off, kTile}));
+  }
+
+  inline int64_t tile_base(const int32_t* bt, int64_t pos, int h) const {
+    return bt[pos / a.block_size] * a.c_s_block + (pos % a.block_size) * a.c_s_tok +
+           h * a.c_s_head;
+  }
+
+  void scores_all(const float* krow, int64_t ks, int n) {
+    int g = 0;
+    for (; g + 4 <= G; g += 4)
+      tile_scores<4>(qs.data() + g * D, D, krow, ks, n, scores.data() + g * kTile);
+    for (; g + 2 <= G; g += 2)
+      tile_scores<2>(qs.data() + g * D, D, krow, ks, n, scores.data() + g * kTile);
+    for (; g < G; ++g)
+      tile_scores<1>(qs.data() + g * D, D, krow, ks, n, scores.data() + g * kTile);
+  }
+
+  void accumulate_all(const float* vrow, int64_t vs, int n) {
+    int g = 0;
+    for (; g + 4 <= G; g += 4)
+      tile_accumulate<4>(acc.data() + g * D, D, scores.data() + g * kTile, vrow, vs, n);
+    for (; g + 2 <= G; g += 2)
+      tile_accumulate<2>(acc.data() + g * D, D, scores.data() + g * kTile, vrow, vs, n);
+    for (; g < G; ++g)
+      tile_accumulate<1>(acc.data() + g * D, D, scores.data() + g * kTile, vrow, vs, n);
+  }
+
+  // Online softmax over one tile: scores become weights, running max/sum/accumulator rescaled.
+  void softmax_update(int n) {
+    for (int g = 0; g < G; ++g) {
+      float* sg = scores.data() + g * kTile;
+      if (a.soft_cap > 0.f) {
+        const float c = a.soft_cap, inv = 1.f / a.soft_cap;
+        for (int t = 0; t < n; ++t) sg[t] = c * std::tanh(sg[t] * inv);
+      }
+      float mt = m[g];
+      for (int t = 0; t < n; ++t) mt = std::max(mt, sg[t]);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int t = 0; t < n; ++t) {
+        sg[t] = exp_approx(sg[t] - mt);
+        sum += sg[t];
+      }
+      if (mt != m[g]) {
+        const float corr = exp_approx(m[g] - mt);
+        float* ag = acc.data() + static_cast<size_t>(g) * D;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) ag[d] *= corr;
+        l[g] *= corr;
+        m[g] = mt;
+      }
+      l[g] += sum;
+    }
+  }
+
+  // Attend query token `tok` of request r with KV head h over keys [k0, k1).
+  void run(int r, int64_t tok, int h, int64_t k0, int64_t k1) {
+    const float qscale = a.scale * a.k_scale;
+    for (int g = 0; g < G; ++g) {
+      const float* src = a.q + tok * a.q_s_tok + static_cast<int64_t>(h * G + g) * a.q_s_head;
+      float* dst = qs.data() + static_cast<size_t>(g) * D;
+#pragma omp simd
+      for (int d = 0; d < D; ++d) dst[d] = src[d] * qscale;
+      m[g] = -std::numeric_limits<float>::infinity();
+      l[g] = 0.f;
+    }
+    std::fill(acc.begin(), acc.end(), 0.f);
+    const T* kc = static_cast<const T*>(a.k_cache);
+    const T* vc = static_cast<const T*>(a.v_cache);
+    const int32_t* bt = a.block_table + static_cast<int64_t>(r) * a.bt_s;
+    const int64_t rs = C::kDirect ? a.c_s_tok : D;  // row stride of what rows() returns
+    for (int64_t pos = k0; pos < k1;) {
+      const int n = tile_len(pos, k1);
+      const int64_t base = tile_base(bt, pos, h);
+      const int64_t npos = pos + n;
+      const int n_next = npos < k1 ? tile_len(npos, k1) : 0;
+      const int64_t next = n_next ? tile_base(bt, npos, h) : 0;
+      for (int t = 0; t < n_next; ++t) prefetch_row(kc + next + t * a.c_s_tok);
+      scores_all(rows(kc + base, n, kbuf), rs, n);
+      softmax_update(n);
+      for (int t = 0; t < n_next; ++t) prefetch_row(vc + next + t * a.c_s_tok);
+      accumulate_all(rows(vc + base, n, vbuf), rs, n);
+      pos = npos;
+    }
+  }
+};
+
+template <typename C>
+void paged_attention(const Args& a) {
+  const int Hkv = a.num_kv_heads;
+  const int G = a.num_heads / Hkv;
+  const int D = a.head_size;
+  const int64_t T = a.query_start_loc[a.num_reqs] - a.query_start_loc[0];
+  if (T <= 0) return;
+  std::vector<int32_t> req_of(T);
+  int64_t max_keys = 0;
+  for (int r = 0; r < a.num_reqs; ++r) {
+    const int64_t s0 = a.query_start_loc[r] - a.query_start_loc[0];
+    const int64_t s1 = a.query_start_loc[r + 1] - a.query_start_loc[0];
+    for (int64_t t = s0; t < s1; ++t) req_of[t] = r;
+    int64_t keys = a.seq_lens[r];
+    if (a.window > 0) keys = std::min<int64_t>(keys, a.window);
+    max_keys = std::max(max_keys, keys);
+  }
+  // Split each token's keys (flash-decoding) only when there are too few (token, head) items to
+  // keep every thread busy, and never into pieces shorter than min_split_tokens.
+  const int threads = std::max(1, a.num_threads);
+  const int64_t units = T * Hkv;
+  int64_t nsplit = 1;
+  if (units < 2 * threads) {
+    const int64_t want = (2 * threads + units - 1) / units;
+    const int64_t most = std::max<int64_t>(1, max_keys / std::max(1, a.min_split_tokens));
+    nsplit = std::min(want, most);
+  }
+  const int64_t chunk = (max_keys + nsplit - 1) / nsplit;
+  const int64_t items = units * nsplit;
+  std::vector<float> part;  // per item: m[G], l[G], acc[G*D]
+  const int64_t part_stride = static_cast<int64_t>(G) * (D + 2);
+  if (nsplit > 1) part.resize(static_cast<size_t>(items * part_stride));
+
+#pragma omp parallel num_threads(threads)
+  {
+    Worker<C> w(a);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t tok = it / (Hkv * nsplit);
+      const int h = static_cast<int>((it / nsplit) % Hkv);
+      const int64_t split = it % nsplit;
+      const int r = req_of[tok];
+      const int64_t q_len = a.query_start_loc[r + 1] - a.query_start_loc[r];
+      const int64_t qi = tok - (a.query_start_loc[r] - a.query_start_loc[0]);
+      const int64_t p = a.seq_lens[r] - q_len + qi;
+      const int64_t lo = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
+      const int64_t k0 = std::min(p + 1, lo + split * chunk);
+      const int64_t k1 = std::min(p + 1, lo + (split + 1) * chunk);
+      w.run(r, tok, h, k0, k1);
+      if (nsplit == 1) {
+        for (int g = 0; g < G; ++g) {
+          float* o = a.out + tok * a.o_s_tok + static_cast<int64_t>(h * G + g) * a.o_s_head;
+          const float* ag = w.acc.data() + static_cast<size_t>(g) * D;
+          const float inv = a.v_scale / w.l[g];
+#pragma omp simd
+          for (int d = 0; d < D; ++d) o[d] = ag[d] * inv;
+        }
+      } else {
+        float* dst = part.data() + it * part_stride;
+        std::copy(w.m.begin(), w.m.end(), dst);
+        std::copy(w.l.begin(), w.l.end(), dst + G);
+        std::copy(w.acc.begin(), w.acc.end(), dst + 2 * G);
+      }
+    }
+    if (nsplit > 1) {
+      // Merge the splits of each (token, KV head): rescale every partial sum to the global max.
+#pragma omp for schedule(static)
+      for (int64_t u = 0; u < units; ++u) {
+        const int64_t tok = u / Hkv;
+        const int h = static_cast<int>(u % Hkv);
+        for (int g = 0; g < G; ++g) {
+          float mx = -std::numeric_limits<float>::infinity();
+          for (int64_t s = 0; s < nsplit; ++s)
+            mx = std::max(mx, part[(u * nsplit + s) * part_stride + g]);
+          float* o = a.out + tok * a.o_s_tok + static_cast<int64_t>(h * G + g) * a.o_s_head;
+          std::fill(o, o + D, 0.f);
+          float denom = 0.f;
+          for (int64_t s = 0; s < nsplit; ++s) {
+            const float* src = part.data() + (u * nsplit + s) * part_stride;
+            if (src[G + g] == 0.f) continue;  // an empty split
+            const float wgt = std::exp(src[g] - mx);
+            denom += src[G + g] * wgt;
+            const float* ag = src + 2 * G + static_cast<int64_t>(g) * D;
+#pragma omp simd
+            for (int d = 0; d < D; ++d) o[d] += ag[d] * wgt;
+          }
+          const float inv = a.v_scale / denom;
+#pragma omp simd
+          for (int d = 0; d < D; ++d) o[d] *= inv;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// cache_type: 0 fp32, 1 bf16, 2 fp16, 3 fp8 e4m3fn, 4 fp8 e5m2. Returns 0, or -1 for a bad type.
+int llmhal_paged_attention(const Args* args, int cache_type) {
+  switch (cache_type) {
+    case 0: paged_attention<F32>(*args); return 0;
+    case 1: paged_attention<BF16>(*args); return 0;
+    case 2: paged_attention<F16>(*args); return 0;
+    case 3: paged_attention<E4M3>(*args); return 0;
+    case 4: paged_attention<E5M2>(*args); return 0;
+    default: return -1;
+  }
+}
+
+// The layout of Args, so the Python side can check it matches its ctypes mirror.
+int64_t llmhal_paged_attention_args_size() { return static_cast<int64_t>(sizeof(Args)); }
+
+}  // extern "C"
