@@ -341,6 +341,18 @@ class Fp8LinearMethod(QuantizeMethodBase):
         y = torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
         return y if bias is None else y + bias
 
+    def activation_scale(self, layer: nn.Module, x2: torch.Tensor, per_token: bool) -> torch.Tensor:
+        """The fp8 scale of activations ``x2`` [M, K]: per tensor ([]) or per token ([M, 1]).
+
+        Static checkpoints use their ``input_scale``; otherwise ``amax / fp8_max``. Subclasses
+        change the rule (FBGEMM's upper bound on the activation range)."""
+        top = fp8_max(layer.fp8_dtype)
+        if layer.fp8_input_scale is not None:
+            shape = (x2.shape[0], 1) if per_token else ()
+            return torch.full(shape, layer.fp8_input_scale, dtype=torch.float32, device=x2.device)
+        amax = x2.abs().amax(dim=1, keepdim=True) if per_token else x2.abs().amax()
+        return (amax.float() / top).clamp(min=1e-12)
+
     def _scaled_mm(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
@@ -348,18 +360,9 @@ class Fp8LinearMethod(QuantizeMethodBase):
         top = fp8_max(dtype)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if layer.fp8_per_tensor:
-            if layer.fp8_input_scale is not None:
-                sx = torch.tensor(layer.fp8_input_scale, dtype=torch.float32, device=x.device)
-            else:
-                sx = (x2.abs().amax().float() / top).clamp(min=1e-12)
-            sw = scale[:1].reshape(())
-        else:  # per-row weight scales: per-token activation scales (rowwise scaling)
-            if layer.fp8_input_scale is not None:
-                sx = torch.full((x2.shape[0], 1), layer.fp8_input_scale, device=x.device)
-            else:
-                sx = (x2.abs().amax(dim=1, keepdim=True).float() / top).clamp(min=1e-12)
-            sw = scale.reshape(1, -1)
+        per_token = not layer.fp8_per_tensor  # per-row weight scales need rowwise scaling
+        sx = self.activation_scale(layer, x2, per_token)
+        sw = scale.reshape(1, -1) if per_token else scale[:1].reshape(())
         xq = (x2.float() / sx).clamp(-top, top).to(dtype)
         out_bias = None if bias is None else bias.to(x.dtype)
         y = torch._scaled_mm(xq, w8.t(), scale_a=sx, scale_b=sw, bias=out_bias, out_dtype=x.dtype)

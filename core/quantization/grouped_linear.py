@@ -150,6 +150,10 @@ class GroupedLinearMethod(QuantizeMethodBase):
     def grouped_parts(self, layer: nn.Module) -> list[GroupedPart]:
         """The loaded weight as parts covering the outputs in order; raise naming missing tensors."""
 
+    def kernel_for(self, weight: GroupedQuantWeight, act_dtype: torch.dtype) -> Any:
+        """The kernel object for one part (default: the platform's ``quant_linear``)."""
+        return make_kernel(weight, act_dtype)
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         from llmhal.quantization.tracked_params import release
 
@@ -157,7 +161,7 @@ class GroupedLinearMethod(QuantizeMethodBase):
         kernels = []
         for part in parts:
             if isinstance(part.weight, GroupedQuantWeight):
-                kernel = make_kernel(part.weight, layer.params_dtype)
+                kernel = self.kernel_for(part.weight, layer.params_dtype)
             else:
                 kernel = DenseKernel(part.weight.to(layer.params_dtype))
             kernels.append((kernel, part.perm))
