@@ -38,6 +38,9 @@ _FLOAT_SCALES = (torch.float16, torch.bfloat16, torch.float32)
 class AWQConfig(QuantizationConfig):
     """``quantization_config`` with ``quant_method: "awq"`` (AutoAWQ, llm-compressor's AWQ export)."""
 
+    # The layer method; platform variants (other kernels) substitute a subclass.
+    linear_method_cls: type[AWQLinearMethod]
+
     def __init__(
         self,
         weight_bits: int,
@@ -92,7 +95,7 @@ class AWQConfig(QuantizationConfig):
             return None
         if is_skipped(prefix, self.modules_to_not_convert, self.packed_modules_mapping):
             return None
-        return AWQLinearMethod(self)
+        return self.linear_method_cls(self)
 
 
 class AWQLinearMethod(GroupedLinearMethod):
@@ -139,3 +142,6 @@ class AWQLinearMethod(GroupedLinearMethod):
         scale = layer.scales.data.t().contiguous()
         weight = GroupedQuantWeight(q, scale, -z * scale, layer.awq_group_size, 4)
         return [GroupedPart(weight)]
+
+
+AWQConfig.linear_method_cls = AWQLinearMethod

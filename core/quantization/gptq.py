@@ -56,6 +56,9 @@ _FLOAT_SCALES = (torch.float16, torch.bfloat16, torch.float32)
 class GPTQConfig(QuantizationConfig):
     """``quantization_config`` with ``quant_method: "gptq"`` (AutoGPTQ, GPTQModel, optimum)."""
 
+    # The layer method; platform variants (other kernels) substitute a subclass.
+    linear_method_cls: type[GPTQLinearMethod]
+
     def __init__(
         self,
         bits: int,
@@ -162,7 +165,7 @@ class GPTQConfig(QuantizationConfig):
             return None
         if settings["bits"] not in SUPPORTED_BITS:
             raise ValueError(f"{prefix}: GPTQ bits={settings['bits']} is not supported")
-        return GPTQLinearMethod(self, settings["bits"], settings["group_size"])
+        return self.linear_method_cls(self, settings["bits"], settings["group_size"])
 
 
 class GPTQLinearMethod(GroupedLinearMethod):
@@ -225,3 +228,6 @@ class GPTQLinearMethod(GroupedLinearMethod):
 
         g_idx = stashed_g_idx(layer, "g_idx", g)
         return act_order_parts(layer, q, scale, offset, g, self.bits, g_idx)
+
+
+GPTQConfig.linear_method_cls = GPTQLinearMethod

@@ -1,0 +1,1 @@
+"""Quantization methods that need NVIDIA GPUs (declared in ``CudaPlatform.quantization_methods``)."""
