@@ -19,8 +19,6 @@ This module imports Triton at import time; ``rocm_attn`` imports it on first use
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -28,10 +26,6 @@ import triton.language as tl
 DEFAULT_PAGES_PER_SPLIT = 16
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 MAX_SPLITS = 64  # the merge kernel holds every split of a row in registers
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -131,6 +125,14 @@ def _decode_split_kernel(
     tl.store(sum_ptr + rows, l_i, mask=g_ok)
 
 
+def interpreter_active() -> bool:
+    """True when this module's kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1`` was
+    set when it was imported)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_decode_split_kernel, InterpretedFunction)
+
+
 @triton.jit
 def _merge_kernel(
     acc_ptr,  # [B, H, S, HEAD_PAD] float32
@@ -189,9 +191,11 @@ def paged_decode(
     """
     num_reqs, num_heads, head_size = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    out = torch.empty_like(query)
+    interpreted = interpreter_active()
+    # The interpreter stores bf16/fp16 wrongly: it writes float32 and the result is cast here.
+    out = torch.empty_like(query, dtype=torch.float32 if interpreted else query.dtype)
     if num_reqs == 0:
-        return out
+        return out.to(query.dtype)
     max_pages = max(1, triton.cdiv(max_seq_len, block_size))
     # Fewer, longer splits when the context is very long: the merge holds MAX_SPLITS at most.
     pages_per_split = max(pages_per_split, triton.cdiv(max_pages, MAX_SPLITS))
@@ -212,7 +216,7 @@ def paged_decode(
     group = num_heads // num_kv_heads
     # tl.dot takes bf16/fp16 on the device with fp32 accumulation; float32 models (and the
     # interpreter, whose bf16 arithmetic is unreliable) use full-precision float32 products.
-    exact = query.dtype == torch.float32 or _interpreted()
+    exact = query.dtype == torch.float32 or interpreted
     _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -260,4 +264,4 @@ def paged_decode(
         HEAD_PAD=head_pad,
         SPLIT_PAD=triton.next_power_of_2(num_splits),
     )
-    return out
+    return out.to(query.dtype)
