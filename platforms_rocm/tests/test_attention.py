@@ -22,7 +22,12 @@ from llmhal.attention import selector
 from llmhal.attention.backend import AttentionRequirements
 from llmhal.attention.batch import build_common_metadata
 from llmhal.attention.selector import AttentionBackendError, select_attention_backend
-from llmhal.platforms import get_current_platform, get_platform_selection, set_current_platform
+from llmhal.platforms import (
+    UnspecifiedPlatform,
+    get_current_platform,
+    get_platform_selection,
+    set_current_platform,
+)
 from llmhal.testing.attention_conformance import (
     check_attention_case,
     conformance_cases,
@@ -177,15 +182,13 @@ def _platform_on(arch: str) -> RocmPlatform:
 
 
 def test_rocm_attn_availability(rocm_env, monkeypatch):
-    from llmhal_cpu.platform import CpuPlatform
-
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     supported = RocmAttentionBackend.availability(_platform_on("gfx90a"))
     assert not [r for r in supported if "Triton does not support" in r]
     reasons = RocmAttentionBackend.availability(_platform_on("gfx906"))
     assert any("Triton does not support this GPU (gfx906" in r for r in reasons)
-    assert RocmAttentionBackend.availability(CpuPlatform()) == [
-        "needs the rocm platform (this is the cpu platform)"
+    assert RocmAttentionBackend.availability(UnspecifiedPlatform()) == [
+        "needs the rocm platform (this is the unspecified platform)"
     ]
 
 
