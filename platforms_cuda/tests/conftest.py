@@ -112,7 +112,9 @@ def make_fake_nvml(
 
 @pytest.fixture
 def cuda_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[Any]:
-    """A clean environment: no CUDA_VISIBLE_DEVICES, Jetson markers pointing at nothing."""
+    """A clean environment: no CUDA_VISIBLE_DEVICES, Jetson markers pointing at nothing, and no AMD
+    GPU detectable (so resolution tests see only the fake NVIDIA GPUs, on any host)."""
+    monkeypatch.setitem(sys.modules, "amdsmi", None)
     for var in ("CUDA_VISIBLE_DEVICES", "LLMHAL_GPU_MEMORY_UTILIZATION", "VLLM_ATTENTION_BACKEND"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(detect, "JETSON_MARKERS", (str(tmp_path / "no_tegra"),))

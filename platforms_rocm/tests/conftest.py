@@ -102,6 +102,9 @@ def make_fake_amdsmi(
 
 @pytest.fixture
 def rocm_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A clean environment: no visibility variables, no aiter opt-in, and no NVIDIA GPU detectable
+    through NVML (so resolution tests see only the fake AMD GPUs)."""
+    monkeypatch.setitem(sys.modules, "pynvml", None)
     for var in (
         "HIP_VISIBLE_DEVICES",
         "ROCR_VISIBLE_DEVICES",
