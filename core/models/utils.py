@@ -68,14 +68,12 @@ def load_weights_by_name(
 
     ``ignored_prefixes``: checkpoint names to skip (``lm_head.`` when embeddings are tied). Unknown
     names and shape mismatches raise :class:`WeightLoadError` naming the checkpoint tensor. When a
-    quantization config is active, its ``map_checkpoint_weights`` renames the stream first, and
-    its ``get_cache_scale`` maps KV-cache scales onto the attention layers' buffers.
+    quantization config is active, its ``get_cache_scale`` maps KV-cache scales onto the attention
+    layers' buffers. (Its ``map_checkpoint_weights`` is the loader's job: the stream arrives mapped.)
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers())
     quant_config = _current_quant_config()
-    if quant_config is not None:
-        weights = quant_config.map_checkpoint_weights(weights)
     loaded: set[str] = set()
     shards: dict[str, set[Any]] = {}
     for name, tensor in weights:
@@ -174,15 +172,6 @@ def _check_shards(shards: dict[str, set[Any]], stacked: Sequence[StackedParam]) 
 def missing_parameters(model: nn.Module, loaded: set[str]) -> list[str]:
     """Parameters of ``model`` that ``loaded`` (from ``load_weights``) does not cover."""
     return [n for n, _ in model.named_parameters() if n not in loaded]
-
-
-def process_weights_after_loading(model: nn.Module) -> None:
-    """Let every layer's quantization method finish its weights (repack, free); call once after
-    ``load_weights`` and before the first forward."""
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if method is not None:
-            method.process_weights_after_loading(module)
 
 
 def layer_sliding_window(hf_config: Any, layer_idx: int) -> int | None:

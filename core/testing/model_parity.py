@@ -84,9 +84,10 @@ def build_model(
     from transformers import AutoConfig
 
     from llmhal.config import CacheConfig, EngineConfig, ModelConfig, set_current_config
+    from llmhal.engine.builder import process_weights_after_loading
     from llmhal.model_loader.safetensors_loader import iter_safetensors_weights
     from llmhal.models.registry import ModelRegistry
-    from llmhal.models.utils import missing_parameters, process_weights_after_loading
+    from llmhal.models.utils import missing_parameters
 
     hf_config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     cls, arch = ModelRegistry.resolve_model_cls(hf_config.architectures)
@@ -237,13 +238,7 @@ def check_parity(
     device: str | torch.device = "cpu",
     compare_tokens: bool = True,
 ) -> ParityReport:
-    """Prefill every prompt in ONE varlen step, then ``decode_steps`` batched greedy decode steps;
-    compare every logit row with HF's forward over the same tokens and the greedy tokens with HF
-    ``generate``. Logit differences are relative to the largest |logit| of the HF row set.
-
-    ``compare_tokens=False`` skips the greedy comparison (16-bit runs, where near-ties may flip a
-    token; the logits are still compared on our own tokens)."""
-    prompts = [list(p) for p in (prompts or default_prompts(hf_model.config.vocab_size))]
+    """Load the checkpoint in ``folder`` into our model and :func:`compare_with_hf`."""
     model, config = build_model(
         folder,
         dtype=dtype,
@@ -251,6 +246,34 @@ def check_parity(
         block_size=block_size,
         device=device,
     )
+    return compare_with_hf(
+        hf_model,
+        model,
+        config,
+        prompts=prompts,
+        decode_steps=decode_steps,
+        rel_tol=rel_tol,
+        compare_tokens=compare_tokens,
+    )
+
+
+def compare_with_hf(
+    hf_model: Any,
+    model: Any,
+    config: Any,
+    *,
+    prompts: Sequence[Sequence[int]] | None = None,
+    decode_steps: int = 12,
+    rel_tol: float = 1e-4,
+    compare_tokens: bool = True,
+) -> ParityReport:
+    """Prefill every prompt in ONE varlen step, then ``decode_steps`` batched greedy decode steps;
+    compare every logit row with HF's forward over the same tokens and the greedy tokens with HF
+    ``generate``. Logit differences are relative to the largest |logit| of the HF row set.
+
+    ``compare_tokens=False`` skips the greedy comparison (16-bit runs, where near-ties may flip a
+    token; the logits are still compared on our own tokens)."""
+    prompts = [list(p) for p in (prompts or default_prompts(hf_model.config.vocab_size))]
     runner = PagedRunner(model, config)
     report = ParityReport(backends=runner.backends)
     ours: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(prompts))}

@@ -141,7 +141,7 @@ class _FakeInt8Method(QuantizeMethodBase):
 
 
 class _FakeQuantConfig(QuantizationConfig):
-    """Quantizes the decoder linears; renames ``*.weight_packed`` (a format quirk) to ``qweight``."""
+    """Quantizes the decoder linears and maps a k_proj KV-cache scale onto the attention layer."""
 
     @classmethod
     def get_name(cls) -> str:
@@ -157,10 +157,6 @@ class _FakeQuantConfig(QuantizationConfig):
 
     def get_quant_method(self, layer, prefix):
         return _FakeInt8Method() if ".layers." in prefix else None
-
-    def map_checkpoint_weights(self, weights):
-        for name, t in weights:
-            yield name.replace(".weight_packed", ".qweight"), t
 
     def get_cache_scale(self, name):
         if name.endswith(".k_proj.k_scale"):
@@ -178,7 +174,7 @@ def test_quantized_parameters_route_by_module_and_shard():
     for name, t in state.items():
         module = name.removesuffix(".weight")
         if ".layers." in name and name.endswith("proj.weight"):
-            ckpt[module + ".weight_packed"] = torch.randint(
+            ckpt[module + ".qweight"] = torch.randint(
                 -127, 128, t.shape, dtype=torch.int8, generator=g
             )
             ckpt[module + ".scales"] = torch.rand(t.shape[0], generator=g)
@@ -192,7 +188,7 @@ def test_quantized_parameters_route_by_module_and_shard():
     p = "model.layers.0.self_attn."
     assert torch.equal(
         attn.qkv_proj.qweight,
-        torch.cat([ckpt[p + s + ".weight_packed"] for s in ("q_proj", "k_proj", "v_proj")]),
+        torch.cat([ckpt[p + s + ".qweight"] for s in ("q_proj", "k_proj", "v_proj")]),
     )
     assert torch.equal(
         attn.qkv_proj.scales,

@@ -1,0 +1,78 @@
+"""The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) through our Llama class against HF.
+
+The HF reference is transformers' ``LlamaForCausalLM`` holding weights dequantized by the ``gguf``
+package (independent of llmhal's own dequantization). Our model runs the exact GGUF path
+(``LLMHAL_GGUF_KERNEL=dequant``), so the two compute with the same weights in float32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def hf_reference():
+    import gguf
+    import numpy as np
+    from transformers import LlamaForCausalLM
+
+    from llmhal.default_model import default_model_path
+    from llmhal.model_loader.gguf_loader import GGUFFile, unpermute_rows
+
+    try:
+        path = default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    g = GGUFFile(path)
+    cfg = g.config_dict()
+    heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
+    state = {}
+    for name, info in g.tensors.items():
+        hf_name = g.hf_name(name)
+        raw = g.raw(name)
+        if raw.dtype == torch.uint8:
+            qtype = gguf.GGMLQuantizationType(info.type_id)
+            w = torch.from_numpy(np.asarray(gguf.quants.dequantize(raw.numpy(), qtype)))
+            w = w.float().reshape(info.shape)
+        else:
+            w = raw.float()
+        if hf_name.split(".")[-2] in heads:
+            w = unpermute_rows(w, heads[hf_name.split(".")[-2]])
+        state[hf_name] = w
+    hf = LlamaForCausalLM(g.hf_config()).float().eval()
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert unexpected == [] and missing in ([], ["lm_head.weight"])
+    hf.tie_weights()
+    tok = g.tokenizer()
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    prompts = [
+        tok.encode(chat, add_special_tokens=False),
+        tok.encode("The three primary colors are", add_special_tokens=False),
+    ]
+    return hf, prompts
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu_attn"])
+def test_smollm2_gguf_matches_hf(backend, hf_reference, monkeypatch):
+    from llmhal.engine.builder import EngineArgs, build_engine
+    from llmhal.testing.model_parity import compare_with_hf
+
+    monkeypatch.setenv("LLMHAL_GGUF_KERNEL", "dequant")
+    hf, prompts = hf_reference
+    engine, report = build_engine(
+        EngineArgs(attention_backend=backend, max_model_len=256, kv_cache_memory_bytes=8 << 20)
+    )
+    assert report.architecture == "LlamaForCausalLM" and report.dtype == torch.float32
+    result = compare_with_hf(
+        hf, engine.runner.model, engine.config, prompts=prompts, decode_steps=12, rel_tol=1e-4
+    )
+    result.raise_on_failure()
+    answer = engine.tokenizer.decode(result.tokens[0])
+    assert "Paris" in answer, answer
