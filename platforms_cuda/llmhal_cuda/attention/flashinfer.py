@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from llmhal.attention import paged_kv
 from llmhal.attention.backend import (
     AttentionBackend,
     AttentionImpl,
@@ -189,7 +188,7 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
             return out
         pages = (kv_cache[0], kv_cache[1])
         scales: dict[str, float] = {}
-        if paged_kv.is_fp8(self.kv_cache_dtype):
+        if self.kv_cache_dtype != "auto":  # fp8: stored values are multiplied by the scales
             scales = {"k_scale": float(layer.k_scale), "v_scale": float(layer.v_scale)}
         decode, prefill = m.wrappers(self.plan_key, query.dtype, kv_cache.dtype)
         d = m.num_decode_tokens
