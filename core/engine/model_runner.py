@@ -22,6 +22,18 @@ from llmhal.engine.scheduler import ScheduledBatch
 from llmhal.forward_context import ForwardContext, set_forward_context
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled cache tensor. In host memory it comes from calloc, whose pages the OS zeroes on
+    first touch, so a large budget costs neither start-up time nor resident memory until used.
+    (Zeros, not garbage: masked-out slots must not hold NaNs that 0 * NaN would spread.)"""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device) -> None:
         self.config = config
@@ -66,7 +78,7 @@ class ModelRunner:
         total = 0
         for layer in self.layers:
             shape, dtype = self._layer_cache_spec(layer, num_blocks)
-            layer.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            layer.kv_cache = _zeros(shape, dtype, self.device)
             total += layer.kv_cache.numel() * layer.kv_cache.element_size()
         self.num_blocks = num_blocks
         return total
