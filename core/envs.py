@@ -19,6 +19,7 @@ ENV_VARS: dict[str, str] = {
     "LLMHAL_FP8_DEQUANT": "fp8 weights where fp8 matmuls are unavailable: 'call' (default: keep fp8, "
     "convert per call) or 'load' (convert once at load: faster, 2-4x the weight memory)",
     "LLMHAL_CPU_COMPILE": "'1' lets the CPU platform torch.compile its custom ops (default off)",
+    "LLMHAL_FLEX_COMPILE": "flex_attention: 'auto' (compile where the platform supports torch.compile), '1', '0' (eager)",
     "TRITON_INTERPRET": "'1' runs Triton kernels in the interpreter (CPU testing)",
     "CUDA_VISIBLE_DEVICES": "devices visible to the CUDA platform",
     "HIP_VISIBLE_DEVICES": "devices visible to the ROCm platform",
