@@ -24,8 +24,19 @@ def kv_cache_shape(
     return (2, num_blocks, block_size, num_kv_heads, head_size)
 
 
-def is_fp8(kv_cache_dtype: str) -> bool:
-    return kv_cache_dtype.startswith("fp8")
+class SharedKVLayout:
+    """Mixin for attention backends that store their cache in this module's layout: put it before
+    ``AttentionBackend`` in the bases to provide ``get_kv_cache_shape``."""
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype: str = "auto",
+    ) -> tuple[int, ...]:
+        return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
 
 
 def quantize_to_cache(

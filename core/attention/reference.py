@@ -158,7 +158,7 @@ class ReferenceAttentionImpl(AttentionImpl[ReferenceMetadata]):
         return out
 
 
-class ReferenceAttentionBackend(AttentionBackend):
+class ReferenceAttentionBackend(paged_kv.SharedKVLayout, AttentionBackend):
     """Pure-torch paged attention that defines the semantics (see the module docstring)."""
 
     name = "reference"
@@ -175,13 +175,3 @@ class ReferenceAttentionBackend(AttentionBackend):
     @staticmethod
     def get_builder_cls() -> type[ReferenceMetadataBuilder]:
         return ReferenceMetadataBuilder
-
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_size: int,
-        cache_dtype: str = "auto",
-    ) -> tuple[int, ...]:
-        return paged_kv.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
