@@ -1,0 +1,151 @@
+"""``llmhal bench quant_kernels``: GGUF matmuls on SmolLM2-135M's shapes, kernel against kernel.
+
+For each weight shape ``(N, K)`` of SmolLM2-135M (q/o 576x576, k/v 192x576, gate/up 1536x576,
+down 576x1536, LM head 49152x576) and each format (Q4_1, Q8_0 by default; the weights are random,
+quantized by the gguf package), it times one call ``y = x @ W.T`` at M tokens of:
+
+* ``kernel``: the active platform's ``quant_linear`` kernel on the exact grouped form (what the gguf
+  method runs by default; on CPU ``cpu_int4pack``: bf16 activations);
+* ``native``: core's :class:`~llmhal.ops.quant_linear.NativeQuantLinear` (dequantize per call, fp32);
+* ``dequant``: the raw GGUF blocks dequantized in row chunks (``LLMHAL_GGUF_KERNEL=dequant``);
+* ``fp32`` / ``bf16``: a dense ``F.linear`` with the dequantized weight in that dtype.
+
+Reported: weight bytes held, the fastest of ``--rounds`` rounds of mean time per call (the
+machine may be shared), the relative error against float64 at the largest M, and the sum over one
+decode step of the whole model (30 layers x 7 matmuls + the LM head, M=1).
+
+    python -m llmhal.benchmarks.quant_kernels [--formats Q4_1,Q8_0] [--tokens 1,16,32] [--avx2]
+
+``--avx2`` re-runs the benchmark with ``ATEN_CPU_CAPABILITY=avx2`` (torch's kernels limited to AVX2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {  # (N, K) -> matmuls of that shape in one decode step of SmolLM2-135M
+    (576, 576): 60,  # q, o
+    (192, 576): 60,  # k, v
+    (1536, 576): 60,  # gate, up
+    (576, 1536): 30,  # down
+    (49152, 576): 1,  # LM head (tied Q8_0 embedding in the default model file)
+}
+VARIANTS = ("kernel", "native", "dequant", "fp32", "bf16")
+
+
+def _time_us(fn: Callable[[], Any], rounds: int, min_seconds: float = 0.05) -> float:
+    """Fastest round's mean microseconds per call (rounds of at least ``min_seconds``)."""
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        n, start = 0, time.perf_counter()
+        while n < 2 or time.perf_counter() - start < min_seconds:
+            fn()
+            n += 1
+        best = min(best, (time.perf_counter() - start) / n * 1e6)
+    return best
+
+
+def _contenders(fmt: str, n: int, k: int) -> dict[str, tuple[Any, int, str]]:
+    """variant -> (callable(x), weight bytes, implementation name)."""
+    from llmhal.ops.quant_linear import NativeQuantLinear
+    from llmhal.quantization.gguf_dequant import GGUFRawWeight, dequantize, to_grouped
+    from llmhal.quantization.grouped_linear import make_kernel
+    from llmhal.testing.gguf_files import quantized_rows
+
+    raw = quantized_rows(fmt, n, k, seed=n + k)
+    grouped = to_grouped(raw, fmt)
+    kernel = make_kernel(grouped, torch.float32)
+    native = NativeQuantLinear(grouped, torch.float32)
+    rows = GGUFRawWeight(raw, fmt, k)
+    w32 = dequantize(raw, fmt)
+    w16 = w32.bfloat16()
+    return {
+        "kernel": (kernel, kernel.weight_bytes(), kernel.name),
+        "native": (native, native.weight_bytes(), native.name),
+        "dequant": (rows, rows.weight_bytes(), rows.name),
+        "fp32": (lambda x: F.linear(x, w32), w32.numel() * 4, "F.linear fp32"),
+        "bf16": (lambda x: F.linear(x.bfloat16(), w16), w16.numel() * 2, "F.linear bf16"),
+        "_ref": (w32.double(), 0, ""),
+    }
+
+
+def run(formats: list[str], tokens: list[int], rounds: int) -> list[dict[str, Any]]:
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for fmt in formats:
+        for (n, k), count in SHAPES.items():
+            cont = _contenders(fmt, n, k)
+            ref_w = cont.pop("_ref")[0]
+            xs = {m: torch.randn(m, k, generator=gen) for m in tokens}
+            for variant in VARIANTS:
+                fn, nbytes, impl = cont[variant]
+                times = {m: _time_us(lambda fn=fn, x=xs[m]: fn(x), rounds) for m in tokens}
+                x = xs[tokens[-1]]
+                ref = x.double() @ ref_w.T
+                err = float((fn(x).double() - ref).norm() / ref.norm())
+                rows.append(dict(format=fmt, n=n, k=k, count=count, variant=variant, impl=impl, bytes=nbytes, us=times, err=err))  # fmt: skip
+            del cont
+    return rows
+
+
+def _print(rows: list[dict[str, Any]], tokens: list[int]) -> None:
+    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, threads {torch.get_num_threads()}")  # fmt: skip
+    head = f"{'format':6} {'N x K':>11} {'variant':8} {'impl':16} {'MiB':>8}"
+    head += "".join(f" {f'M={m} us':>11}" for m in tokens) + f" {'rel.err':>9}"
+    print(head)
+    for r in rows:
+        line = f"{r['format']:6} {r['n']:>5}x{r['k']:<5} {r['variant']:8} {r['impl'][:16]:16} {r['bytes'] / 2**20:8.2f}"  # fmt: skip
+        line += "".join(f" {r['us'][m]:11.1f}" for m in tokens) + f" {r['err']:9.2e}"
+        print(line)
+    if 1 in tokens:
+        print("\nOne SmolLM2-135M decode step (M=1): sum of its matmuls, ms, and weight MiB")
+        for fmt in dict.fromkeys(r["format"] for r in rows):
+            parts = []
+            for v in VARIANTS:
+                sel = [r for r in rows if r["format"] == fmt and r["variant"] == v]
+                ms = sum(r["us"][1] * r["count"] for r in sel) / 1e3
+                mib = sum(r["bytes"] * r["count"] for r in sel) / 2**20
+                parts.append(f"{v} {ms:7.2f} ms / {mib:6.1f} MiB")
+            print(f"  {fmt:6} " + " | ".join(parts))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="llmhal bench quant_kernels", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--formats", default="Q4_1,Q8_0", help="GGUF types, comma-separated")
+    p.add_argument("--tokens", default="1,16,32", help="M values (tokens per call)")
+    p.add_argument("--rounds", type=int, default=5, help="timing rounds (the fastest is kept)")
+    p.add_argument("--avx2", action="store_true", help="re-run with ATEN_CPU_CAPABILITY=avx2")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--shapes", default="", help="only these N x K, e.g. 576x576,49152x576")
+    a = p.parse_args(argv)
+    if a.avx2:
+        args = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--avx2"]
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+        cmd = [sys.executable, "-m", "llmhal.benchmarks.quant_kernels", *args]
+        return subprocess.run(cmd, env=env).returncode
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if a.shapes:
+        wanted = {tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")}
+        for shape in set(SHAPES) - wanted:
+            del SHAPES[shape]
+    tokens = [int(t) for t in a.tokens.split(",")]
+    formats = [f.strip() for f in a.formats.split(",") if f.strip()]
+    _print(run(formats, tokens, a.rounds), tokens)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
