@@ -240,7 +240,10 @@ class CTWNA16Method(GroupedLinearMethod):
         g_idx = (
             stashed_g_idx(layer, "weight_g_idx", g)
             if self.args.actorder == "group"
-            else {sid: torch.arange(layer.input_size) // g for sid in shard_slices(layer)}
+            else {
+                sid: torch.arange(layer.input_size, device=q.device) // g
+                for sid in shard_slices(layer)
+            }
         )
         return act_order_parts(layer, q, scale, offset, g, self.bits, g_idx)
 

@@ -113,6 +113,7 @@ def act_order_parts(
     from llmhal.quantization.tracked_params import shard_slices
 
     trivial = torch.arange(layer.input_size, device=q.device) // group_size
+    g_idx = {sid: gi.to(q.device) for sid, gi in g_idx.items()}
     perms = {sid: None if torch.equal(gi, trivial) else gi for sid, gi in g_idx.items()}
     distinct = {None if p is None else tuple(p.tolist()) for p in perms.values()}
     if len(distinct) == 1:

@@ -115,8 +115,8 @@ def add_stash_param(
 
     def keep(param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
         stash = layer.__dict__.setdefault(_STASH, {}).setdefault(name, {})
-        # A copy: the checkpoint tensor may be a view of a memory-mapped file.
-        stash[shard_id] = loaded.detach().clone()
+        # A copy on the layer's device: the checkpoint tensor may be a view of a mapped file.
+        stash[shard_id] = loaded.detach().to(param.device, copy=True)
 
     param = nn.Parameter(torch.empty(0), requires_grad=False)
     set_weight_attrs(param, {"weight_loader": _tracked(layer, name, keep, dtypes)})

@@ -44,8 +44,8 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 ROWS_PER_CHUNK = 2048
 
 
-def e2m1_table(dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    pos = torch.tensor(E2M1_VALUES, dtype=dtype)
+def e2m1_table(device: torch.device | None = None) -> torch.Tensor:
+    pos = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
     return torch.cat([pos, -pos])
 
 
@@ -156,7 +156,7 @@ class NvFp4LinearMethod(QuantizeMethodBase):
         release(layer, self.NAMES)
         layer.register_buffer("nvfp4_packed", packed)
         layer.register_buffer("nvfp4_block_scale", block.contiguous())
-        layer.register_buffer("nvfp4_table", e2m1_table())
+        layer.register_buffer("nvfp4_table", e2m1_table(packed.device))
 
     def dequantize_rows(self, layer: nn.Module, start: int, stop: int) -> torch.Tensor:
         packed = layer.nvfp4_packed[start:stop]
