@@ -80,19 +80,3 @@ def kv_token_slots(
     # position r * width * block_size + p.
     flat_pos = (req * block_table.shape[1] * block_size + pos).to(device)
     return slots_of(block_table.reshape(-1), flat_pos, block_size), cu.to(device, torch.int32)
-
-
-class SharedPagedLayout:
-    """Mixin for backends that keep core's shared paged layout (``llmhal.attention.paged_kv``)."""
-
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_size: int,
-        cache_dtype: str = "auto",
-    ) -> tuple[int, ...]:
-        from llmhal.attention.paged_kv import kv_cache_shape
-
-        return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)

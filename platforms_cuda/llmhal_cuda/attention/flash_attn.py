@@ -29,9 +29,9 @@ from llmhal.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
+from llmhal.attention.paged_kv import SharedKVLayout
 from llmhal.utils.imports import is_available, require
 from llmhal_cuda.attention.common import (
-    SharedPagedLayout,
     check_step,
     kv_token_slots,
     not_installed,
@@ -180,7 +180,7 @@ class FlashAttentionImpl(AttentionImpl[FlashAttnMetadata]):
         return out
 
 
-class FlashAttentionBackend(SharedPagedLayout, AttentionBackend):
+class FlashAttentionBackend(SharedKVLayout, AttentionBackend):
     name: ClassVar[str] = "flash_attn"
     supported_dtypes = ("float16", "bfloat16")
     supported_block_sizes = (MultipleOf(16),)

@@ -25,9 +25,9 @@ from llmhal.attention.backend import (
     AttentionRequirements,
     CommonAttentionMetadata,
 )
+from llmhal.attention.paged_kv import SharedKVLayout
 from llmhal.utils.imports import is_available, require
 from llmhal_cuda.attention.common import (
-    SharedPagedLayout,
     check_step,
     not_installed,
     store_and_allocate,
@@ -199,7 +199,7 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
         return out
 
 
-class FlashInferBackend(SharedPagedLayout, AttentionBackend):
+class FlashInferBackend(SharedKVLayout, AttentionBackend):
     name: ClassVar[str] = "flashinfer"
     supported_dtypes = ("float16", "bfloat16")
     supported_head_sizes = (64, 128, 256)

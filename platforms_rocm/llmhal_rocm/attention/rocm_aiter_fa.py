@@ -26,10 +26,10 @@ from llmhal.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
+from llmhal.attention.paged_kv import SharedKVLayout
 from llmhal.utils.imports import is_available, require
 from llmhal_rocm.arch import AITER_ARCHS, supports_aiter
 from llmhal_rocm.attention.common import (
-    SharedPagedLayout,
     check_step,
     kv_token_slots,
     not_installed,
@@ -121,7 +121,7 @@ class AiterFlashAttentionImpl(AttentionImpl[AiterFaMetadata]):
         return out
 
 
-class AiterFlashAttentionBackend(SharedPagedLayout, AttentionBackend):
+class AiterFlashAttentionBackend(SharedKVLayout, AttentionBackend):
     name: ClassVar[str] = "rocm_aiter_fa"
     supported_dtypes = ("float16", "bfloat16")
     supported_block_sizes = (MultipleOf(16),)

@@ -29,10 +29,10 @@ from llmhal.attention.backend import (
     AttentionRequirements,
     CommonAttentionMetadata,
 )
+from llmhal.attention.paged_kv import SharedKVLayout
 from llmhal.attention.registry import CORE_BACKENDS
 from llmhal.utils.imports import is_available, resolve_obj_by_qualname
 from llmhal_rocm.attention.common import (
-    SharedPagedLayout,
     check_step,
     not_installed,
     rocm_platform,
@@ -155,7 +155,7 @@ class RocmAttentionImpl(AttentionImpl[RocmAttnMetadata]):
         return out
 
 
-class RocmAttentionBackend(SharedPagedLayout, AttentionBackend):
+class RocmAttentionBackend(SharedKVLayout, AttentionBackend):
     name: ClassVar[str] = "rocm_attn"
     supported_dtypes = ("float16", "bfloat16", "float32")
     supported_kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2")
