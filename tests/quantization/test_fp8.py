@@ -258,3 +258,16 @@ def test_model_level_greedy_parity(tmp_path):
     q_report, ref_report = assert_greedy_parity(quant, ref, logprob_atol=1e-3)
     assert q_report.quantization == "fp8"
     assert q_report.weight_bytes < ref_report.weight_bytes
+
+
+@pytest.mark.parametrize("dtype", [FP8, torch.float8_e4m3fnuz])
+def test_fast_fp8_conversion_is_exact_on_every_code(dtype):
+    from llmhal.quantization.fp8 import fp8_to
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
+    ref = codes.float()
+    finite = ~torch.isnan(ref)
+    for target in (torch.float32, torch.bfloat16, torch.float16):
+        got = fp8_to(codes, target)
+        assert got.dtype == target
+        assert torch.equal(got.float()[finite], ref[finite])
