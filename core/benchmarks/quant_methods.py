@@ -22,13 +22,15 @@ import torch
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]  # (N, K)
 
 
-def _time(fn: Callable[[], Any], min_seconds: float = 0.3) -> float:
+def _time(fn: Callable[[], Any], repeats: int = 30) -> float:
+    """Best of ``repeats`` calls, in ms (robust to other load on the machine)."""
     fn()
-    n, start = 0, time.perf_counter()
-    while time.perf_counter() - start < min_seconds:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
         fn()
-        n += 1
-    return (time.perf_counter() - start) / n * 1e3
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
 
 
 def _pack(
@@ -117,7 +119,9 @@ def _checkpoint(method: str, n: int, k: int, gen: torch.Generator) -> tuple[Any,
             state.pop("weight_format")
             return BitsAndBytesConfig(load_in_4bit=False), dict(state)
         lin = bnb.nn.Linear4bit(k, n, bias=False, quant_type="nf4", compress_statistics=False)
-        lin.weight = bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4")
+        lin.weight = bnb.nn.Params4bit(
+            w, requires_grad=False, quant_type="nf4", compress_statistics=False
+        )
         cfg = BitsAndBytesConfig(quant_type="nf4")
         named = [(f"p.{name}", t) for name, t in lin.to("cpu").state_dict().items()]
         return cfg, {n.removeprefix("p."): t for n, t in cfg.map_checkpoint_weights(named)}
@@ -148,8 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default=methods)
     parser.add_argument("--tokens", default="1,16")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     args = parser.parse_args(argv)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    if args.threads:
+        torch.set_num_threads(args.threads)
     tokens = [int(t) for t in args.tokens.split(",")]
     print(f"torch {torch.__version__}, cpu capability {torch.backends.cpu.get_cpu_capability()}, "
           f"threads {torch.get_num_threads()}, activations {args.dtype}")  # fmt: skip
