@@ -186,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = hf_config
         quant_config = get_current_config().quant_config
-        if quant_config is not None and not quant_config.packed_modules_mapping:
+        if quant_config is not None and not getattr(quant_config, "packed_modules_mapping", None):
             quant_config.packed_modules_mapping = {
                 k: list(v) for k, v in self.packed_modules_mapping.items()
             }

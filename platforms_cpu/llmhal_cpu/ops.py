@@ -44,18 +44,17 @@ def _fused_add_rms_norm(
 
 def _joint_qk_view(query: torch.Tensor, key: torch.Tensor, head_size: int) -> torch.Tensor | None:
     """A [T, Hq + Hk, head_size] view covering query and key when key follows query in memory."""
-    if query.dim() != 2 or key.dim() != 2 or query.dtype != key.dtype:
+    if query.dim() != 2 or query.dtype != key.dtype:
         return None
-    if query.stride(1) != 1 or key.stride(1) != 1 or query.stride(0) != key.stride(0):
+    stride = query.stride()
+    if stride[1] != 1 or key.stride() != stride:
+        return None
+    if key.storage_offset() != query.storage_offset() + query.shape[1]:
         return None
     if query.untyped_storage().data_ptr() != key.untyped_storage().data_ptr():
         return None
-    if key.data_ptr() != query.data_ptr() + query.shape[1] * query.element_size():
-        return None
     heads = (query.shape[1] + key.shape[1]) // head_size
-    return query.as_strided(
-        (query.shape[0], heads, head_size), (query.stride(0), head_size, 1), query.storage_offset()
-    )
+    return query.as_strided((query.shape[0], heads, head_size), (stride[0], head_size, 1))
 
 
 def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> None:
