@@ -56,7 +56,7 @@ def shared_tiny_llama() -> Path:
 def write_pair(
     folder: Path,
     quantize: Quantizer,
-    quantization_config: dict[str, Any],
+    quantization_config: dict[str, Any] | None,
     *,
     base: Path | None = None,
 ) -> tuple[Path, Path]:
@@ -76,6 +76,7 @@ def write_pair(
         else:
             quant[name] = ref[name] = tensor
     out = []
+    # quantization_config None: the "quantized" folder stays a plain checkpoint (online methods).
     for sub, tensors, qcfg in (("quantized", quant, quantization_config), ("reference", ref, None)):
         target = folder / sub
         shutil.copytree(base, target, dirs_exist_ok=True)

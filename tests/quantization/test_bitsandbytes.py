@@ -241,3 +241,18 @@ def test_model_level_greedy_parity(tmp_path, double):
     q_report, ref_report = assert_greedy_parity(quant, ref, logprob_atol=1e-3)
     assert q_report.quantization == "bitsandbytes"
     assert q_report.weight_bytes < ref_report.weight_bytes
+
+
+def test_model_level_online_quantization(tmp_path):
+    from llmhal.testing.quant_models import assert_greedy_parity, write_pair
+
+    def reference(name: str, w: torch.Tensor):  # bitsandbytes' own nf4 of each projection
+        packed, state = bnb.functional.quantize_4bit(w, blocksize=64, quant_type="nf4")
+        return {"weight": w}, bnb.functional.dequantize_4bit(packed, state)
+
+    plain, ref = write_pair(tmp_path, reference, None)
+    q_report, ref_report = assert_greedy_parity(
+        plain, ref, logprob_atol=1e-3, quantization="bitsandbytes"
+    )
+    assert q_report.quantization == "bitsandbytes"
+    assert q_report.weight_bytes < ref_report.weight_bytes / 2

@@ -271,3 +271,16 @@ def test_fast_fp8_conversion_is_exact_on_every_code(dtype):
         got = fp8_to(codes, target)
         assert got.dtype == target
         assert torch.equal(got.float()[finite], ref[finite])
+
+
+def test_model_level_online_quantization(tmp_path):
+    from llmhal.testing.quant_models import assert_greedy_parity, write_pair
+
+    def reference(name: str, w: torch.Tensor):  # per output channel, amax / 448 (independent)
+        w8, s = quantize(w, per_channel=True)
+        return {"weight": w}, w8.float() * s
+
+    plain, ref = write_pair(tmp_path, reference, None)
+    q_report, ref_report = assert_greedy_parity(plain, ref, logprob_atol=1e-3, quantization="fp8")
+    assert q_report.quantization == "fp8"
+    assert q_report.weight_bytes < ref_report.weight_bytes / 2
