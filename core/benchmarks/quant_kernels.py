@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-SHAPES = {  # (N, K) -> matmuls of that shape in one decode step of SmolLM2-135M
+SHAPES = {  # (N, K) -> matmuls of that shape in one decode step of SmolLM2-135M (K-quants: none fit)
     (576, 576): 60,  # q, o
     (192, 576): 60,  # k, v
     (1536, 576): 60,  # gate, up
@@ -80,10 +80,15 @@ def _contenders(fmt: str, n: int, k: int) -> dict[str, tuple[Any, int, str]]:
 
 
 def run(formats: list[str], tokens: list[int], rounds: int) -> list[dict[str, Any]]:
+    from llmhal.quantization.gguf_dequant import ggml_type
+
     rows = []
     gen = torch.Generator().manual_seed(0)
     for fmt in formats:
         for (n, k), count in SHAPES.items():
+            if k % ggml_type(fmt).block_size:
+                print(f"{fmt}: {n}x{k} skipped (K is not a multiple of its {ggml_type(fmt).block_size}-weight blocks)")  # fmt: skip
+                continue
             cont = _contenders(fmt, n, k)
             ref_w = cont.pop("_ref")[0]
             xs = {m: torch.randn(m, k, generator=gen) for m in tokens}

@@ -45,6 +45,9 @@ def quantized_rows(name: str, rows: int, k: int, seed: int = 0) -> torch.Tensor:
     if name in ("F32", "F16"):
         w = rng.standard_normal((rows, k)).astype(np.float32) * 0.05
         return torch.from_numpy(w.astype(np.float16 if name == "F16" else np.float32))
+    from llmhal.quantization.gguf_dequant import ggml_type
+
+    ggml_type(name).row_bytes(k)  # a k that does not fill whole blocks: a clear error
     qtype = gguf.GGMLQuantizationType[name]
     if name in GGUF_QUANTIZABLE:
         w = (rng.standard_normal((rows, k)) * rng.uniform(0.01, 0.1, (rows, 1))).astype(np.float32)
