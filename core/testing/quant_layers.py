@@ -43,11 +43,17 @@ def native_quant_kernel() -> Iterator[None]:
     kernel (which may trade precision for speed, e.g. bf16 activations on CPU)."""
     from llmhal.ops import registry
 
+    previous = registry._registered.get("quant_linear")
     registry.register_op_kernel("quant_linear", "llmhal.ops.quant_linear:NativeQuantLinear")
     try:
         yield
-    finally:
-        registry._reset_for_tests()
+    finally:  # put back exactly what was there (other ops' registrations are untouched)
+        with registry._lock:
+            if previous is None:
+                registry._registered.pop("quant_linear", None)
+            else:
+                registry._registered["quant_linear"] = previous
+            registry._resolved.pop("quant_linear", None)
 
 
 @pytest.fixture(autouse=True)

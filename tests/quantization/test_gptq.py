@@ -303,3 +303,16 @@ def test_model_level_greedy_parity(tmp_path, sym, fmt, act_order):
     q_report, ref_report = assert_greedy_parity(quant, ref, logprob_atol=1e-3)
     assert q_report.quantization == "gptq"
     assert q_report.weight_bytes < ref_report.weight_bytes
+
+
+def test_dynamic_overrides_per_module():
+    # GPTQModel's "dynamic": a "+:" regex changes settings for the modules it matches.
+    c = cfg(group_size=32, dynamic={r"+:.*\.mlp\..*": {"bits": 8, "group_size": 64}})
+    mlp = build_linear(c, "merged", in_features=128, out_features=32)
+    attn = build_linear(c, "replicated", in_features=128, out_features=32)
+    assert (mlp.quant_method.bits, mlp.gptq_group_size) == (8, 64)
+    assert (attn.quant_method.bits, attn.gptq_group_size) == (4, 32)
+    tensors, w = make_gptq(128, 32, 64, bits=8, seed=11)
+    load_tensors(mlp, {n: {0: t, 1: t} for n, t in tensors.items()})
+    finish(mlp)
+    assert_close_to_reference(mlp, torch.cat([w, w]), atol=2e-3)

@@ -122,3 +122,16 @@ def test_listing_imports_no_method_module():
     for module in ("fp8", "gptq", "awq", "compressed_tensors", "bitsandbytes", "gguf"):
         assert f"llmhal.quantization.{module}'" not in loaded, loaded
     assert heavy.strip() == "[]"
+
+
+def test_kv_cache_scale_names_map_onto_the_attention_buffers():
+    from llmhal.quantization.module_names import kv_cache_scale_name
+
+    assert kv_cache_scale_name("model.layers.3.self_attn.k_proj.output_scale") == (
+        "model.layers.3.self_attn.attn.k_scale"
+    )
+    assert kv_cache_scale_name("model.layers.3.self_attn.v_scale") == (
+        "model.layers.3.self_attn.attn.v_scale"
+    )
+    assert kv_cache_scale_name("model.layers.3.self_attn.attn.k_scale") is None
+    assert kv_cache_scale_name("model.layers.3.self_attn.k_proj.weight_scale") is None
