@@ -193,7 +193,8 @@ class BnB4bitMethod(QuantizeMethodBase):
             add_param(layer, "weight", shape, params_dtype, extra["weight_loader"],
                       output_dim=0, input_dim=1)  # fmt: skip
             return
-        add_stash_param(layer, "weight", dtypes=[torch.uint8])
+        # uint8 storage by default; bnb_4bit_quant_storage may store the same bytes as another dtype
+        add_stash_param(layer, "weight")
         for name in self._names()[1:]:
             add_stash_param(layer, name)
 
@@ -237,7 +238,7 @@ class BnB4bitMethod(QuantizeMethodBase):
             raise WeightLoadError(
                 f"{where}: quant_state shape {tuple(state.shape)}, expected {want}"
             )
-        packed = stashed(layer, "weight")[sid]
+        packed = stashed(layer, "weight")[sid].contiguous().view(torch.uint8)
         if packed.numel() * 2 != rows * layer.input_size:
             raise WeightLoadError(
                 f"{where}.weight: {packed.numel()} bytes hold {packed.numel() * 2} 4-bit values, "

@@ -256,3 +256,24 @@ def test_model_level_online_quantization(tmp_path):
     )
     assert q_report.quantization == "bitsandbytes"
     assert q_report.weight_bytes < ref_report.weight_bytes / 2
+
+
+def test_4bit_weights_stored_as_bf16_bytes():
+    # bnb_4bit_quant_storage=bfloat16 (used for FSDP) stores the same bytes under another dtype.
+    w = rand(32, 64, 7)
+    lin = bnb.nn.Linear4bit(64, 32, bias=False, quant_type="nf4", quant_storage=torch.bfloat16)
+    lin.weight = bnb.nn.Params4bit(
+        w.clone(), requires_grad=False, quant_type="nf4", compress_statistics=False,
+        quant_storage=torch.bfloat16,
+    )  # fmt: skip
+    lin = lin.to("cpu")
+    state = lin.state_dict()
+    assert state["weight"].dtype == torch.bfloat16
+    ref = bnb.functional.dequantize_4bit(lin.weight.data, lin.weight.quant_state).double()
+    c = BitsAndBytesConfig.from_config(
+        hf_config(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_quant_storage="bfloat16")
+    )
+    layer = build_linear(c, "replicated", in_features=64, out_features=32)
+    load(layer, c, {None: state})
+    finish(layer)
+    assert_close_to_reference(layer, ref, atol=1e-5, rtol=1e-5)

@@ -92,7 +92,9 @@ def _calibrate(model: nn.Module, act_amax: float) -> None:
             mod.input_scale.data.fill_(act_amax / 448.0)
 
 
-def make_checkpoint(scheme: str | dict[str, Any], seed: int = 0, act_amax: float = 4.0):
+def make_checkpoint(
+    scheme: str | dict[str, Any], seed: int = 0, act_amax: float = 4.0, fmt: str | None = None
+):
     """(quantization_config dict, compressed state dict, decompressed model) for ``scheme``."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
@@ -115,7 +117,7 @@ def make_checkpoint(scheme: str | dict[str, Any], seed: int = 0, act_amax: float
     )
     apply_quantization_config(model, qc, show_progress=False)
     _calibrate(model, act_amax)
-    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     with tempfile.TemporaryDirectory() as folder:  # config.json exactly as the library writes it
@@ -158,6 +160,15 @@ def test_int_weight_only_qkv_matches_library_decompression(preset):
     assert_close_to_reference(layer, qkv_reference(reference), atol=1e-4, rtol=1e-5)
     dense = 2 * HEADS * HEAD * HIDDEN * 4  # float32 bytes of q, k and v
     assert weight_bytes(layer) < dense * (0.2 if preset.startswith("W4") else 0.35)
+
+
+def test_w8a16_naive_format():
+    config, state, reference = make_checkpoint("W8A16", seed=9, fmt="naive-quantized")
+    assert config["format"] == "naive-quantized"
+    assert state["model.layers.0.self_attn.q_proj.weight"].dtype == torch.int8
+    layer = build_qkv(config, state)
+    assert isinstance(layer.quant_method, CTWNA16Method)
+    assert_close_to_reference(layer, qkv_reference(reference), atol=1e-4, rtol=1e-5)
 
 
 def test_w4a16_replicated_in_bf16():
