@@ -382,9 +382,11 @@ class Fp8LinearMethod(QuantizeMethodBase):
         sx = self.activation_scale(layer, x2, per_token)
         sw = scale.reshape(1, -1) if per_token else scale[:1].reshape(())
         xq = (x2.float() / sx).clamp(-top, top).to(dtype)
-        out_bias = None if bias is None else bias.to(x.dtype)
-        y = torch._scaled_mm(xq, w8.t(), scale_a=sx, scale_b=sw, bias=out_bias, out_dtype=x.dtype)
-        return y.reshape(*shape[:-1], w8.shape[0])
+        # Rowwise scaling produces bfloat16 only (CUDA's kernels); cast back after.
+        out_dtype = torch.bfloat16 if per_token else x.dtype
+        out_bias = None if bias is None else bias.to(out_dtype)
+        y = torch._scaled_mm(xq, w8.t(), scale_a=sx, scale_b=sw, bias=out_bias, out_dtype=out_dtype)
+        return y.to(x.dtype).reshape(*shape[:-1], w8.shape[0])
 
     def describe(self, layer: nn.Module) -> str:
         block = f" block {self.scheme.block}" if self.scheme.block else ""

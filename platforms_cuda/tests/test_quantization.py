@@ -16,6 +16,7 @@ from llmhal.testing.quant_layers import (
     finish,
     layer_output,
     load_tensors,
+    relative_error,
 )
 from llmhal.utils.imports import resolve_obj_by_qualname
 from llmhal_cuda.platform import CudaPlatform
@@ -140,9 +141,9 @@ def test_fbgemm_fp8_bounds_the_activation_scale(on_gpu):
     x[0, 0] = 50.0  # far above the bound: saturates instead of stretching the scale
     sx = x.abs().amax(dim=1, keepdim=True).clamp(max=2.0) / 448
     xq = (x / sx).clamp(-448, 448).to(torch.float8_e4m3fn).float() * sx
-    torch.testing.assert_close(
-        layer_output(layer, x), xq @ (w8.float() * ws).T, atol=1e-3, rtol=1e-3
-    )
+    # Rowwise scaled matmuls return bfloat16 (CUDA's only choice): compare at that precision.
+    ref = xq @ (w8.float() * ws).T
+    assert relative_error(layer_output(layer, x), ref) < 4e-3
     with pytest.raises(ValueError, match="activation_scale_ub"):
         FBGEMMFp8Config.from_config({"quant_method": "fbgemm_fp8"})
 

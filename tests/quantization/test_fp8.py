@@ -22,6 +22,7 @@ from llmhal.testing.quant_layers import (
     finish,
     layer_output,
     load_tensors,
+    relative_error,
     weight_bytes,
 )
 
@@ -138,9 +139,9 @@ def test_scaled_mm_rowwise_with_static_input_scale(use_platform):
     assert layer.fp8_mode == "scaled_mm" and not layer.fp8_per_tensor
     # Independent emulation: activations rounded to fp8 with the static scale, then exact math.
     xq = (x / input_scale).to(FP8).float() * input_scale
-    torch.testing.assert_close(
-        layer_output(layer, x), xq @ (w8.float() * s).T, atol=1e-4, rtol=1e-4
-    )
+    # Rowwise scaled matmuls return bfloat16 (CUDA's only choice): compare at that precision.
+    ref = xq @ (w8.float() * s).T
+    assert relative_error(layer_output(layer, x), ref) < 4e-3
 
 
 def test_block_scales_with_ragged_edges():
