@@ -336,11 +336,24 @@ class FlexAttentionImpl(AttentionImpl[FlexMetadata]):
             def score_mod(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
                 return cap * torch.tanh(score / cap)
 
+        # GPU kernels need the block mask's KV block (the cache block) to be a multiple of their
+        # BLOCK_N tile (64 by default); small cache blocks get a matching tile. The CPU kernel
+        # takes any block size.
+        options = None
+        if q.device.type != "cpu" and m.block_size < 64:
+            options = {"BLOCK_N": m.block_size}
         fn = _compiled_flex(backend) if backend is not None else flex_attention
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*without torch.compile")
             return fn(
-                q, k, v, score_mod=score_mod, block_mask=mask, scale=self.scale, enable_gqa=True
+                q,
+                k,
+                v,
+                score_mod=score_mod,
+                block_mask=mask,
+                scale=self.scale,
+                enable_gqa=True,
+                kernel_options=options,
             )
 
 

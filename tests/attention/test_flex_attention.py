@@ -133,3 +133,15 @@ def test_flex_validate_rejects_fp8_cache():
     assert FlexAttentionBackend.validate(req) == [
         "kv_cache_dtype fp8_e4m3 not supported (supported: auto)"
     ]
+
+
+GPU_CASES = conformance_cases(FlexAttentionBackend, dtypes=("float32", "bfloat16", "float16"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.id)
+def test_flex_compiled_on_the_device(case):
+    platform = get_current_platform()
+    if platform.device_type in ("", "cpu") or compile_backend() is None:
+        pytest.skip(f"needs an accelerator platform with torch.compile (active: {platform.name})")
+    check_attention_case(FlexAttentionBackend, case, device=platform.torch_device())
