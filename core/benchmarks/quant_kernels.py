@@ -10,9 +10,11 @@ quantized by the gguf package), it times one call ``y = x @ W.T`` at M tokens of
 * ``dequant``: the raw GGUF blocks dequantized in row chunks (``LLMHAL_GGUF_KERNEL=dequant``);
 * ``fp32`` / ``bf16``: a dense ``F.linear`` with the dequantized weight in that dtype.
 
-Reported: weight bytes held, the fastest of ``--rounds`` rounds of mean time per call (the
-machine may be shared), the relative error against float64 at the largest M, and the sum over one
-decode step of the whole model (30 layers x 7 matmuls + the LM head, M=1).
+Reported per shape: weight bytes held, the fastest of ``--rounds`` rounds of mean time per call
+(the machine may be shared), and the relative error against float64 at the largest M. The same
+weight is reused call after call, so it stays in cache, which flatters large formats (dense fp32).
+Then one whole decode step (30 layers x 7 matmuls + the LM head, M=1), every matmul with its own
+weight, run in sequence so the weights stream from memory as they do when the engine decodes.
 
     python -m llmhal.benchmarks.quant_kernels [--formats Q4_1,Q8_0] [--tokens 1,16,32] [--avx2]
 
@@ -55,52 +57,80 @@ def _time_us(fn: Callable[[], Any], rounds: int, min_seconds: float = 0.05) -> f
     return best
 
 
-def _contenders(fmt: str, n: int, k: int) -> dict[str, tuple[Any, int, str]]:
-    """variant -> (callable(x), weight bytes, implementation name)."""
+def _build(variant: str, fmt: str, raw: torch.Tensor, k: int) -> tuple[Any, int, str]:
+    """(callable(x), weight bytes, implementation name) of one contender, with its own storage."""
     from llmhal.ops.quant_linear import NativeQuantLinear
     from llmhal.quantization.gguf_dequant import GGUFRawWeight, dequantize, to_grouped
     from llmhal.quantization.grouped_linear import make_kernel
+
+    if variant in ("kernel", "native"):
+        grouped = to_grouped(raw, fmt)
+        kernel = make_kernel(grouped, torch.float32) if variant == "kernel" else None
+        kernel = kernel or NativeQuantLinear(grouped, torch.float32)
+        return kernel, kernel.weight_bytes(), kernel.name
+    if variant == "dequant":
+        rows = GGUFRawWeight(raw.clone(), fmt, k)
+        return rows, rows.weight_bytes(), rows.name
+    w = dequantize(raw, fmt).to(torch.float32 if variant == "fp32" else torch.bfloat16)
+    if variant == "fp32":
+        return (lambda x: F.linear(x, w)), w.numel() * 4, "F.linear fp32"
+    return (lambda x: F.linear(x.bfloat16(), w)), w.numel() * 2, "F.linear bf16"
+
+
+def _weights(fmt: str) -> dict[tuple[int, int], torch.Tensor]:
+    from llmhal.quantization.gguf_dequant import ggml_type
     from llmhal.testing.gguf_files import quantized_rows
 
-    raw = quantized_rows(fmt, n, k, seed=n + k)
-    grouped = to_grouped(raw, fmt)
-    kernel = make_kernel(grouped, torch.float32)
-    native = NativeQuantLinear(grouped, torch.float32)
-    rows = GGUFRawWeight(raw, fmt, k)
-    w32 = dequantize(raw, fmt)
-    w16 = w32.bfloat16()
-    return {
-        "kernel": (kernel, kernel.weight_bytes(), kernel.name),
-        "native": (native, native.weight_bytes(), native.name),
-        "dequant": (rows, rows.weight_bytes(), rows.name),
-        "fp32": (lambda x: F.linear(x, w32), w32.numel() * 4, "F.linear fp32"),
-        "bf16": (lambda x: F.linear(x.bfloat16(), w16), w16.numel() * 2, "F.linear bf16"),
-        "_ref": (w32.double(), 0, ""),
-    }
+    out = {}
+    for n, k in SHAPES:
+        if k % ggml_type(fmt).block_size:
+            print(f"{fmt}: {n}x{k} skipped (K is not a multiple of its {ggml_type(fmt).block_size}-weight blocks)")  # fmt: skip
+            continue
+        out[(n, k)] = quantized_rows(fmt, n, k, seed=n + k)
+    return out
 
 
 def run(formats: list[str], tokens: list[int], rounds: int) -> list[dict[str, Any]]:
-    from llmhal.quantization.gguf_dequant import ggml_type
+    """Per shape: every contender on the same (cache-warm) weight."""
+    from llmhal.quantization.gguf_dequant import dequantize
 
     rows = []
     gen = torch.Generator().manual_seed(0)
     for fmt in formats:
-        for (n, k), count in SHAPES.items():
-            if k % ggml_type(fmt).block_size:
-                print(f"{fmt}: {n}x{k} skipped (K is not a multiple of its {ggml_type(fmt).block_size}-weight blocks)")  # fmt: skip
-                continue
-            cont = _contenders(fmt, n, k)
-            ref_w = cont.pop("_ref")[0]
+        for (n, k), raw in _weights(fmt).items():
+            ref_w = dequantize(raw, fmt).double()
             xs = {m: torch.randn(m, k, generator=gen) for m in tokens}
             for variant in VARIANTS:
-                fn, nbytes, impl = cont[variant]
+                fn, nbytes, impl = _build(variant, fmt, raw, k)
                 times = {m: _time_us(lambda fn=fn, x=xs[m]: fn(x), rounds) for m in tokens}
                 x = xs[tokens[-1]]
                 ref = x.double() @ ref_w.T
                 err = float((fn(x).double() - ref).norm() / ref.norm())
-                rows.append(dict(format=fmt, n=n, k=k, count=count, variant=variant, impl=impl, bytes=nbytes, us=times, err=err))  # fmt: skip
-            del cont
+                rows.append(dict(format=fmt, n=n, k=k, count=SHAPES[(n, k)], variant=variant, impl=impl, bytes=nbytes, us=times, err=err))  # fmt: skip
     return rows
+
+
+def decode_step(fmt: str, rounds: int) -> dict[str, tuple[float, int]]:
+    """variant -> (ms, bytes) of all of one decode step's matmuls (M=1), each with its own weight,
+    run in sequence: the weights stream from memory as in a real step (the per-shape timings
+    reuse one weight, which stays in cache)."""
+    out = {}
+    weights = _weights(fmt)
+    for variant in VARIANTS:
+        calls = []
+        for (n, k), raw in weights.items():
+            x = torch.randn(1, k)
+            for _ in range(SHAPES[(n, k)]):
+                fn, nbytes, _ = _build(variant, fmt, raw, k)
+                calls.append((fn, x, nbytes))
+
+        def step(calls=calls) -> None:
+            for fn, x, _ in calls:
+                fn(x)
+
+        out[variant] = (_time_us(step, rounds, min_seconds=0.0) / 1e3, sum(c[2] for c in calls))
+        del calls
+    return out
 
 
 def _print(rows: list[dict[str, Any]], tokens: list[int]) -> None:
@@ -112,16 +142,15 @@ def _print(rows: list[dict[str, Any]], tokens: list[int]) -> None:
         line = f"{r['format']:6} {r['n']:>5}x{r['k']:<5} {r['variant']:8} {r['impl'][:16]:16} {r['bytes'] / 2**20:8.2f}"  # fmt: skip
         line += "".join(f" {r['us'][m]:11.1f}" for m in tokens) + f" {r['err']:9.2e}"
         print(line)
-    if 1 in tokens:
-        print("\nOne SmolLM2-135M decode step (M=1): sum of its matmuls, ms, and weight MiB")
-        for fmt in dict.fromkeys(r["format"] for r in rows):
-            parts = []
-            for v in VARIANTS:
-                sel = [r for r in rows if r["format"] == fmt and r["variant"] == v]
-                ms = sum(r["us"][1] * r["count"] for r in sel) / 1e3
-                mib = sum(r["bytes"] * r["count"] for r in sel) / 2**20
-                parts.append(f"{v} {ms:7.2f} ms / {mib:6.1f} MiB")
-            print(f"  {fmt:6} " + " | ".join(parts))
+
+
+def _print_steps(steps: dict[str, dict[str, tuple[float, int]]]) -> None:
+    print(
+        "\nOne SmolLM2-135M decode step, M=1 (211 matmuls, each weight distinct): ms and weight MiB"
+    )
+    for fmt, res in steps.items():
+        cells = [f"{v} {ms:7.2f} ms {b / 2**20:6.1f} MiB" for v, (ms, b) in res.items()]
+        print(f"  {fmt:6} " + " | ".join(cells))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--avx2", action="store_true", help="re-run with ATEN_CPU_CAPABILITY=avx2")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--shapes", default="", help="only these N x K, e.g. 576x576,49152x576")
+    p.add_argument("--no-shapes", action="store_true", help="skip the per-shape table")
+    p.add_argument("--no-step", action="store_true", help="skip the whole decode step")
     a = p.parse_args(argv)
     if a.avx2:
         args = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--avx2"]
@@ -148,7 +179,10 @@ def main(argv: list[str] | None = None) -> int:
             del SHAPES[shape]
     tokens = [int(t) for t in a.tokens.split(",")]
     formats = [f.strip() for f in a.formats.split(",") if f.strip()]
-    _print(run(formats, tokens, a.rounds), tokens)
+    if not a.no_shapes:
+        _print(run(formats, tokens, a.rounds), tokens)
+    if not a.no_step and len(SHAPES) == 5:
+        _print_steps({fmt: decode_step(fmt, a.rounds) for fmt in formats})
     return 0
 
 

@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from llmhal.layers.weights import WeightLoadError
+from llmhal.ops.quant_linear import NativeQuantLinear
 from llmhal.quantization.gguf import GGUFConfig, GGUFEmbeddingMethod, GGUFLinearMethod
+from llmhal.quantization.gguf_dequant import GGUFRawWeight
 from llmhal.quantization.unquantized import UnquantizedLinearMethod
 from llmhal.testing.gguf_files import quantized_rows
 from llmhal.testing.quant_layers import (
@@ -85,11 +87,12 @@ def test_fast_path_within_tolerance(t):
     from llmhal.ops.registry import get_op
 
     kernel_cls = get_op("quant_linear")
-    name = layer.quant_method.describe(layer)
-    if t in ("Q2_K", "Q3_K", "Q6_K"):  # groups of 16: no grouped kernel takes them here
-        assert name.endswith("gguf_dequant") or name.endswith(kernel_cls.name)
-    elif t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
-        assert name == f"gguf {t} -> {kernel_cls.name}"
+    ((kernel, _),) = layer.quant_kernels
+    if t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):  # always the dispatched quant_linear op
+        assert isinstance(kernel, (kernel_cls, NativeQuantLinear))
+        assert not isinstance(kernel, GGUFRawWeight)
+    else:  # K-quants: the op's kernel where it takes their grouping, else the exact raw rows
+        assert isinstance(kernel, (kernel_cls, GGUFRawWeight))
 
 
 def test_merged_layer_with_mixed_types(exact):

@@ -20,7 +20,9 @@ anyway; ``LLMHAL_GGUF_KERNEL=dequant`` (GGUF) or :class:`NativeQuantLinear` is t
 Measured numbers are in ``llmhal.benchmarks.quant_kernels``.
 
 Weights this kernel cannot run (group size other than 32/64/128/256, N not a multiple of 16, a
-torch without the op) are delegated to core's :class:`NativeQuantLinear`.
+torch without the op) are delegated to core's :class:`NativeQuantLinear`; so are 8-bit codes when
+torch's CPU kernels run below AVX-512 (``torch.backends.cpu.get_cpu_capability()``), where the
+two planes measured no faster than the exact native kernel.
 """
 
 from __future__ import annotations
@@ -104,6 +106,11 @@ class CpuQuantLinear:
             return f"group size {weight.group_size} is not one of {_GROUP_SIZES}"
         if n % 16:
             return f"N={n} is not a multiple of 16"
+        if weight.bits == 8 and not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+            # Two 4-bit planes double the work; measured on AVX2 this is no faster than the exact
+            # native kernel at M=1 and slower at M=16 (see llmhal.benchmarks.quant_kernels).
+            cap = torch.backends.cpu.get_cpu_capability()
+            return f"8-bit codes run as two 4-bit planes only with AVX-512 (torch uses {cap})"
         return None
 
     def weight_bytes(self) -> int:
