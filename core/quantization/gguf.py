@@ -286,10 +286,11 @@ class GGUFEmbeddingMethod(GGUFLinearMethod):
             return
         ((t, rows),) = runs  # an embedding table has one shard
         kernel = layer.quant_kernels[0][0]
-        # The LM-head kernel may hold an opaque packed layout; lookups need addressable rows.
+        # A kernel with row lookups (native, raw rows) serves both; an opaque packed layout
+        # (e.g. int4pack) needs the raw rows kept beside it.
         layer.gguf_rows = (
             kernel
-            if isinstance(kernel, GGUFRawWeight)
+            if hasattr(kernel, "embedding")
             else GGUFRawWeight(rows, t, layer.input_size, layer.params_dtype)
         )
 

@@ -113,6 +113,10 @@ def test_unsupported_weights_are_delegated_to_native(n, k, g, reason):
     native = NativeQuantLinear(w, torch.float32)
     assert torch.equal(kernel(x), native(x))
     assert kernel.weight_bytes() == native.weight_bytes()
+    ids = torch.tensor([[1, 0], [n - 1, 1]])
+    assert torch.equal(kernel.embedding(ids), native.embedding(ids))
+    # the int4pack layout is not row-addressable: no lookups offered
+    assert not hasattr(CpuQuantLinear(make_weight(64, 64, 32, 4), torch.float32), "embedding")
 
 
 def test_avx2_only_cpu():

@@ -154,7 +154,12 @@ def test_embedding_lookup_and_tied_lm_head(monkeypatch, mode):
     logits = emb.logits(x)
     tol = 1e-2 if mode == "auto" else 1e-6
     assert relative_error(logits, x.double() @ w.double().T) < tol
-    if mode == "dequant":  # one copy of the table serves lookups and the head
+    kernel = emb.quant_kernels[0][0]
+    if hasattr(kernel, "embedding"):  # row-addressable (raw rows, native): one copy serves both
+        assert emb.gguf_rows is kernel and weight_bytes(emb) == kernel.weight_bytes()
+    else:  # an opaque packed layout for the head, the file's rows for lookups
+        assert weight_bytes(emb) == kernel.weight_bytes() + raw.numel()
+    if mode == "dequant":
         assert weight_bytes(emb) == raw.numel()
     head.weight.weight_loader(head.weight, raw)
     finish(head)

@@ -75,6 +75,8 @@ class CpuQuantLinear:
         if reason is not None:
             self._native = NativeQuantLinear(weight, act_dtype)
             self.name = f"native ({reason})"
+            # Row lookups only where the storage is row-addressable (the int4pack layout is not).
+            self.embedding = self._native.embedding
             return
         s = weight.scale.to(torch.float32)
         off = torch.zeros_like(s) if weight.offset is None else weight.offset.to(torch.float32)
