@@ -18,10 +18,11 @@ the kernel reads the cache in place (no gather, no copy).
 Compilation (``LLMHAL_FLEX_COMPILE``: ``auto`` (default), ``1``, ``0``). ``auto`` compiles with the
 platform's ``simple_compile_backend`` when ``platform.capabilities.torch_compile`` says it works,
 and runs eagerly otherwise; ``1`` insists (a warning if the platform says no), ``0`` is eager.
-Measured on the 2-core development CPU (9/3 heads, head size 64, 4096-block cache): eager flex costs
-about 0.2-0.3 s *per call* whatever the size (the mask closure is re-traced each step) and
-materialises dense scores, so it is a correctness fallback only; compiled, the first call of a
-shape costs 3-18 s and later calls 10-150 ms (decode of 8 x 512 tokens: ~15-25 ms per layer).
+Measured on the shared 2-core development CPU (9/3 heads, head size 64, 4096-block cache; noisy):
+eager flex costs 0.1-0.9 s *per call* (the mask closure is traced again every step, and scores are
+dense), so it is a correctness fallback; compiled, the first call of a shape costs 3-18 s with a
+cold inductor cache, later calls 5-25 ms for 8 decodes of 512 tokens and 80-190 ms for a
+512-token prefill or 32 decodes of 1024 tokens, 3-15x faster than eager. Hence ``auto``.
 Query counts are padded to powers of two (at least 16) and the key range is always the whole
 cache, so only one shape per power of two compiles (``dynamic=True`` hits an inductor C++ codegen
 bug for this mask on CPU in torch 2.13). Eager mode instead gathers the blocks the step uses into a
