@@ -192,17 +192,19 @@ def test_failed_build_falls_back(fresh_kernel_state, monkeypatch, tmp_path):
     assert "failed" in native.kernel_status()
 
 
-def test_avx2_build_is_correct_and_cached(fresh_kernel_state, monkeypatch):
-    # The product must not assume AVX-512: build the AVX2+FMA code path and run the suite on it.
+@pytest.mark.parametrize("arch", ["-march=haswell", "-march=x86-64"], ids=["avx2", "sse2"])
+def test_portable_builds_are_correct_and_cached(fresh_kernel_state, monkeypatch, arch):
+    # The product must not assume AVX-512: build the AVX2+FMA+F16C code path, and the baseline
+    # x86-64 one (4-wide vectors, integer fp16/fp8 conversions), and run the suite on each.
     import platform
 
     if platform.machine().lower() not in ("x86_64", "amd64") or native._compiler() is None:
         pytest.skip("x86-64 with a C++ compiler only")
-    monkeypatch.setenv("LLMHAL_CPU_KERNEL_ARCH", "-march=haswell")
+    monkeypatch.setenv("LLMHAL_CPU_KERNEL_ARCH", arch)
     assert native.load_kernel() is not None, native.kernel_status()
     built = list(fresh_kernel_state.glob("kernels/paged_attention-*.so"))
     assert len(built) == 1
-    run_attention_conformance(CpuAttentionBackend).raise_on_failure()
+    run_attention_conformance(CpuAttentionBackend, dtypes=ALL_DTYPES).raise_on_failure()
     # A second process (simulated) reuses the cached binary instead of compiling again.
     stamp = built[0].stat().st_mtime_ns
     monkeypatch.setattr(native, "_kernel", None)

@@ -2,8 +2,8 @@
 // (native.py builds it with -march=native, so AVX2, AVX-512 or NEON is whatever the host has).
 //
 // One call serves every request of a step that is routed here (the decodes, and short query
-// chunks): a work item is (new token, KV head, key split), items run on OpenMP threads, and each
-// item walks the token's visible keys block by block straight out of the paged cache, so no
+// chunks): a work item is (new token, key split) over all heads, items run on OpenMP threads, and
+// each item walks the token's visible keys block by block straight out of the paged cache, so no
 // context is ever gathered into a contiguous copy. The query heads that share a KV head (GQA) are
 // processed together so each key/value row is read from memory once, and the next tile's rows are
 // prefetched while the current one is computed (shuffled blocks defeat the hardware prefetcher).
@@ -27,6 +27,9 @@
 #include <vector>
 
 #include <omp.h>
+#if defined(__F16C__) && defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -63,7 +66,9 @@ inline float bits_to_f32(uint32_t u) {
   return f;
 }
 
-// Branch-free so that conversion loops vectorize.
+// Scalar conversions: branch-free, so that conversion loops vectorize with any compiler. On x86
+// with F16C (every AVX2 CPU) `load8` converts eight elements at a time through the hardware's
+// half-to-float instruction instead: fp16 directly, fp8 after widening to a half.
 inline float half_bits_to_f32(uint32_t h) {
   const uint32_t sign = (h & 0x8000u) << 16;
   const uint32_t mag = h & 0x7fffu;
@@ -74,27 +79,44 @@ inline float half_bits_to_f32(uint32_t h) {
   return exp == 0 ? (sign ? -sub : sub) : bits_to_f32(normal);
 }
 
+#if defined(__F16C__) && defined(__AVX2__)
+#define LLMHAL_HW_HALF 1
+inline void store8(float* dst, __m128i halves) { _mm256_storeu_ps(dst, _mm256_cvtph_ps(halves)); }
+inline __m128i widen8(const uint8_t* src) {
+  return _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+}
+#endif
+
 struct F32 {
   using T = float;
   static constexpr bool kDirect = true;
+  static constexpr bool kHw8 = false;
   static inline float load(T x) { return x; }
 };
 
 struct BF16 {
   using T = uint16_t;
   static constexpr bool kDirect = false;
+  static constexpr bool kHw8 = false;  // a shift: the plain loop vectorizes well
   static inline float load(T x) { return bits_to_f32(static_cast<uint32_t>(x) << 16); }
 };
 
 struct F16 {
   using T = uint16_t;
   static constexpr bool kDirect = false;
+  static constexpr bool kHw8 = true;
   static inline float load(T x) { return half_bits_to_f32(x); }
+#ifdef LLMHAL_HW_HALF
+  static inline void load8(const T* src, float* dst) {
+    store8(dst, _mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  }
+#endif
 };
 
 struct E4M3 {  // float8_e4m3fn: bias 7, no infinities, 0x7f/0xff are NaN
   using T = uint8_t;
   static constexpr bool kDirect = false;
+  static constexpr bool kHw8 = true;
   static inline float load(T x) {
     const uint32_t sign = (static_cast<uint32_t>(x) & 0x80u) << 24;
     const uint32_t mag = x & 0x7fu;
@@ -103,13 +125,44 @@ struct E4M3 {  // float8_e4m3fn: bias 7, no infinities, 0x7f/0xff are NaN
     const float v = (mag >> 3) == 0 ? (sign ? -sub : sub) : normal;
     return mag == 0x7fu ? std::numeric_limits<float>::quiet_NaN() : v;
   }
+#ifdef LLMHAL_HW_HALF
+  // The e4m3 bits placed in a half (sign, then exponent and mantissa shifted by 7) read as the
+  // value times 2^-8, subnormals included; only the NaN code needs a fix-up.
+  static inline void load8(const T* src, float* dst) {
+    const __m128i x = widen8(src);
+    const __m128i mag = _mm_and_si128(x, _mm_set1_epi16(0x7f));
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8);
+    const __m256 f = _mm256_mul_ps(
+        _mm256_cvtph_ps(_mm_or_si128(sign, _mm_slli_epi16(mag, 7))), _mm256_set1_ps(256.f));
+    const __m256 nan = _mm256_castsi256_ps(
+        _mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f))));
+    _mm256_storeu_ps(dst, _mm256_blendv_ps(f, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()), nan));
+  }
+#endif
 };
 
 struct E5M2 {  // float8_e5m2 is the high byte of an IEEE half
   using T = uint8_t;
   static constexpr bool kDirect = false;
+  static constexpr bool kHw8 = true;
   static inline float load(T x) { return half_bits_to_f32(static_cast<uint32_t>(x) << 8); }
+#ifdef LLMHAL_HW_HALF
+  static inline void load8(const T* src, float* dst) {
+    store8(dst, _mm_slli_epi16(widen8(src), 8));
+  }
+#endif
 };
+
+template <typename C>
+inline void convert_row(const typename C::T* src, float* dst, int D) {
+  int d = 0;
+#ifdef LLMHAL_HW_HALF
+  if constexpr (C::kHw8)
+    for (; d + 8 <= D; d += 8) C::load8(src + d, dst + d);
+#endif
+#pragma omp simd
+  for (int e = d; e < D; ++e) dst[e] = C::load(src[e]);
+}
 
 // exp via Cody-Waite range reduction and the Cephes single-precision polynomial (about 1 ulp);
 // written with selects only so the softmax loops vectorize (libm's expf does not).
@@ -236,20 +289,21 @@ template <typename C>
 struct Worker {
   using T = typename C::T;
   const Args& a;
-  int G, D;
+  int G, D, HG;  // query heads per KV head, head size, KV heads
   std::vector<float> qs, acc, scores, kbuf, vbuf, m, l;
 
   explicit Worker(const Args& args)
-      : a(args), G(args.num_heads / args.num_kv_heads), D(args.head_size) {
-    qs.resize(static_cast<size_t>(G) * D);
-    acc.resize(static_cast<size_t>(G) * D);
-    scores.resize(static_cast<size_t>(G) * kTile);
+      : a(args), G(args.num_heads / args.num_kv_heads), D(args.head_size), HG(args.num_kv_heads) {
+    const size_t rows = static_cast<size_t>(HG) * G;
+    qs.resize(rows * D);
+    acc.resize(rows * D);
+    scores.resize(rows * kTile);
     if (!C::kDirect) {
       kbuf.resize(static_cast<size_t>(kTile) * D);
       vbuf.resize(static_cast<size_t>(kTile) * D);
     }
-    m.resize(G);
-    l.resize(G);
+    m.resize(rows);
+    l.resize(rows);
   }
 
   // Rows of a tile: direct pointers into an fp32 cache, or converted into a scratch buffer.
@@ -260,19 +314,22 @@ struct Worker {
       return reinterpret_cast<const float*>(base);
     } else {
       for (int t = 0; t < n; ++t) {
-        const T* src = base + t * a.c_s_tok;
-        float* dst = buf.data() + static_cast<size_t>(t) * D;
-#pragma omp simd
-        for (int d = 0; d < D; ++d) dst[d] = C::load(src[d]);
+        convert_row<C>(base + t * a.c_s_tok, buf.data() + static_cast<size_t>(t) * D, D);
       }
       return buf.data();
     }
   }
 
-  inline void prefetch_row(const T* row) const {
-    const char* p = reinterpret_cast<const char*>(row);
-    const int64_t bytes = static_cast<int64_t>(D) * sizeof(T);
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+  // Software prefetch of a tile's rows for the item's heads: shuffled blocks defeat the hardware
+  // prefetcher at every block boundary, and decode is bound by how fast rows arrive. Always
+  // inlined: GCC deems an out-of-line prefetch-only function free of effects and drops the call.
+  __attribute__((always_inline)) inline void prefetch_tile(const T* base, int n) const {
+    const int64_t row = static_cast<int64_t>(D) * sizeof(T);
+    for (int t = 0; t < n; ++t)
+      for (int h = 0; h < HG; ++h) {
+        const char* p = reinterpret_cast<const char*>(base + t * a.c_s_tok + h * a.c_s_head);
+        for (int64_t b = 0; b < row; b += 64) __builtin_prefetch(p + b, 0, 3);
+      }
   }
 
   inline int tile_len(int64_t pos, int64_t end) const {
@@ -280,34 +337,32 @@ struct Worker {
     return static_cast<int>(std::min<int64_t>({end - pos, a.block_size - off, kTile}));
   }
 
-  inline int64_t tile_base(const int32_t* bt, int64_t pos, int h) const {
-    return bt[pos / a.block_size] * a.c_s_block + (pos % a.block_size) * a.c_s_tok +
-           h * a.c_s_head;
+  inline int64_t tile_base(const int32_t* bt, int64_t pos) const {
+    return bt[pos / a.block_size] * a.c_s_block + (pos % a.block_size) * a.c_s_tok;
   }
 
-  void scores_all(const float* krow, int64_t ks, int n) {
+  // Scores of the G query rows starting at `row` against n key rows.
+  void scores_group(int row, const float* krow, int64_t ks, int n) {
+    float* q = qs.data() + static_cast<size_t>(row) * D;
+    float* s = scores.data() + static_cast<size_t>(row) * kTile;
     int g = 0;
-    for (; g + 4 <= G; g += 4)
-      tile_scores<4>(qs.data() + g * D, D, krow, ks, n, scores.data() + g * kTile);
-    for (; g + 2 <= G; g += 2)
-      tile_scores<2>(qs.data() + g * D, D, krow, ks, n, scores.data() + g * kTile);
-    for (; g < G; ++g)
-      tile_scores<1>(qs.data() + g * D, D, krow, ks, n, scores.data() + g * kTile);
+    for (; g + 4 <= G; g += 4) tile_scores<4>(q + g * D, D, krow, ks, n, s + g * kTile);
+    for (; g + 2 <= G; g += 2) tile_scores<2>(q + g * D, D, krow, ks, n, s + g * kTile);
+    for (; g < G; ++g) tile_scores<1>(q + g * D, D, krow, ks, n, s + g * kTile);
   }
 
-  void accumulate_all(const float* vrow, int64_t vs, int n) {
+  void accumulate_group(int row, const float* vrow, int64_t vs, int n) {
+    float* ac = acc.data() + static_cast<size_t>(row) * D;
+    const float* p = scores.data() + static_cast<size_t>(row) * kTile;
     int g = 0;
-    for (; g + 4 <= G; g += 4)
-      tile_accumulate<4>(acc.data() + g * D, D, scores.data() + g * kTile, vrow, vs, n);
-    for (; g + 2 <= G; g += 2)
-      tile_accumulate<2>(acc.data() + g * D, D, scores.data() + g * kTile, vrow, vs, n);
-    for (; g < G; ++g)
-      tile_accumulate<1>(acc.data() + g * D, D, scores.data() + g * kTile, vrow, vs, n);
+    for (; g + 4 <= G; g += 4) tile_accumulate<4>(ac + g * D, D, p + g * kTile, vrow, vs, n);
+    for (; g + 2 <= G; g += 2) tile_accumulate<2>(ac + g * D, D, p + g * kTile, vrow, vs, n);
+    for (; g < G; ++g) tile_accumulate<1>(ac + g * D, D, p + g * kTile, vrow, vs, n);
   }
 
   // Online softmax over one tile: scores become weights, running max/sum/accumulator rescaled.
   void softmax_update(int n) {
-    for (int g = 0; g < G; ++g) {
+    for (int g = 0; g < HG * G; ++g) {
       float* sg = scores.data() + g * kTile;
       if (a.soft_cap > 0.f) {
         const float c = a.soft_cap, inv = 1.f / a.soft_cap;
@@ -333,11 +388,11 @@ struct Worker {
     }
   }
 
-  // Attend query token `tok` of request r with KV head h over keys [k0, k1).
-  void run(int r, int64_t tok, int h, int64_t k0, int64_t k1) {
+  // Attend query token `tok` of request r (all heads) over keys [k0, k1).
+  void run(int r, int64_t tok, int64_t k0, int64_t k1) {
     const float qscale = a.scale * a.k_scale;
-    for (int g = 0; g < G; ++g) {
-      const float* src = a.q + tok * a.q_s_tok + static_cast<int64_t>(h * G + g) * a.q_s_head;
+    for (int g = 0; g < HG * G; ++g) {
+      const float* src = a.q + tok * a.q_s_tok + static_cast<int64_t>(g) * a.q_s_head;
       float* dst = qs.data() + static_cast<size_t>(g) * D;
 #pragma omp simd
       for (int d = 0; d < D; ++d) dst[d] = src[d] * qscale;
@@ -351,15 +406,17 @@ struct Worker {
     const int64_t rs = C::kDirect ? a.c_s_tok : D;  // row stride of what rows() returns
     for (int64_t pos = k0; pos < k1;) {
       const int n = tile_len(pos, k1);
-      const int64_t base = tile_base(bt, pos, h);
+      const int64_t base = tile_base(bt, pos);
       const int64_t npos = pos + n;
       const int n_next = npos < k1 ? tile_len(npos, k1) : 0;
-      const int64_t next = n_next ? tile_base(bt, npos, h) : 0;
-      for (int t = 0; t < n_next; ++t) prefetch_row(kc + next + t * a.c_s_tok);
-      scores_all(rows(kc + base, n, kbuf), rs, n);
+      const int64_t next = n_next ? tile_base(bt, npos) : 0;
+      prefetch_tile(kc + next, n_next);
+      for (int h = 0; h < HG; ++h)
+        scores_group(h * G, rows(kc + base + h * a.c_s_head, n, kbuf), rs, n);
       softmax_update(n);
-      for (int t = 0; t < n_next; ++t) prefetch_row(vc + next + t * a.c_s_tok);
-      accumulate_all(rows(vc + base, n, vbuf), rs, n);
+      prefetch_tile(vc + next, n_next);
+      for (int h = 0; h < HG; ++h)
+        accumulate_group(h * G, rows(vc + base + h * a.c_s_head, n, vbuf), rs, n);
       pos = npos;
     }
   }
@@ -382,10 +439,12 @@ void paged_attention(const Args& a) {
     if (a.window > 0) keys = std::min<int64_t>(keys, a.window);
     max_keys = std::max(max_keys, keys);
   }
-  // Split each token's keys (flash-decoding) only when there are too few (token, head) items to
-  // keep every thread busy, and never into pieces shorter than min_split_tokens.
+  // A work item covers every KV head of its token: a block's rows are then read front to back
+  // (one token's heads are adjacent), which streams markedly faster than one head at a time.
+  // Split each token's keys (flash-decoding) only when there are too few tokens to keep every
+  // thread busy, and never into pieces shorter than min_split_tokens.
   const int threads = std::max(1, a.num_threads);
-  const int64_t units = T * Hkv;
+  const int64_t units = T;
   int64_t nsplit = 1;
   if (units < 2 * threads) {
     const int64_t want = (2 * threads + units - 1) / units;
@@ -394,8 +453,9 @@ void paged_attention(const Args& a) {
   }
   const int64_t chunk = (max_keys + nsplit - 1) / nsplit;
   const int64_t items = units * nsplit;
-  std::vector<float> part;  // per item: m[G], l[G], acc[G*D]
-  const int64_t part_stride = static_cast<int64_t>(G) * (D + 2);
+  const int64_t rows = static_cast<int64_t>(Hkv) * G;  // query rows per item
+  std::vector<float> part;  // per item: m[rows], l[rows], acc[rows * D]
+  const int64_t part_stride = rows * (D + 2);
   if (nsplit > 1) part.resize(static_cast<size_t>(items * part_stride));
 
 #pragma omp parallel num_threads(threads)
@@ -403,8 +463,7 @@ void paged_attention(const Args& a) {
     Worker<C> w(a);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
-      const int64_t tok = it / (Hkv * nsplit);
-      const int h = static_cast<int>((it / nsplit) % Hkv);
+      const int64_t tok = it / nsplit;
       const int64_t split = it % nsplit;
       const int r = req_of[tok];
       const int64_t q_len = a.query_start_loc[r + 1] - a.query_start_loc[r];
@@ -413,10 +472,10 @@ void paged_attention(const Args& a) {
       const int64_t lo = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
       const int64_t k0 = std::min(p + 1, lo + split * chunk);
       const int64_t k1 = std::min(p + 1, lo + (split + 1) * chunk);
-      w.run(r, tok, h, k0, k1);
+      w.run(r, tok, k0, k1);
       if (nsplit == 1) {
-        for (int g = 0; g < G; ++g) {
-          float* o = a.out + tok * a.o_s_tok + static_cast<int64_t>(h * G + g) * a.o_s_head;
+        for (int g = 0; g < rows; ++g) {
+          float* o = a.out + tok * a.o_s_tok + static_cast<int64_t>(g) * a.o_s_head;
           const float* ag = w.acc.data() + static_cast<size_t>(g) * D;
           const float inv = a.v_scale / w.l[g];
 #pragma omp simd
@@ -425,29 +484,27 @@ void paged_attention(const Args& a) {
       } else {
         float* dst = part.data() + it * part_stride;
         std::copy(w.m.begin(), w.m.end(), dst);
-        std::copy(w.l.begin(), w.l.end(), dst + G);
-        std::copy(w.acc.begin(), w.acc.end(), dst + 2 * G);
+        std::copy(w.l.begin(), w.l.end(), dst + rows);
+        std::copy(w.acc.begin(), w.acc.end(), dst + 2 * rows);
       }
     }
     if (nsplit > 1) {
-      // Merge the splits of each (token, KV head): rescale every partial sum to the global max.
+      // Merge the splits of each token: rescale every partial sum to the global max.
 #pragma omp for schedule(static)
-      for (int64_t u = 0; u < units; ++u) {
-        const int64_t tok = u / Hkv;
-        const int h = static_cast<int>(u % Hkv);
-        for (int g = 0; g < G; ++g) {
+      for (int64_t tok = 0; tok < units; ++tok) {
+        for (int g = 0; g < rows; ++g) {
           float mx = -std::numeric_limits<float>::infinity();
           for (int64_t s = 0; s < nsplit; ++s)
-            mx = std::max(mx, part[(u * nsplit + s) * part_stride + g]);
-          float* o = a.out + tok * a.o_s_tok + static_cast<int64_t>(h * G + g) * a.o_s_head;
+            mx = std::max(mx, part[(tok * nsplit + s) * part_stride + g]);
+          float* o = a.out + tok * a.o_s_tok + static_cast<int64_t>(g) * a.o_s_head;
           std::fill(o, o + D, 0.f);
           float denom = 0.f;
           for (int64_t s = 0; s < nsplit; ++s) {
-            const float* src = part.data() + (u * nsplit + s) * part_stride;
-            if (src[G + g] == 0.f) continue;  // an empty split
+            const float* src = part.data() + (tok * nsplit + s) * part_stride;
+            if (src[rows + g] == 0.f) continue;  // an empty split
             const float wgt = std::exp(src[g] - mx);
-            denom += src[G + g] * wgt;
-            const float* ag = src + 2 * G + static_cast<int64_t>(g) * D;
+            denom += src[rows + g] * wgt;
+            const float* ag = src + 2 * rows + static_cast<int64_t>(g) * D;
 #pragma omp simd
             for (int d = 0; d < D; ++d) o[d] += ag[d] * wgt;
           }
