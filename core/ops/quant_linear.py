@@ -59,9 +59,11 @@ def _dequant_rows(
     q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, g: int
 ) -> torch.Tensor:
     n, k = q.shape
-    w = q.to(torch.float32).view(n, k // g, g) * scale.unsqueeze(-1)
+    # In place on the fresh float copy: the out-of-place form allocates twice and is ~10x slower
+    # for small groups (measured by the GGUF work, 16-wide K-quant groups).
+    w = q.to(torch.float32).view(n, k // g, g).mul_(scale.unsqueeze(-1))
     if offset is not None:
-        w = w + offset.unsqueeze(-1)
+        w.add_(offset.unsqueeze(-1))
     return w.view(n, k)
 
 
