@@ -216,7 +216,7 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata]):
             out.copy_(
                 torch_paths.short_queries(
                     query, k_cache, v_cache, layer.k_scale, layer.v_scale,
-                    max_seq_len=meta.max_kernel_seq_len, **common,
+                    **common,
                 )
             )  # fmt: skip
             return

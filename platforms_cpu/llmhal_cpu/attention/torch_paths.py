@@ -98,21 +98,81 @@ def short_queries(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     num_reqs: int,
-    max_seq_len: int,
     scale: float,
     soft_cap: float | None,
     window: int | None,
 ) -> torch.Tensor:
-    """The native kernel's job without it: every request at once, vectorised over the batch.
+    """The native kernel's job without it: requests in groups, each group vectorised.
 
-    Gathers the requests' blocks (one copy), pads every request to the longest query and context,
-    and runs one masked attention. Arguments as in :func:`llmhal_cpu.attention.native.paged_attention`;
-    returns [tokens, num_heads, head_size].
+    A group of consecutive requests gathers its blocks (from the first one its sliding window
+    needs) into one padded copy of at most :data:`_GATHER_BUDGET_ELEMS` keys' elements, small
+    enough to stay in cache for the masked attention that follows. Arguments as in
+    :func:`llmhal_cpu.attention.native.paged_attention`; returns [tokens, num_heads, head_size].
     """
-    r = num_reqs
     _, bs, hkv, d = k_cache.shape
-    nblk = -(-max_seq_len // bs)
-    blocks = block_table[:r, :nblk].to(torch.int64).flatten()
+    seq = seq_lens[:num_reqs].tolist()
+    qsl = query_start_loc[: num_reqs + 1].tolist()
+    first = [0] * num_reqs
+    if window:
+        first = [max(0, s - (qsl[j + 1] - qsl[j]) - window + 1) // bs for j, s in enumerate(seq)]
+    parts = []
+    start = 0
+    while start < num_reqs:
+        end, nblk = start + 1, -(-seq[start] // bs) - first[start]
+        while end < num_reqs:
+            grown = max(nblk, -(-seq[end] // bs) - first[end])
+            if grown * bs * hkv * d * (end + 1 - start) > _GATHER_BUDGET_ELEMS:
+                break
+            nblk, end = grown, end + 1
+        parts.append(
+            _short_group(
+                query[qsl[start] - qsl[0] : qsl[end] - qsl[0]],
+                k_cache,
+                v_cache,
+                k_scale,
+                v_scale,
+                block_table[start:end],
+                torch.tensor(first[start:end]),
+                nblk,
+                seq_lens[start:end],
+                query_start_loc[start : end + 1],
+                scale=scale,
+                soft_cap=soft_cap,
+                window=window,
+            )
+        )
+        start = end
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+# Keys' elements gathered at once by the pure-torch short-query path (K and V each: 8 MiB fp32).
+_GATHER_BUDGET_ELEMS = 1 << 21
+
+
+def _short_group(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    block_table: torch.Tensor,
+    first_block: torch.Tensor,
+    nblk: int,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    scale: float,
+    soft_cap: float | None,
+    window: int | None,
+) -> torch.Tensor:
+    r = block_table.shape[0]
+    _, bs, hkv, d = k_cache.shape
+    # Block j of request i's gathered keys is its logical block first_block[i] + j (clamped past
+    # the end of its table row: those keys are masked out anyway).
+    logical = (first_block[:, None] + torch.arange(nblk)[None, :]).clamp_(
+        max=block_table.shape[1] - 1
+    )
+    blocks = block_table.to(torch.int64).gather(1, logical).flatten()
     lk = nblk * bs
     k = paged_kv.dequantize_from_cache(
         k_cache.index_select(0, blocks).view(r, lk, hkv, d), k_scale, query.dtype
@@ -120,15 +180,16 @@ def short_queries(
     v = paged_kv.dequantize_from_cache(
         v_cache.index_select(0, blocks).view(r, lk, hkv, d), v_scale, query.dtype
     )
-    qsl = query_start_loc[: r + 1].to(torch.int64)
+    qsl = query_start_loc.to(torch.int64) - int(query_start_loc[0])
     q_lens = qsl[1:] - qsl[:-1]
     rows = torch.arange(int(q_lens.max()))
     # Row i of request j is its token qsl[j] + i (padding rows repeat its first token).
     valid = rows[None, :] < q_lens[:, None]
     tok = torch.where(valid, qsl[:-1, None] + rows[None, :], qsl[:-1, None])
     q = query[tok.flatten()].view(r, len(rows), query.shape[1], d)
-    pos = seq_lens[:r, None].to(torch.int64) - q_lens[:, None] + rows[None, :]
-    mask = visible(pos[:, :, None], torch.arange(lk)[None, None, :], window)[:, None]
+    qpos = seq_lens[:, None].to(torch.int64) - q_lens[:, None] + rows[None, :]  # [r, lq]
+    kpos = first_block[:, None] * bs + torch.arange(lk)[None, :]  # [r, lk]
+    mask = visible(qpos[:, :, None], kpos[:, None, :], window)[:, None]
     out = attend(
         q.transpose(1, 2),
         k.transpose(1, 2),
