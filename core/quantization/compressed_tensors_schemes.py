@@ -339,11 +339,21 @@ class CTW8A8Int8Method(QuantizeMethodBase):
 
 def _int8_matmul(layer: nn.Module, xq: torch.Tensor) -> torch.Tensor:
     """int8 [M, K] @ int8 weight.T -> float32 [M, N], accumulated exactly in int32 where the
-    device has an int8 matmul (``torch._int_mm``), else in float32 (exact while |sum| < 2^24)."""
+    device has an int8 matmul (``torch._int_mm``), else in float32 (exact while |sum| < 2^24).
+
+    Some devices' ``_int_mm`` needs more than 16 rows (CUDA): small batches are padded to 17.
+    """
     w = layer.weight_int8
     if layer.w8a8_int_mm:
+        m = xq.shape[0]
         try:
+            if m <= 16 and getattr(layer, "w8a8_pad_rows", False):
+                padded = torch.nn.functional.pad(xq, (0, 0, 0, 17 - m))
+                return torch._int_mm(padded, w.t())[:m].to(torch.float32)
             return torch._int_mm(xq, w.t()).to(torch.float32)
         except (RuntimeError, NotImplementedError):
-            layer.w8a8_int_mm = False  # this device/shape has no int8 matmul: use float math
+            if m <= 16 and not getattr(layer, "w8a8_pad_rows", False):
+                layer.w8a8_pad_rows = True  # retry this and later small batches padded
+                return _int8_matmul(layer, xq)
+            layer.w8a8_int_mm = False  # no int8 matmul here: float math from now on
     return xq.to(torch.float32) @ w.t().to(torch.float32)

@@ -353,3 +353,27 @@ def test_model_level_greedy_parity(tmp_path, preset):
     q_report, ref_report = assert_greedy_parity(quant, ref, logprob_atol=1e-3)
     assert q_report.quantization == "compressed-tensors"
     assert q_report.weight_bytes < ref_report.weight_bytes
+
+
+def test_w8a8_int8_matmul_fallbacks(monkeypatch):
+    config, state, _ = make_checkpoint("W8A8", seed=10)
+    layer = build_qkv(config, state)
+    x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(1))
+    want = layer_output(layer, x)
+    real = torch._int_mm
+
+    def needs_17_rows(a, b):  # what CUDA's _int_mm demands
+        if a.shape[0] <= 16:
+            raise RuntimeError("self.size(0) needs to be greater than 16")
+        return real(a, b)
+
+    monkeypatch.setattr(torch, "_int_mm", needs_17_rows)
+    torch.testing.assert_close(layer_output(layer, x), want, atol=0, rtol=0)
+    assert layer.w8a8_pad_rows and layer.w8a8_int_mm
+
+    def missing(a, b):
+        raise NotImplementedError("no int8 matmul on this device")
+
+    monkeypatch.setattr(torch, "_int_mm", missing)
+    torch.testing.assert_close(layer_output(layer, x), want, atol=1e-5, rtol=1e-6)
+    assert not layer.w8a8_int_mm
