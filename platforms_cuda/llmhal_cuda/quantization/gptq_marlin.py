@@ -13,56 +13,28 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from llmhal.ops.quant_linear import GroupedQuantWeight
 from llmhal.quantization.gptq import GPTQConfig, GPTQLinearMethod
 from llmhal_cuda.quantization.int4_tinygemm import (
     GROUP_SIZES,
-    MIN_CAPABILITY,
-    cuda_int4_reasons,
-    tinygemm_or_default,
+    TinygemmConfigMixin,
+    TinygemmMethodMixin,
 )
 
 
-class GPTQMarlinLinearMethod(GPTQLinearMethod):
+class GPTQMarlinLinearMethod(TinygemmMethodMixin, GPTQLinearMethod):
     method_name = "gptq_marlin"
 
-    def kernel_for(self, weight: GroupedQuantWeight, act_dtype: torch.dtype) -> Any:
-        return tinygemm_or_default(weight, act_dtype)
 
-
-class GPTQMarlinConfig(GPTQConfig):
+class GPTQMarlinConfig(TinygemmConfigMixin, GPTQConfig):
     linear_method_cls = GPTQMarlinLinearMethod
+    claims = "gptq"
 
     @classmethod
     def get_name(cls) -> str:
         return "gptq_marlin"
 
     @classmethod
-    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
-        return [torch.bfloat16, torch.float16]
-
-    @classmethod
-    def get_min_capability(cls) -> int:
-        return MIN_CAPABILITY
-
-    @classmethod
-    def availability(cls, platform: Any) -> list[str]:
-        return cuda_int4_reasons(platform)
-
-    @classmethod
-    def override_quantization_method(
-        cls, hf_quant_cfg: dict[str, Any], user_quant: str | None
-    ) -> str | None:
-        from llmhal.platforms import get_current_platform
-
-        if str(hf_quant_cfg.get("quant_method", "")).lower() != "gptq":
-            return None
-        if user_quant not in (None, "gptq_marlin"):
-            return None
+    def checkpoint_fits(cls, hf_quant_cfg: dict[str, Any]) -> bool:
         bits = hf_quant_cfg.get("bits", hf_quant_cfg.get("w_bit"))
         group = hf_quant_cfg.get("group_size", hf_quant_cfg.get("q_group_size"))
-        if bits != 4 or group not in GROUP_SIZES or hf_quant_cfg.get("dynamic"):
-            return None
-        return None if cuda_int4_reasons(get_current_platform()) else "gptq_marlin"
+        return bits == 4 and group in GROUP_SIZES and not hf_quant_cfg.get("dynamic")

@@ -109,3 +109,46 @@ def tinygemm_or_default(weight: GroupedQuantWeight, act_dtype: torch.dtype) -> A
     if TinygemmInt4Linear.supports(weight, act_dtype) is None:
         return TinygemmInt4Linear(weight, act_dtype)
     return make_kernel(weight, act_dtype)
+
+
+class TinygemmMethodMixin:
+    """Layer-method mixin: run each grouped part on tinygemm where it fits."""
+
+    def kernel_for(self, weight: GroupedQuantWeight, act_dtype: torch.dtype) -> Any:
+        return tinygemm_or_default(weight, act_dtype)
+
+
+class TinygemmConfigMixin:
+    """Config mixin: needs a >= 8.0 NVIDIA GPU and claims checkpoints of method ``claims`` that
+    :meth:`checkpoint_fits` accepts, unless the user asked for another method."""
+
+    claims = ""
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return MIN_CAPABILITY
+
+    @classmethod
+    def availability(cls, platform: Any) -> list[str]:
+        return cuda_int4_reasons(platform)
+
+    @classmethod
+    def checkpoint_fits(cls, hf_quant_cfg: dict[str, Any]) -> bool:
+        raise NotImplementedError
+
+    @classmethod
+    def override_quantization_method(
+        cls, hf_quant_cfg: dict[str, Any], user_quant: str | None
+    ) -> str | None:
+        from llmhal.platforms import get_current_platform
+
+        name = cls.get_name()  # type: ignore[attr-defined]
+        if str(hf_quant_cfg.get("quant_method", "")).lower() != cls.claims:
+            return None
+        if user_quant not in (None, name) or not cls.checkpoint_fits(hf_quant_cfg):
+            return None
+        return None if cuda_int4_reasons(get_current_platform()) else name
