@@ -4,7 +4,9 @@ For each dtype, mode (decode, prefill), batch size and context length, the bench
 random step, lays its keys and values out twice -- in each backend's paged KV cache (blocks in
 shuffled order by default, as a long-running server's allocator leaves them) and contiguously for
 ``torch.nn.functional.scaled_dot_product_attention`` -- and times one attention call of each,
-interleaved, reporting the median per call and the ratio to SDPA measured in the same run.
+interleaved, reporting the median per call and the ratio to SDPA measured in the same run. Caches
+are flushed before every timed call (``--flush-mb``): in a model, each layer reads its own KV cache,
+so no call finds its data already cached.
 
 * decode: every request has ``context - 1`` cached tokens and one new token;
 * prefill: every request has ``context`` new tokens and nothing cached (causal).
@@ -21,6 +23,7 @@ Run ``python -m llmhal.benchmarks.attention --help`` (or ``llmhal bench attentio
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -63,10 +66,22 @@ class _LayerState:
         self.v_scale = torch.tensor(1.0)
 
 
+@functools.cache
+def _flush_buffer(mib: int) -> torch.Tensor:
+    buf = torch.empty(mib << 18)  # float32: 4 bytes
+    buf.fill_(0)  # fault its pages in now, not inside the first timed calls
+    return buf
+
+
 def _timed(
-    fn: Callable[[], Any], times: list[float], clock: Callable[[], float]
+    fn: Callable[[], Any],
+    times: list[float],
+    clock: Callable[[], float],
+    flush: torch.Tensor | None,
 ) -> Callable[[], None]:
     def run() -> None:
+        if flush is not None:
+            flush.fill_(len(times))  # evict the caches: no contender reuses another's data
         t = clock()
         fn()
         times.append((clock() - t) * 1e3)
@@ -208,7 +223,8 @@ def _run_config(a: argparse.Namespace, dtype: torch.dtype, mode: str, b: int, L:
     sdpa = c.sdpa_variants()
     times: dict[str, list[float]] = {k: [] for k in [*sdpa, *calls]}
     clock = time.perf_counter if a.clock == "wall" else time.process_time
-    runs = {k: _timed(f, times[k], clock) for k, f in [*sdpa.items(), *calls.items()]}
+    flush = _flush_buffer(a.flush_mb) if a.flush_mb else None
+    runs = {k: _timed(f, times[k], clock, flush) for k, f in [*sdpa.items(), *calls.items()]}
     outputs: dict[str, torch.Tensor] = {}
     for name, f in [*sdpa.items(), *calls.items()]:
         try:
@@ -302,6 +318,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="skip prefill configurations with more new tokens than this (they take minutes)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--flush-mb",
+        type=int,
+        default=128,
+        help="MiB written before every timed call so each starts with cold caches, as one layer "
+        "of a real model does (0: keep caches warm; contenders sharing data then favour each other)",
+    )
     p.add_argument(
         "--clock",
         default="wall",
