@@ -1,7 +1,7 @@
 """rocm_attn and rocm_aiter_fa on this CPU machine.
 
 * The split-KV decode kernel and ``rocm_attn`` run for real, in Triton's interpreter
-  (``TRITON_INTERPRET=1``, set by a fixture, with the kernel modules re-imported under it).
+  (``TRITON_INTERPRET=1``, in a fresh subprocess: Triton reads the variable at kernel definition).
 * aiter needs an MI300/MI350, so its glue is checked through a pure-torch stand-in that follows
   ``aiter.flash_attn_varlen_func``'s documented contract (bottom-right causal mask, ``window_size``,
   ``logits_soft_cap``); the conformance suite compares against core's reference backend.
@@ -9,8 +9,9 @@
 
 from __future__ import annotations
 
-import importlib
 import importlib.machinery
+import os
+import subprocess
 import sys
 import types
 from collections.abc import Iterator
@@ -41,19 +42,39 @@ KERNEL_MODULE = "llmhal_rocm.attention.paged_decode"
 CORE_KERNEL_MODULE = "llmhal.attention.triton_kernels"  # rocm_attn's prefill path
 
 
+_SUBPROCESS_FLAG = "LLMHAL_ROCM_TRITON_SUBPROCESS"
+
+
 @pytest.fixture
-def triton_device(monkeypatch: pytest.MonkeyPatch) -> str:
-    """The device Triton kernels run on here: a GPU, else the CPU through the interpreter."""
+def triton_device() -> str:
+    """The device Triton kernels run on here: a GPU, else the CPU through the interpreter.
+
+    Triton decides between compiling and interpreting when a kernel is decorated, i.e. when a
+    kernel module is first imported, so the interpreter runs only in a fresh process started with
+    ``TRITON_INTERPRET=1`` (see :func:`test_triton_kernels_in_the_interpreter`); reloading modules
+    in this process would leave other modules holding the old kernels.
+    """
     if torch.cuda.is_available():
         return "cuda"
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    # Triton decides between compiling and interpreting when a kernel is decorated: re-import
-    # every loaded Triton kernel module of ours and core's under the variable.
-    for name in [
-        n for n in sys.modules if n == KERNEL_MODULE or n.startswith("llmhal.attention.triton")
-    ]:
-        importlib.reload(sys.modules[name])
+    if os.environ.get(_SUBPROCESS_FLAG) != "1" or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip(
+            "runs in the Triton-interpreter subprocess (test_triton_kernels_in_the_interpreter)"
+        )
     return "cpu"
+
+
+def test_triton_kernels_in_the_interpreter(request: pytest.FixtureRequest) -> None:
+    """Run this file's kernel tests in a fresh process with ``TRITON_INTERPRET=1``."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available() or os.environ.get(_SUBPROCESS_FLAG) == "1":
+        pytest.skip("kernels run directly here")
+    markexpr = request.config.getoption("-m") or ""
+    env = dict(os.environ, TRITON_INTERPRET="1", **{_SUBPROCESS_FLAG: "1"})
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+           "-k", "paged_decode_kernel or rocm_attn_matches_reference", "-m", markexpr]  # fmt: skip
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    assert " passed" in res.stdout
 
 
 @pytest.fixture
