@@ -404,6 +404,11 @@ struct Worker {
     const T* vc = static_cast<const T*>(a.v_cache);
     const int32_t* bt = a.block_table + static_cast<int64_t>(r) * a.bt_s;
     const int64_t rs = C::kDirect ? a.c_s_tok : D;  // row stride of what rows() returns
+    if (k0 < k1) {
+      const int n0 = tile_len(k0, k1);
+      prefetch_tile(kc + tile_base(bt, k0), n0);
+      prefetch_tile(vc + tile_base(bt, k0), n0);
+    }
     for (int64_t pos = k0; pos < k1;) {
       const int n = tile_len(pos, k1);
       const int64_t base = tile_base(bt, pos);
