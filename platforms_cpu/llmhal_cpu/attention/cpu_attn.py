@@ -2,9 +2,10 @@
 
 One call serves a whole step (decodes first, then prefills and prefill chunks):
 
-* **KV cache**: one tensor [2, num_blocks, block_size, num_kv_heads, head_size] per layer, in the
-  model dtype or fp8 (``fp8_e4m3``/``fp8_e5m2``: stored value = real / scale). New keys and values
-  are written with one ``index_copy_`` each at ``slot_mapping``.
+* **KV cache**: one tensor [2, num_blocks, block_size, num_kv_heads, head_size] per layer (the
+  shared layout of :mod:`llmhal.attention.paged_kv`), in the model dtype or fp8 (``fp8_e4m3``/
+  ``fp8_e5m2``: stored value = real / scale). The native kernel stores the step's new keys and
+  values in the same call that attends; fp8 values are quantized and stored by torch first.
 * **Decodes and short query chunks** (up to :data:`KERNEL_MAX_QUERY_LEN` new tokens, e.g. draft
   verification) go to the native kernel (``paged_attention.cpp``): every request in one call,
   threads over (token, KV head, key split), keys read straight out of the paged blocks, so nothing
@@ -21,6 +22,7 @@ Per-step work (masks, block lists, routing) is done once by the builder and shar
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -60,14 +62,14 @@ class CpuAttentionMetadata:
     """cpu_attn's per-step metadata (built once, shared by every layer of the step)."""
 
     num_actual_tokens: int
-    slot_mapping: torch.Tensor  # int64, slots of the tokens that are written
+    all_slots: torch.Tensor  # int64 [num_actual_tokens], -1 = padding (for the kernel)
+    slot_mapping: torch.Tensor  # int64, slots of the tokens that are written (for torch)
     write_index: torch.Tensor | None  # which tokens are written; None = all of them
     num_kernel_reqs: int  # the leading requests served by the paged kernel
     num_kernel_tokens: int
     query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
     seq_lens: torch.Tensor  # int32 [num_reqs]
     block_table: torch.Tensor  # int32 [num_reqs, max_blocks], contiguous
-    max_kernel_seq_len: int
     prefills: tuple[PrefillSpec, ...]
     tree_mask: torch.Tensor | None
     # Prefill masks depend on the layer's sliding window: built on first use, shared by layers.
@@ -86,8 +88,8 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata]
         bs = self.requirements.block_size
         qsl_cpu = common.query_start_loc_cpu.tolist()
         seq_cpu = common.seq_lens_cpu.tolist()
-        slots = common.slot_mapping[: common.num_actual_tokens].to(torch.int64)
-        write_index = None
+        slots = common.slot_mapping[: common.num_actual_tokens].to(torch.int64).contiguous()
+        all_slots, write_index = slots, None
         if common.num_actual_tokens and bool((slots < 0).any()):
             write_index = torch.nonzero(slots >= 0).flatten()
             slots = slots[write_index]
@@ -110,6 +112,7 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata]
             prefills.append(self._prefill_spec(r, q0, q1, ctx, seq, table, bs, tree_q))
         return CpuAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
+            all_slots=all_slots,
             slot_mapping=slots,
             write_index=write_index,
             num_kernel_reqs=n_kernel,
@@ -117,7 +120,6 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata]
             query_start_loc=common.query_start_loc_cpu.to(torch.int32).contiguous(),
             seq_lens=common.seq_lens_cpu.to(torch.int32).contiguous(),
             block_table=table,
-            max_kernel_seq_len=max(seq_cpu[:n_kernel], default=0),
             prefills=tuple(prefills),
             tree_mask=common.tree_mask,
         )
@@ -167,19 +169,58 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata]):
         out = torch.empty_like(query)
         if out.shape[0] > n:
             out[n:].zero_()  # padding rows
-        query, key, value = query[:n], key[:n], value[:n]
+            query, key, value = query[:n], key[:n], value[:n]
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        self._write(k_cache, key, layer.k_scale, meta)
-        self._write(v_cache, value, layer.v_scale, meta)
-        if meta.num_kernel_reqs:
+        lib = native.load_kernel()
+        # The kernel stores the new keys/values itself (one call, no torch ops) when they are
+        # stored as they are; fp8 quantization, and the no-kernel case, go through torch.
+        kernel_stores = (
+            lib is not None
+            and k_cache.dtype == key.dtype
+            and key.stride(-1) == value.stride(-1) == 1
+        )
+        if not kernel_stores:
+            self._write(k_cache, key, layer.k_scale, meta)
+            self._write(v_cache, value, layer.v_scale, meta)
+        if meta.num_kernel_reqs or kernel_stores:
             t = meta.num_kernel_tokens
-            self._short_queries(layer, query[:t], k_cache, v_cache, meta, out[:t])
+            if lib is None:
+                out[:t] = torch_paths.short_queries(
+                    query[:t], k_cache, v_cache, layer.k_scale, layer.v_scale,
+                    **self._kernel_args(meta),
+                )  # fmt: skip
+            else:
+                fp8 = k_cache.dtype.itemsize == 1
+                native.paged_attention(
+                    lib,
+                    query=query if t == n else query[:t],
+                    k_cache=k_cache,
+                    v_cache=v_cache,
+                    out=out if t == n else out[:t],
+                    num_kv_heads=self.num_kv_heads,
+                    k_scale=float(layer.k_scale) if fp8 else 1.0,
+                    v_scale=float(layer.v_scale) if fp8 else 1.0,
+                    min_split_tokens=MIN_SPLIT_TOKENS,
+                    new_kv=(key, value, meta.all_slots) if kernel_stores else None,
+                    **self._kernel_args(meta),
+                )
         for spec in meta.prefills:
             rows = slice(spec.q_start, spec.q_end)
             out[rows] = self._prefill(
                 layer, spec, query[rows], key[rows], value[rows], kv_cache, meta
             )
         return out
+
+    def _kernel_args(self, meta: CpuAttentionMetadata) -> dict[str, Any]:
+        return dict(
+            block_table=meta.block_table,
+            seq_lens=meta.seq_lens,
+            query_start_loc=meta.query_start_loc,
+            num_reqs=meta.num_kernel_reqs,
+            scale=self.scale,
+            soft_cap=self.logits_soft_cap,
+            window=self.sliding_window,
+        )
 
     def _write(
         self, cache: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, meta: CpuAttentionMetadata
@@ -191,47 +232,6 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata]):
         if cache.dtype.itemsize == 1:  # index_copy_ has no fp8 kernel; bytes are bytes
             flat, x = flat.view(torch.uint8), x.view(torch.uint8)
         flat.index_copy_(0, meta.slot_mapping, x)
-
-    def _short_queries(
-        self,
-        layer: AttentionLayerState,
-        query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: CpuAttentionMetadata,
-        out: torch.Tensor,
-    ) -> None:
-        """Decodes and short chunks: one native kernel call (or one vectorised torch pass)."""
-        lib = native.load_kernel()
-        common = dict(
-            block_table=meta.block_table,
-            seq_lens=meta.seq_lens,
-            query_start_loc=meta.query_start_loc,
-            num_reqs=meta.num_kernel_reqs,
-            scale=self.scale,
-            soft_cap=self.logits_soft_cap,
-            window=self.sliding_window,
-        )
-        if lib is None:
-            out.copy_(
-                torch_paths.short_queries(
-                    query, k_cache, v_cache, layer.k_scale, layer.v_scale,
-                    **common,
-                )
-            )  # fmt: skip
-            return
-        native.paged_attention(
-            lib,
-            query=query,
-            k_cache=k_cache,
-            v_cache=v_cache,
-            out=out,
-            num_kv_heads=self.num_kv_heads,
-            k_scale=float(layer.k_scale),
-            v_scale=float(layer.v_scale),
-            min_split_tokens=MIN_SPLIT_TOKENS,
-            **common,
-        )
 
     def _prefill(
         self,

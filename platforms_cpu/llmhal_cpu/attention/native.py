@@ -79,6 +79,14 @@ class KernelArgs(ctypes.Structure):
         ("window", ctypes.c_int32),
         ("num_threads", ctypes.c_int32),
         ("min_split_tokens", ctypes.c_int32),
+        ("new_k", ctypes.c_void_p),
+        ("new_v", ctypes.c_void_p),
+        ("nk_s_tok", ctypes.c_int64),
+        ("nk_s_head", ctypes.c_int64),
+        ("nv_s_tok", ctypes.c_int64),
+        ("nv_s_head", ctypes.c_int64),
+        ("slot_mapping", ctypes.c_void_p),
+        ("num_new", ctypes.c_int64),
     ]
 
 
@@ -221,13 +229,17 @@ def paged_attention(
     v_scale: float,
     window: int | None,
     min_split_tokens: int,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Attention of the first ``num_reqs`` requests' tokens, written into ``out`` (one kernel call).
+    """One kernel call: store ``new_kv`` if given, then attend for the first ``num_reqs`` requests.
 
-    ``query``/``out`` are [tokens, num_heads, head_size] with the first token of request 0 at row 0;
-    ``k_cache``/``v_cache`` are [num_blocks, block_size, num_kv_heads, head_size] (last dimension
-    contiguous); ``block_table``/``seq_lens``/``query_start_loc`` are contiguous int32 tensors as in
-    ``CommonAttentionMetadata``. Any query/output dtype; the kernel itself works in fp32.
+    ``query``/``out`` are [tokens, num_heads, head_size], the first token of request 0 at row 0
+    (rows of the first ``num_reqs`` requests are used); ``k_cache``/``v_cache`` are [num_blocks,
+    block_size, num_kv_heads, head_size] with a contiguous last dimension;
+    ``block_table``/``seq_lens``/``query_start_loc`` are contiguous int32 tensors as in
+    ``CommonAttentionMetadata``. ``new_kv`` is (key, value, slot_mapping): [T, num_kv_heads,
+    head_size] tensors in the cache's dtype with a contiguous last dimension, and int64 slots
+    (-1: padding, skipped). Any query/output dtype; the kernel itself computes in fp32.
     """
     q = query
     if q.dtype != torch.float32 or q.stride(-1) != 1:
@@ -262,7 +274,13 @@ def paged_attention(
         num_threads=torch.get_num_threads(),
         min_split_tokens=min_split_tokens,
     )
+    if new_kv is not None:
+        key, value, slots = new_kv
+        args.new_k, args.new_v = key.data_ptr(), value.data_ptr()
+        args.nk_s_tok, args.nk_s_head = key.stride(0), key.stride(1)
+        args.nv_s_tok, args.nv_s_head = value.stride(0), value.stride(1)
+        args.slot_mapping, args.num_new = slots.data_ptr(), slots.shape[0]
     if lib.llmhal_paged_attention(ctypes.byref(args), CACHE_TYPE_CODES[k_cache.dtype]) != 0:
         raise RuntimeError(f"the paged-attention kernel does not take cache dtype {k_cache.dtype}")
-    if o is not out:
+    if num_reqs and o is not out:
         out.copy_(o)

@@ -204,7 +204,36 @@ struct Args {
   int32_t window;
   int32_t num_threads;
   int32_t min_split_tokens;
+  // The step's new keys/values to store first (num_new tokens; 0: the caller stored them), in
+  // the cache's element type, with the slot of each token (-1: padding, not stored).
+  const void* new_k;
+  const void* new_v;
+  int64_t nk_s_tok, nk_s_head, nv_s_tok, nv_s_head;
+  const int64_t* slot_mapping;
+  int64_t num_new;
 };
+
+// Stores the step's keys and values at their slots: one row of head_size elements per token and
+// KV head, copied as bytes (the cache holds the model dtype here; fp8 is quantized by the caller).
+template <typename C>
+void store_new_kv(const Args& a) {
+  using T = typename C::T;
+  const int Hkv = a.num_kv_heads;
+  const size_t row = static_cast<size_t>(a.head_size) * sizeof(T);
+  const int threads = a.num_new * Hkv >= 256 ? std::max(1, a.num_threads) : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t t = 0; t < a.num_new; ++t) {
+    const int64_t slot = a.slot_mapping[t];
+    if (slot < 0) continue;
+    const int64_t dst = (slot / a.block_size) * a.c_s_block + (slot % a.block_size) * a.c_s_tok;
+    for (int h = 0; h < Hkv; ++h) {
+      std::memcpy(static_cast<T*>(const_cast<void*>(a.k_cache)) + dst + h * a.c_s_head,
+                  static_cast<const T*>(a.new_k) + t * a.nk_s_tok + h * a.nk_s_head, row);
+      std::memcpy(static_cast<T*>(const_cast<void*>(a.v_cache)) + dst + h * a.c_s_head,
+                  static_cast<const T*>(a.new_v) + t * a.nv_s_tok + h * a.nv_s_head, row);
+    }
+  }
+}
 
 // s[i * kTile + t] = q_i . k_t for GB query rows (stride D) and n key rows (stride ks); two keys
 // at a time so each query load feeds two FMAs.
@@ -285,38 +314,53 @@ inline void tile_accumulate(float* acc, int D, const float* p, const float* v, i
     }
 }
 
+// Per-thread scratch that only grows: a decode step calls the kernel once per layer, and
+// allocating a worker's buffers on every call costs as much as a short context's attention.
+struct Scratch {
+  std::vector<float> buf;
+  float* get(size_t n) {
+    if (buf.size() < n) buf.resize(n);
+    return buf.data();
+  }
+};
+inline Scratch& scratch(int i) {
+  static thread_local Scratch s[2];  // 0: the worker's buffers, 1: the caller's
+  return s[i];
+}
+
 template <typename C>
 struct Worker {
   using T = typename C::T;
   const Args& a;
   int G, D, HG;  // query heads per KV head, head size, KV heads
-  std::vector<float> qs, acc, scores, kbuf, vbuf, m, l;
+  size_t rows;  // query rows (all heads)
+  float *qs, *acc, *scores, *kbuf, *vbuf, *m, *l;
 
   explicit Worker(const Args& args)
       : a(args), G(args.num_heads / args.num_kv_heads), D(args.head_size), HG(args.num_kv_heads) {
-    const size_t rows = static_cast<size_t>(HG) * G;
-    qs.resize(rows * D);
-    acc.resize(rows * D);
-    scores.resize(rows * kTile);
-    if (!C::kDirect) {
-      kbuf.resize(static_cast<size_t>(kTile) * D);
-      vbuf.resize(static_cast<size_t>(kTile) * D);
-    }
-    m.resize(rows);
-    l.resize(rows);
+    rows = static_cast<size_t>(HG) * G;
+    const size_t tile = static_cast<size_t>(kTile) * D;
+    // m and l lead so that [m, l, acc] is exactly a split's partial result, copied in one go.
+    m = scratch(0).get(rows * (2 + 2 * D + kTile) + 2 * tile);
+    l = m + rows;
+    acc = l + rows;
+    qs = acc + rows * D;
+    scores = qs + rows * D;
+    kbuf = scores + rows * kTile;
+    vbuf = kbuf + tile;
   }
 
   // Rows of a tile: direct pointers into an fp32 cache, or converted into a scratch buffer.
-  inline const float* rows(const T* base, int n, std::vector<float>& buf) {
+  inline const float* tile_rows(const T* base, int n, float* buf) {
     if constexpr (C::kDirect) {
       (void)n;
       (void)buf;
       return reinterpret_cast<const float*>(base);
     } else {
       for (int t = 0; t < n; ++t) {
-        convert_row<C>(base + t * a.c_s_tok, buf.data() + static_cast<size_t>(t) * D, D);
+        convert_row<C>(base + t * a.c_s_tok, buf + static_cast<size_t>(t) * D, D);
       }
-      return buf.data();
+      return buf;
     }
   }
 
@@ -343,8 +387,8 @@ struct Worker {
 
   // Scores of the G query rows starting at `row` against n key rows.
   void scores_group(int row, const float* krow, int64_t ks, int n) {
-    float* q = qs.data() + static_cast<size_t>(row) * D;
-    float* s = scores.data() + static_cast<size_t>(row) * kTile;
+    float* q = qs + static_cast<size_t>(row) * D;
+    float* s = scores + static_cast<size_t>(row) * kTile;
     int g = 0;
     for (; g + 4 <= G; g += 4) tile_scores<4>(q + g * D, D, krow, ks, n, s + g * kTile);
     for (; g + 2 <= G; g += 2) tile_scores<2>(q + g * D, D, krow, ks, n, s + g * kTile);
@@ -352,8 +396,8 @@ struct Worker {
   }
 
   void accumulate_group(int row, const float* vrow, int64_t vs, int n) {
-    float* ac = acc.data() + static_cast<size_t>(row) * D;
-    const float* p = scores.data() + static_cast<size_t>(row) * kTile;
+    float* ac = acc + static_cast<size_t>(row) * D;
+    const float* p = scores + static_cast<size_t>(row) * kTile;
     int g = 0;
     for (; g + 4 <= G; g += 4) tile_accumulate<4>(ac + g * D, D, p + g * kTile, vrow, vs, n);
     for (; g + 2 <= G; g += 2) tile_accumulate<2>(ac + g * D, D, p + g * kTile, vrow, vs, n);
@@ -363,7 +407,7 @@ struct Worker {
   // Online softmax over one tile: scores become weights, running max/sum/accumulator rescaled.
   void softmax_update(int n) {
     for (int g = 0; g < HG * G; ++g) {
-      float* sg = scores.data() + g * kTile;
+      float* sg = scores + g * kTile;
       if (a.soft_cap > 0.f) {
         const float c = a.soft_cap, inv = 1.f / a.soft_cap;
         for (int t = 0; t < n; ++t) sg[t] = c * std::tanh(sg[t] * inv);
@@ -378,7 +422,7 @@ struct Worker {
       }
       if (mt != m[g]) {
         const float corr = exp_approx(m[g] - mt);
-        float* ag = acc.data() + static_cast<size_t>(g) * D;
+        float* ag = acc + static_cast<size_t>(g) * D;
 #pragma omp simd
         for (int d = 0; d < D; ++d) ag[d] *= corr;
         l[g] *= corr;
@@ -393,13 +437,13 @@ struct Worker {
     const float qscale = a.scale * a.k_scale;
     for (int g = 0; g < HG * G; ++g) {
       const float* src = a.q + tok * a.q_s_tok + static_cast<int64_t>(g) * a.q_s_head;
-      float* dst = qs.data() + static_cast<size_t>(g) * D;
+      float* dst = qs + static_cast<size_t>(g) * D;
 #pragma omp simd
       for (int d = 0; d < D; ++d) dst[d] = src[d] * qscale;
       m[g] = -std::numeric_limits<float>::infinity();
       l[g] = 0.f;
     }
-    std::fill(acc.begin(), acc.end(), 0.f);
+    std::fill(acc, acc + rows * D, 0.f);
     const T* kc = static_cast<const T*>(a.k_cache);
     const T* vc = static_cast<const T*>(a.v_cache);
     const int32_t* bt = a.block_table + static_cast<int64_t>(r) * a.bt_s;
@@ -418,12 +462,12 @@ struct Worker {
       const int64_t next = n_next ? tile_base(bt, npos) : 0;
       for (int h = 0; h < HG; ++h) {
         prefetch_rows(kc + next, n_next, h);
-        scores_group(h * G, rows(kc + base + h * a.c_s_head, n, kbuf), rs, n);
+        scores_group(h * G, tile_rows(kc + base + h * a.c_s_head, n, kbuf), rs, n);
       }
       softmax_update(n);
       for (int h = 0; h < HG; ++h) {
         prefetch_rows(vc + next, n_next, h);
-        accumulate_group(h * G, rows(vc + base + h * a.c_s_head, n, vbuf), rs, n);
+        accumulate_group(h * G, tile_rows(vc + base + h * a.c_s_head, n, vbuf), rs, n);
       }
       pos = npos;
     }
@@ -432,12 +476,16 @@ struct Worker {
 
 template <typename C>
 void paged_attention(const Args& a) {
+  if (a.num_new > 0) store_new_kv<C>(a);
+  if (a.num_reqs <= 0) return;
   const int Hkv = a.num_kv_heads;
   const int G = a.num_heads / Hkv;
   const int D = a.head_size;
   const int64_t T = a.query_start_loc[a.num_reqs] - a.query_start_loc[0];
   if (T <= 0) return;
-  std::vector<int32_t> req_of(T);
+  static thread_local std::vector<int32_t> req_of_buf;
+  if (req_of_buf.size() < static_cast<size_t>(T)) req_of_buf.resize(T);
+  int32_t* req_of = req_of_buf.data();
   int64_t max_keys = 0;
   for (int r = 0; r < a.num_reqs; ++r) {
     const int64_t s0 = a.query_start_loc[r] - a.query_start_loc[0];
@@ -462,11 +510,11 @@ void paged_attention(const Args& a) {
   const int64_t chunk = (max_keys + nsplit - 1) / nsplit;
   const int64_t items = units * nsplit;
   const int64_t rows = static_cast<int64_t>(Hkv) * G;  // query rows per item
-  std::vector<float> part;  // per item: m[rows], l[rows], acc[rows * D]
+  // Per item of a split: m[rows], l[rows], acc[rows * D], as laid out in a worker's scratch.
   const int64_t part_stride = rows * (D + 2);
-  if (nsplit > 1) part.resize(static_cast<size_t>(items * part_stride));
+  float* part = nsplit > 1 ? scratch(1).get(static_cast<size_t>(items * part_stride)) : nullptr;
 
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, items)))
   {
     Worker<C> w(a);
 #pragma omp for schedule(dynamic, 1)
@@ -484,16 +532,14 @@ void paged_attention(const Args& a) {
       if (nsplit == 1) {
         for (int g = 0; g < rows; ++g) {
           float* o = a.out + tok * a.o_s_tok + static_cast<int64_t>(g) * a.o_s_head;
-          const float* ag = w.acc.data() + static_cast<size_t>(g) * D;
+          const float* ag = w.acc + static_cast<size_t>(g) * D;
           const float inv = a.v_scale / w.l[g];
 #pragma omp simd
           for (int d = 0; d < D; ++d) o[d] = ag[d] * inv;
         }
       } else {
-        float* dst = part.data() + it * part_stride;
-        std::copy(w.m.begin(), w.m.end(), dst);
-        std::copy(w.l.begin(), w.l.end(), dst + rows);
-        std::copy(w.acc.begin(), w.acc.end(), dst + 2 * rows);
+        float* dst = part + it * part_stride;
+        std::copy(w.m, w.m + part_stride, dst);
       }
     }
     if (nsplit > 1) {
@@ -508,7 +554,7 @@ void paged_attention(const Args& a) {
           std::fill(o, o + D, 0.f);
           float denom = 0.f;
           for (int64_t s = 0; s < nsplit; ++s) {
-            const float* src = part.data() + (tok * nsplit + s) * part_stride;
+            const float* src = part + (tok * nsplit + s) * part_stride;
             if (src[rows + g] == 0.f) continue;  // an empty split
             const float wgt = std::exp(src[g] - mx);
             denom += src[rows + g] * wgt;
@@ -529,7 +575,9 @@ void paged_attention(const Args& a) {
 
 extern "C" {
 
-// cache_type: 0 fp32, 1 bf16, 2 fp16, 3 fp8 e4m3fn, 4 fp8 e5m2. Returns 0, or -1 for a bad type.
+// Stores the step's new keys/values when args->num_new > 0, then attends for the first
+// args->num_reqs requests (0: store only). cache_type: 0 fp32, 1 bf16, 2 fp16, 3 fp8 e4m3fn,
+// 4 fp8 e5m2. Returns 0, or -1 for a bad type.
 int llmhal_paged_attention(const Args* args, int cache_type) {
   switch (cache_type) {
     case 0: paged_attention<F32>(*args); return 0;
