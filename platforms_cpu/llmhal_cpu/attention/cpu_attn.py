@@ -8,9 +8,9 @@ One call serves a whole step (decodes first, then prefills and prefill chunks):
   values in the same call that attends; fp8 values are quantized and stored by torch first.
 * **Decodes and short query chunks** (up to :data:`KERNEL_MAX_QUERY_LEN` new tokens, e.g. draft
   verification) go to the native kernel (``paged_attention.cpp``): every request in one call,
-  threads over (token, KV head, key split), keys read straight out of the paged blocks, so nothing
-  is gathered or copied. Without a compiler, the same requests run vectorised in torch (one gather
-  of their blocks and one masked SDPA for all of them).
+  threads over (token, key split), each reading its keys straight out of the paged blocks, so
+  nothing is gathered or copied. Without a compiler (see :mod:`.native`), the same requests run in
+  torch, in groups whose gathered blocks fit in cache, one masked SDPA per group.
 * **Prefills** run per request through torch's flash kernel for CPU on views of the cache: a
   request with no cached context attends to its own new keys/values (no gather at all); one with
   context gathers its blocks once (a view when they are consecutive) with a boolean mask for
@@ -171,7 +171,8 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata]):
             out[n:].zero_()  # padding rows
             query, key, value = query[:n], key[:n], value[:n]
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        lib = native.load_kernel()
+        # The kernel reads rows of head_size contiguous elements (any other stride is fine).
+        lib = native.load_kernel() if k_cache.stride(-1) == 1 else None
         # The kernel stores the new keys/values itself (one call, no torch ops) when they are
         # stored as they are; fp8 quantization, and the no-kernel case, go through torch.
         kernel_stores = (
