@@ -8,10 +8,14 @@
 // processed together so each key/value row is read from memory once, and the next tile's rows are
 // prefetched while the current one is computed (shuffled blocks defeat the hardware prefetcher).
 //
+// The same call first stores the step's new keys and values when asked (caches in the model
+// dtype; the caller quantizes fp8 ones), so a decode step costs one call per layer.
+//
 // Cache layout, per K and V: [num_blocks, block_size, num_kv_heads, head_size] with arbitrary
 // strides (given in elements); the last dimension must be contiguous. Element types: fp32, bf16,
-// fp16, fp8 e4m3fn, fp8 e5m2 (converted to fp32 with integer arithmetic, so any compiler
-// vectorizes it). Queries arrive as fp32, output is fp32; the caller converts.
+// fp16, fp8 e4m3fn, fp8 e5m2, converted to fp32 per tile with integer arithmetic that any compiler
+// vectorizes, or through the hardware half conversion where F16C exists. Queries arrive as fp32,
+// output is fp32; the caller converts.
 //
 // Semantics (the contract in llmhal/attention/backend.py): query token i of request r sits at
 // position p = seq_len[r] - q_len[r] + i and sees keys lo <= k <= p, lo = max(0, p - window + 1)
