@@ -211,3 +211,15 @@ def test_portable_builds_are_correct_and_cached(fresh_kernel_state, monkeypatch,
     monkeypatch.setattr(native, "_status", None)
     assert native.load_kernel() is not None
     assert [p.stat().st_mtime_ns for p in fresh_kernel_state.glob("kernels/*.so")] == [stamp]
+
+
+def test_unwritable_cache_dir_falls_back_to_temp(fresh_kernel_state, monkeypatch):
+    if native._compiler() is None:
+        pytest.skip("no compiler")
+    blocker = fresh_kernel_state / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("LLMHAL_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setattr("tempfile.tempdir", str(fresh_kernel_state / "tmp"))
+    (fresh_kernel_state / "tmp").mkdir()
+    assert native.load_kernel() is not None, native.kernel_status()
+    assert list((fresh_kernel_state / "tmp").glob("llmhal-*/kernels/paged_attention-*.so"))

@@ -146,12 +146,24 @@ def _build(cxx: str) -> Path:
             ]
         )
     ).hexdigest()[:16]
-    out = _cache_dir() / f"paged_attention-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    name = f"paged_attention-{key}.so"
+    # A read-only home (containers) falls back to a per-user folder in the temp directory.
+    user = os.getuid() if hasattr(os, "getuid") else "user"
+    fallback = Path(tempfile.gettempdir()) / f"llmhal-{user}" / "kernels"
+    for folder in (_cache_dir(), fallback):
+        out = folder / name
+        if out.exists():
+            return out
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+        except OSError as e:
+            logger.debug("Cannot build into %s (%s)", folder, e)
+            continue
+        break
+    else:
+        raise RuntimeError(f"no writable folder for the kernel ({_cache_dir()}, {fallback})")
     # Build beside the target and rename: concurrent processes never load a half-written file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
         proc = subprocess.run(
