@@ -225,7 +225,10 @@ void store_new_kv(const Args& a) {
   const int Hkv = a.num_kv_heads;
   const size_t row = static_cast<size_t>(a.head_size) * sizeof(T);
   const int threads = a.num_new * Hkv >= 256 ? std::max(1, a.num_threads) : 1;
-#pragma omp parallel for num_threads(threads) schedule(static)
+// Always ask for the caller's full team and serialise with if(): libgomp parks idle pool threads
+// in a spin-wait, and alternating team sizes with torch's own regions made every later torch op
+// wait out that spin (decode fell from ~110 to ~3 tokens/s with 2 threads).
+#pragma omp parallel for num_threads(std::max(1, a.num_threads)) if (threads > 1) schedule(static)
   for (int64_t t = 0; t < a.num_new; ++t) {
     const int64_t slot = a.slot_mapping[t];
     if (slot < 0) continue;
@@ -518,7 +521,8 @@ void paged_attention(const Args& a) {
   const int64_t part_stride = rows * (D + 2);
   float* part = nsplit > 1 ? scratch(1).get(static_cast<size_t>(items * part_stride)) : nullptr;
 
-#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, items)))
+// Full team, serial when there is one item: see store_new_kv for why the team size is constant.
+#pragma omp parallel num_threads(static_cast<int>(threads)) if (std::min<int64_t>(threads, items) > 1)
   {
     Worker<C> w(a);
 #pragma omp for schedule(dynamic, 1)
