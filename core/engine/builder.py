@@ -79,7 +79,9 @@ def resolve_dtype(
             )
         dtype = _DTYPES[requested.lower()]
     else:
-        ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        # transformers 5 names it ``dtype``; older configs keep ``torch_dtype`` (read without the
+        # deprecated property, which warns).
+        ckpt = getattr(hf_config, "dtype", None) or vars(hf_config).get("torch_dtype")
         if isinstance(ckpt, str):
             ckpt = _DTYPES.get(ckpt.removeprefix("torch."), torch.float32)
         dtype = torch.float32 if is_gguf or ckpt is None else ckpt

@@ -164,6 +164,17 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def warmup(self) -> None:
+        """Run one tiny request so one-time costs (kernel builds, thread pools, first-call
+        allocations) are paid at load rather than by the first user request and its timings."""
+        token = min(self.eos_token_ids, default=0)
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        rid = self.add_request({"prompt_token_ids": [token] * 4}, params, request_id="__warmup__")
+        while self.has_unfinished_requests():
+            self.step()
+        self._requests.pop(rid, None)
+        self.stats = EngineStats()
+
     # --------------------------------------------------------------------------- steps
     def step(self) -> list[RequestOutput]:
         """Run one step; return the outputs of the requests that progressed or finished."""
