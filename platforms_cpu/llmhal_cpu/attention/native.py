@@ -1,38 +1,25 @@
 """The native paged-attention kernel (``paged_attention.cpp``): built once per host, loaded with ctypes.
 
-The kernel is plain C++ with OpenMP and no torch headers, so it compiles in about a second with the
-system compiler and needs neither ninja nor a torch build environment. It is compiled for the host
-CPU (``-march=native``); the cache key includes the compiler, the flags and the CPU's ISA flags, so
-a cache directory shared between different machines never hands one a binary for another.
+The kernel is plain C++ with OpenMP and no torch headers, built for the host CPU and cached by
+:mod:`llmhal_cpu.native_build` (which documents ``LLMHAL_CACHE_DIR``, ``LLMHAL_CPU_KERNEL_ARCH`` and
+``CXX``).
 
 :func:`load_kernel` returns ``None`` when the kernel cannot be used (no compiler, a failed build,
 ``LLMHAL_CPU_ATTN_KERNEL=0``), and :func:`kernel_status` says why; ``cpu_attn`` then runs its
-pure-torch paths. Environment:
-
-* ``LLMHAL_CPU_ATTN_KERNEL``: ``0`` disables the native kernel (pure torch only).
-* ``LLMHAL_CACHE_DIR``: where built kernels are kept (default ``$XDG_CACHE_HOME/llmhal`` or
-  ``~/.cache/llmhal``).
-* ``LLMHAL_CPU_KERNEL_ARCH``: target flags replacing ``-march=native``, e.g. ``-march=haswell``
-  to build and check the AVX2 code path on an AVX-512 host.
-* ``CXX``: the C++ compiler (default ``c++``, then ``g++``, then ``clang++``).
+pure-torch paths. ``LLMHAL_CPU_ATTN_KERNEL=0`` disables the native kernel (pure torch only).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
 from llmhal.logger import init_logger
-from llmhal_cpu import cpuinfo
+from llmhal_cpu import native_build
 
 logger = init_logger(__name__)
 
@@ -95,89 +82,19 @@ _kernel: ctypes.CDLL | None = None
 _status: str | None = None  # None: not tried yet
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("LLMHAL_CACHE_DIR")
-    if root:
-        return Path(root) / "kernels"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return Path(xdg or Path.home() / ".cache") / "llmhal" / "kernels"
+# Module-level names so tests can swap the compiler or the source.
+_compiler = native_build.compiler
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _arch_flags() -> list[str]:
-    override = os.environ.get("LLMHAL_CPU_KERNEL_ARCH")
-    if override is not None:
-        return override.split()
-    machine = platform.machine().lower()
-    if machine in ("aarch64", "arm64"):
-        return ["-mcpu=native"]
-    if machine in ("x86_64", "amd64", "i686"):
-        return ["-march=native"]
-    return []
-
-
-def _build(cxx: str) -> Path:
-    src = SOURCE.read_bytes()
-    flags = [
-        "-O3",
-        "-std=c++17",
-        "-shared",
-        "-fPIC",
-        "-fopenmp",
-        "-fno-math-errno",
-        "-ffp-contract=fast",  # ISO mode would otherwise forbid fusing a * b + c into an FMA
-        *_arch_flags(),
-    ]
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256(
-        b"\0".join(
-            [
-                src,
-                " ".join(flags).encode(),
-                version.encode(),
-                platform.machine().encode(),
-                " ".join(sorted(cpuinfo.cpu_flags())).encode(),
-            ]
+def _setup(lib: ctypes.CDLL) -> None:
+    lib.llmhal_paged_attention.argtypes = [ctypes.POINTER(KernelArgs), ctypes.c_int]
+    lib.llmhal_paged_attention.restype = ctypes.c_int
+    lib.llmhal_paged_attention_args_size.restype = ctypes.c_int64
+    size = lib.llmhal_paged_attention_args_size()
+    if size != ctypes.sizeof(KernelArgs):
+        raise RuntimeError(
+            f"argument layout mismatch ({size} vs {ctypes.sizeof(KernelArgs)} bytes)"
         )
-    ).hexdigest()[:16]
-    name = f"paged_attention-{key}.so"
-    # A read-only home (containers) falls back to a per-user folder in the temp directory.
-    user = os.getuid() if hasattr(os, "getuid") else "user"
-    fallback = Path(tempfile.gettempdir()) / f"llmhal-{user}" / "kernels"
-    for folder in (_cache_dir(), fallback):
-        out = folder / name
-        if out.exists():
-            return out
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-        except OSError as e:
-            logger.debug("Cannot build into %s (%s)", folder, e)
-            continue
-        break
-    else:
-        raise RuntimeError(f"no writable folder for the kernel ({_cache_dir()}, {fallback})")
-    # Build beside the target and rename: concurrent processes never load a half-written file.
-    os.close(fd)
-    try:
-        proc = subprocess.run(
-            [cxx, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cxx} failed:\n{proc.stderr.strip()[-2000:]}")
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    logger.info("Built the cpu_attn paged-attention kernel: %s", out)
-    return out
 
 
 def load_kernel() -> ctypes.CDLL | None:
@@ -190,23 +107,7 @@ def load_kernel() -> ctypes.CDLL | None:
     with _lock:
         if _status is not None:
             return _kernel
-        cxx = _compiler()
-        if cxx is None:
-            _status = "no C++ compiler found (set CXX or install g++/clang++)"
-        else:
-            try:
-                lib = ctypes.CDLL(str(_build(cxx)))
-                lib.llmhal_paged_attention.argtypes = [ctypes.POINTER(KernelArgs), ctypes.c_int]
-                lib.llmhal_paged_attention.restype = ctypes.c_int
-                lib.llmhal_paged_attention_args_size.restype = ctypes.c_int64
-                size = lib.llmhal_paged_attention_args_size()
-                if size != ctypes.sizeof(KernelArgs):
-                    raise RuntimeError(
-                        f"argument layout mismatch ({size} vs {ctypes.sizeof(KernelArgs)} bytes)"
-                    )
-                _kernel, _status = lib, "ok"
-            except Exception as e:  # any failure means: use the pure-torch paths, and say so
-                _status = f"{type(e).__name__}: {e}"
+        _kernel, _status = native_build.load(SOURCE, "paged_attention", _compiler(), _setup)
         if _kernel is None:
             logger.warning(
                 "cpu_attn: native paged-attention kernel unavailable (%s); using the slower "

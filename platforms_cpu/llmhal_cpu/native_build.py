@@ -1,0 +1,147 @@
+"""Build, cache and load the CPU platform's native kernels (plain C++ with OpenMP, through ctypes).
+
+The kernels include no torch headers, so each compiles in a second or two with the system compiler
+and needs neither ninja nor a torch build environment. They are compiled for the host CPU
+(``-march=native``); the cache key covers the source, the flags, the compiler's version and the
+CPU's ISA flags, so a cache folder shared between different machines never hands one a binary built
+for another. A kernel is built beside its final name and renamed into place, so concurrent processes
+never load a half-written file. The kernels link the same libgomp as torch (same soname), so their
+parallel regions share torch's thread pool: see ``kernels/quant_gemm.cpp`` for the rule that keeps
+that pool from spinning.
+
+Environment (read at each build, never cached at import):
+
+* ``LLMHAL_CACHE_DIR``: where built kernels are kept (default ``$XDG_CACHE_HOME/llmhal`` or
+  ``~/.cache/llmhal``); a folder that cannot be written falls back to ``$TMPDIR/llmhal-<uid>``.
+* ``LLMHAL_CPU_KERNEL_ARCH``: target flags replacing ``-march=native``, e.g. ``-march=haswell`` to
+  build and check the AVX2 code paths on an AVX-512 host, or ``-march=x86-64`` for the baseline.
+* ``CXX``: the C++ compiler (default ``c++``, then ``g++``, then ``clang++``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from llmhal.logger import init_logger
+from llmhal_cpu import cpuinfo
+
+logger = init_logger(__name__)
+
+BASE_FLAGS = (
+    "-O3",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-ffp-contract=fast",  # ISO mode would otherwise forbid fusing a * b + c into an FMA
+)
+
+
+def cache_dir() -> Path:
+    """The preferred folder for built kernels (it may not exist or be writable yet)."""
+    root = os.environ.get("LLMHAL_CACHE_DIR")
+    if root:
+        return Path(root) / "kernels"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg or Path.home() / ".cache") / "llmhal" / "kernels"
+
+
+def compiler() -> str | None:
+    """Path of the C++ compiler to use, or None when there is none."""
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def arch_flags() -> list[str]:
+    """Target flags: ``LLMHAL_CPU_KERNEL_ARCH`` when set, else the host's native ISA."""
+    override = os.environ.get("LLMHAL_CPU_KERNEL_ARCH")
+    if override is not None:
+        return override.split()
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return ["-mcpu=native"]
+    if machine in ("x86_64", "amd64", "i686"):
+        return ["-march=native"]
+    return []
+
+
+def build(source: Path, stem: str, cxx: str) -> Path:
+    """The shared library built from ``source`` (from the cache when already built).
+
+    Raises RuntimeError when the compiler fails (its last output lines are in the message) or no
+    folder can be written.
+    """
+    src = source.read_bytes()
+    flags = [*BASE_FLAGS, *arch_flags()]
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256(
+        b"\0".join(
+            [
+                src,
+                " ".join(flags).encode(),
+                version.encode(),
+                platform.machine().encode(),
+                " ".join(sorted(cpuinfo.cpu_flags())).encode(),
+            ]
+        )
+    ).hexdigest()[:16]
+    name = f"{stem}-{key}.so"
+    # A read-only home (containers) falls back to a per-user folder in the temp directory.
+    user = os.getuid() if hasattr(os, "getuid") else "user"
+    fallback = Path(tempfile.gettempdir()) / f"llmhal-{user}" / "kernels"
+    for folder in (cache_dir(), fallback):
+        out = folder / name
+        if out.exists():
+            return out
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+        except OSError as e:
+            logger.debug("Cannot build into %s (%s)", folder, e)
+            continue
+        break
+    else:
+        raise RuntimeError(f"no writable folder for the kernel ({cache_dir()}, {fallback})")
+    os.close(fd)
+    try:
+        proc = subprocess.run(
+            [cxx, *flags, str(source), "-o", tmp], capture_output=True, text=True, timeout=300
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cxx} failed:\n{proc.stderr.strip()[-2000:]}")
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    logger.info("Built the native CPU kernel %s: %s", stem, out)
+    return out
+
+
+def load(
+    source: Path, stem: str, cxx: str | None, setup: Callable[[ctypes.CDLL], None]
+) -> tuple[ctypes.CDLL | None, str]:
+    """(library, ``"ok"``) or (None, why it cannot be used); never raises.
+
+    ``setup`` declares the library's argument types and checks what it can (e.g. a struct size); an
+    exception from it makes the library unusable, with its message as the reason.
+    """
+    if cxx is None:
+        return None, "no C++ compiler found (set CXX or install g++/clang++)"
+    try:
+        lib = ctypes.CDLL(str(build(source, stem, cxx)))
+        setup(lib)
+    except Exception as e:  # any failure means: use the torch fallbacks, and say why
+        return None, f"{type(e).__name__}: {e}"
+    return lib, "ok"
