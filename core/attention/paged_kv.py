@@ -1,10 +1,10 @@
 """The shared paged KV-cache layout and its fp8 storage rule.
 
-Layout (used by ``reference``, ``flex_attention``, ``tree_attn`` and ``triton_attn``; other backends may
-choose their own): one tensor ``[2, num_blocks, block_size, num_kv_heads, head_size]``, keys at
-index 0 and values at index 1. Slot ``s`` is ``(s // block_size, s % block_size)``, so
-``kv_cache[i].view(-1, num_kv_heads, head_size)[s]`` is the key (``i = 0``) or value (``i = 1``) of
-the token stored in slot ``s``.
+Layout (used by ``reference``, ``tree_attn``, ``triton_attn`` and the platform backends that mix in
+:class:`SharedKVLayout`; other backends, e.g. ``flex_attention``, choose their own): one tensor
+``[2, num_blocks, block_size, num_kv_heads, head_size]``, keys at index 0 and values at index 1.
+Slot ``s`` is ``(s // block_size, s % block_size)``, so ``kv_cache[i].view(-1, num_kv_heads,
+head_size)[s]`` is the key (``i = 0``) or value (``i = 1``) of the token stored in slot ``s``.
 
 fp8 storage (``kv_cache_dtype`` ``fp8_e4m3``/``fp8_e5m2``): a value ``x`` is stored as
 ``fp8(clamp(x / scale))`` computed in float32, saturating at the fp8 type's largest finite value
@@ -14,7 +14,12 @@ fp8 storage (``kv_cache_dtype`` ``fp8_e4m3``/``fp8_e5m2``): a value ``x`` is sto
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from llmhal.attention.backend import AttentionLayerState
 
 
 def kv_cache_shape(
@@ -82,12 +87,53 @@ def write_kv(
     v_flat[slots] = quantize_to_cache(value, kv_cache.dtype, v_scale)
 
 
+def store_and_allocate(
+    layer: AttentionLayerState,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Write the step's keys/values into the paged cache and return a zeroed output for ``query``
+    (rows past ``len(slot_mapping)`` are padding and stay zero, as the contract requires)."""
+    n = slot_mapping.shape[0]
+    write_kv(kv_cache, key[:n], value[:n], slot_mapping, layer.k_scale, layer.v_scale)
+    return torch.zeros_like(query)
+
+
 def slots_of(
     block_table_row: torch.Tensor, positions: torch.Tensor, block_size: int
 ) -> torch.Tensor:
     """Cache slots of ``positions`` for a request with the given block-table row."""
     positions = positions.long()
     return block_table_row.long()[positions // block_size] * block_size + positions % block_size
+
+
+def kv_token_slots(
+    block_table: torch.Tensor, seq_lens_cpu: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache slots of every cached token of every request, requests one after another, and the
+    int32 cumulative sequence lengths [num_reqs + 1], both on the block table's device."""
+    device = block_table.device
+    seq = seq_lens_cpu.long()
+    cu = torch.zeros(seq.numel() + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(seq, 0)
+    req = torch.repeat_interleave(torch.arange(seq.numel()), seq)
+    pos = torch.arange(int(cu[-1])) - cu[:-1][req]
+    # Row r of the flattened table starts at r * width, so position p of request r is flat
+    # position r * width * block_size + p.
+    flat_pos = (req * block_table.shape[1] * block_size + pos).to(device)
+    return slots_of(block_table.reshape(-1), flat_pos, block_size), cu.to(device, torch.int32)
+
+
+def gather_kv(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values stored at ``slots`` (int64 [n]) as they are stored: [n, num_kv_heads,
+    head_size] each, in the cache dtype (a copy, as varlen kernels take contiguous tokens)."""
+    kv_heads, head_size = kv_cache.shape[-2], kv_cache.shape[-1]
+    k = kv_cache[0].reshape(-1, kv_heads, head_size)[slots]
+    v = kv_cache[1].reshape(-1, kv_heads, head_size)[slots]
+    return k, v
 
 
 def read_kv(
@@ -101,11 +147,8 @@ def read_kv(
 
     Returns two tensors of shape ``slots.shape + (num_kv_heads, head_size)``.
     """
-    kv_heads, head_size = kv_cache.shape[-2], kv_cache.shape[-1]
-    flat = slots.reshape(-1).long()
-    k = kv_cache[0].view(-1, kv_heads, head_size)[flat]
-    v = kv_cache[1].view(-1, kv_heads, head_size)[flat]
-    shape = (*slots.shape, kv_heads, head_size)
+    k, v = gather_kv(kv_cache, slots.reshape(-1).long())
+    shape = (*slots.shape, *k.shape[1:])
     return (
         dequantize_from_cache(k, k_scale, dtype).view(shape),
         dequantize_from_cache(v, v_scale, dtype).view(shape),

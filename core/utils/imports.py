@@ -46,6 +46,11 @@ def is_available(module: str) -> bool:
         return False
 
 
+def not_installed(module: str, package: str) -> str:
+    """The availability reason for a missing optional library, naming what to install."""
+    return f"{module} is not installed (pip install {package})"
+
+
 def require(module: str, *, package: str | None = None, purpose: str = "") -> Any:
     """Import an optional library, or raise an error that names the package to install."""
     try:

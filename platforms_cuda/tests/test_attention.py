@@ -32,7 +32,6 @@ from llmhal.platforms import (
     set_current_platform,
 )
 from llmhal.testing.attention_conformance import conformance_cases, run_attention_case
-from llmhal_cuda.attention.common import kv_token_slots
 from llmhal_cuda.attention.flash_attn import (
     FlashAttentionBackend,
     FlashAttentionImpl,
@@ -308,15 +307,6 @@ def test_backends_refuse_other_platforms(libs):
 
 
 # ------------------------------------------------------------------------ metadata details
-def test_kv_token_slots_match_the_engine_slots():
-    tables = [[5, 2], [7], [0, 3, 6]]
-    common = build_common_metadata([1, 4, 9], [20, 3, 30], tables, 16)
-    slots, cu = kv_token_slots(common.block_table, common.seq_lens_cpu, 16)
-    assert cu.tolist() == [0, 21, 28, 67]
-    expected = build_common_metadata([21, 7, 39], [0, 0, 0], tables, 16).slot_mapping
-    assert slots.tolist() == expected.tolist()
-
-
 @pytest.mark.parametrize(
     ("cap", "installed", "block", "version", "gather"),
     [

@@ -29,14 +29,15 @@ from llmhal.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
-from llmhal.attention.paged_kv import SharedKVLayout
-from llmhal.utils.imports import is_available, require
-from llmhal_cuda.attention.common import (
-    check_step,
+from llmhal.attention.paged_kv import (
+    SharedKVLayout,
+    gather_kv,
     kv_token_slots,
-    not_installed,
     store_and_allocate,
 )
+from llmhal.attention.utils import check_step, flash_window_size, require_model_dtype_cache
+from llmhal.utils.imports import is_available, require
+from llmhal_cuda.attention.common import not_installed
 from llmhal_cuda.attention.common import platform_reasons as _platform_reasons
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -114,13 +115,12 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder[FlashAttnMetadata]):
 class FlashAttentionImpl(AttentionImpl[FlashAttnMetadata]):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(
-                f"flash_attn stores the KV cache in the model dtype; kv_cache_dtype="
-                f"{self.kv_cache_dtype!r} needs another backend (flashinfer supports fp8)"
-            )
-        w = self.sliding_window
-        self.window_size = (w - 1, 0) if w else (-1, -1)
+        require_model_dtype_cache(
+            self.kv_cache_dtype,
+            FlashAttentionBackend.name,
+            "another backend (flashinfer supports fp8)",
+        )
+        self.window_size = flash_window_size(self.sliding_window)
         self.softcap = float(self.logits_soft_cap or 0.0)
 
     def forward(
@@ -159,9 +159,7 @@ class FlashAttentionImpl(AttentionImpl[FlashAttnMetadata]):
         else:
             fa2 = require(FA2_MODULE, package=f"llmhal-cuda[{EXTRA}]", purpose="FlashAttention 2")
             if m.kv_slots is not None:
-                h, d = kv_cache.shape[-2], kv_cache.shape[-1]
-                k = k_pages.reshape(-1, h, d)[m.kv_slots]
-                v = v_pages.reshape(-1, h, d)[m.kv_slots]
+                k, v = gather_kv(kv_cache, m.kv_slots)
                 paged: dict[str, Any] = {}
             else:
                 k, v, paged = k_pages, v_pages, {"block_table": m.block_table}

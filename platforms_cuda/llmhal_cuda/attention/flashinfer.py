@@ -25,13 +25,10 @@ from llmhal.attention.backend import (
     AttentionRequirements,
     CommonAttentionMetadata,
 )
-from llmhal.attention.paged_kv import SharedKVLayout
+from llmhal.attention.paged_kv import SharedKVLayout, store_and_allocate
+from llmhal.attention.utils import check_step, flash_window_size
 from llmhal.utils.imports import is_available, require
-from llmhal_cuda.attention.common import (
-    check_step,
-    not_installed,
-    store_and_allocate,
-)
+from llmhal_cuda.attention.common import not_installed
 from llmhal_cuda.attention.common import platform_reasons as _platform_reasons
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -165,10 +162,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
 class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        w = self.sliding_window
         self.plan_key: PlanKey = (
             float(self.scale),
-            (w - 1) if w else -1,
+            flash_window_size(self.sliding_window)[0],
             float(self.logits_soft_cap or 0.0),
         )
 

@@ -1,75 +1,26 @@
-"""Helpers shared by the ROCm attention backends."""
+"""Helpers shared by the ROCm attention backends (hardware-neutral ones live in ``llmhal.attention``)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # pragma: no cover
-    import torch
+from llmhal.attention.utils import platform_mismatch
+from llmhal.utils import imports
 
-    from llmhal.attention.backend import AttentionLayerState, CommonAttentionMetadata
+if TYPE_CHECKING:  # pragma: no cover
     from llmhal.platforms import Platform
     from llmhal_rocm.platform import RocmPlatform
 
 
 def not_installed(module: str, extra: str) -> str:
     """The availability reason for a missing optional library, naming the extra that installs it."""
-    return f"{module} is not installed (pip install llmhal-rocm[{extra}])"
+    return imports.not_installed(module, f"llmhal-rocm[{extra}]")
 
 
-def rocm_platform(platform: Platform) -> RocmPlatform | None:
-    """``platform`` if it drives AMD GPUs, else None."""
+def rocm_platform(platform: Platform) -> tuple[RocmPlatform | None, list[str]]:
+    """(``platform``, []) if it drives AMD GPUs, else (None, the availability reason saying so)."""
     from llmhal_rocm.platform import RocmPlatform
 
-    return platform if isinstance(platform, RocmPlatform) else None
-
-
-def check_step(common: CommonAttentionMetadata, backend: str) -> None:
-    """Refuse steps these backends do not define (non-causal attention, tree verification)."""
-    if not common.causal:
-        raise ValueError(f"{backend} implements causal (decoder) attention only")
-    if common.tree_mask is not None:
-        raise ValueError(
-            f"{backend} cannot verify draft trees (tree_mask is set); the tree_attn backend serves "
-            f"speculative steps"
-        )
-
-
-def store_and_allocate(
-    layer: AttentionLayerState,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> torch.Tensor:
-    """Write the step's keys/values into the paged cache and return a zeroed output for ``query``
-    (rows past ``len(slot_mapping)`` are padding and stay zero, as the contract requires)."""
-    import torch
-
-    from llmhal.attention.paged_kv import write_kv
-
-    n = slot_mapping.shape[0]
-    write_kv(kv_cache, key[:n], value[:n], slot_mapping, layer.k_scale, layer.v_scale)
-    return torch.zeros_like(query)
-
-
-def kv_token_slots(
-    block_table: torch.Tensor, seq_lens_cpu: torch.Tensor, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cache slots of every cached token of every request, requests one after another, and the
-    int32 cumulative sequence lengths [num_reqs + 1], both on the block table's device."""
-    import torch
-
-    from llmhal.attention.paged_kv import slots_of
-
-    device = block_table.device
-    seq = seq_lens_cpu.long()
-    cu = torch.zeros(seq.numel() + 1, dtype=torch.int64)
-    cu[1:] = torch.cumsum(seq, 0)
-    req = torch.repeat_interleave(torch.arange(seq.numel()), seq)
-    pos = torch.arange(int(cu[-1])) - cu[:-1][req]
-    # Row r of the flattened table starts at r * width, so position p of request r is flat
-    # position r * width * block_size + p.
-    flat_pos = (req * block_table.shape[1] * block_size + pos).to(device)
-    return slots_of(block_table.reshape(-1), flat_pos, block_size), cu.to(device, torch.int32)
+    if isinstance(platform, RocmPlatform):
+        return platform, []
+    return None, platform_mismatch(platform, RocmPlatform)

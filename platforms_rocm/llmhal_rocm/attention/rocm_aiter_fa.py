@@ -26,16 +26,16 @@ from llmhal.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
-from llmhal.attention.paged_kv import SharedKVLayout
-from llmhal.utils.imports import is_available, require
-from llmhal_rocm.arch import AITER_ARCHS, supports_aiter
-from llmhal_rocm.attention.common import (
-    check_step,
+from llmhal.attention.paged_kv import (
+    SharedKVLayout,
+    gather_kv,
     kv_token_slots,
-    not_installed,
-    rocm_platform,
     store_and_allocate,
 )
+from llmhal.attention.utils import check_step, flash_window_size, require_model_dtype_cache
+from llmhal.utils.imports import is_available, require
+from llmhal_rocm.arch import AITER_ARCHS, supports_aiter
+from llmhal_rocm.attention.common import not_installed, rocm_platform
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -78,13 +78,10 @@ class AiterFaMetadataBuilder(AttentionMetadataBuilder[AiterFaMetadata]):
 class AiterFlashAttentionImpl(AttentionImpl[AiterFaMetadata]):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(
-                f"rocm_aiter_fa stores the KV cache in the model dtype; kv_cache_dtype="
-                f"{self.kv_cache_dtype!r} needs the rocm_attn backend"
-            )
-        w = self.sliding_window
-        self.window_size = (w - 1, 0) if w else (-1, -1)
+        require_model_dtype_cache(
+            self.kv_cache_dtype, AiterFlashAttentionBackend.name, "the rocm_attn backend"
+        )
+        self.window_size = flash_window_size(self.sliding_window)
 
     def forward(
         self,
@@ -101,9 +98,7 @@ class AiterFlashAttentionImpl(AttentionImpl[AiterFaMetadata]):
         if n == 0:
             return out
         aiter = require(MODULE, package=f"llmhal-rocm[{EXTRA}]", purpose="rocm_aiter_fa")
-        h, d = kv_cache.shape[-2], kv_cache.shape[-1]
-        k = kv_cache[0].reshape(-1, h, d)[m.kv_slots]
-        v = kv_cache[1].reshape(-1, h, d)[m.kv_slots]
+        k, v = gather_kv(kv_cache, m.kv_slots)
         result = aiter.flash_attn_varlen_func(
             query[:n],
             k,
@@ -139,10 +134,9 @@ class AiterFlashAttentionBackend(SharedKVLayout, AttentionBackend):
 
     @classmethod
     def availability(cls, platform: Platform) -> list[str]:
-        rocm = rocm_platform(platform)
+        rocm, reasons = rocm_platform(platform)
         if rocm is None:
-            return [f"needs the rocm platform (this is the {platform.name} platform)"]
-        reasons = []
+            return reasons
         if not is_available(MODULE):
             reasons.append(not_installed(MODULE, EXTRA))
         archs = sorted({d.arch for d in rocm.visible_devices()})

@@ -29,15 +29,11 @@ from llmhal.attention.backend import (
     AttentionRequirements,
     CommonAttentionMetadata,
 )
-from llmhal.attention.paged_kv import SharedKVLayout
+from llmhal.attention.paged_kv import SharedKVLayout, store_and_allocate
 from llmhal.attention.registry import CORE_BACKENDS
+from llmhal.attention.utils import check_step
 from llmhal.utils.imports import is_available, resolve_obj_by_qualname
-from llmhal_rocm.attention.common import (
-    check_step,
-    not_installed,
-    rocm_platform,
-    store_and_allocate,
-)
+from llmhal_rocm.attention.common import not_installed, rocm_platform
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -172,12 +168,11 @@ class RocmAttentionBackend(SharedKVLayout, AttentionBackend):
 
     @classmethod
     def availability(cls, platform: Platform) -> list[str]:
-        rocm = rocm_platform(platform)
+        rocm, reasons = rocm_platform(platform)
         if rocm is None:
-            return [f"needs the rocm platform (this is the {platform.name} platform)"]
+            return reasons
         if not is_available("triton"):
             return [not_installed("triton", "triton")]
-        reasons = []
         if not (rocm.capabilities.triton or _interpreted()):
             archs = rocm.capabilities.extra.get("gcn_arch", "unknown")
             reasons.append(
