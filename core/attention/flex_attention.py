@@ -49,6 +49,7 @@ from llmhal.attention.backend import (
     CommonAttentionMetadata,
 )
 from llmhal.attention.paged_kv import quantize_to_cache
+from llmhal.attention.utils import check_step
 from llmhal.logger import init_logger
 
 logger = init_logger(__name__)
@@ -179,13 +180,7 @@ class FlexMetadata:
 
 class FlexMetadataBuilder(AttentionMetadataBuilder[FlexMetadata]):
     def build(self, common: CommonAttentionMetadata) -> FlexMetadata:
-        if common.tree_mask is not None:
-            raise ValueError(
-                "flex_attention does not verify draft trees (tree_mask is set); the tree_attn "
-                "backend does"
-            )
-        if not common.causal:
-            raise ValueError("flex_attention implements causal (decoder) attention only")
+        check_step(common, FlexAttentionBackend.name)
         bs = self.requirements.block_size
         dev = common.block_table.device
         n, total = common.num_reqs, common.num_actual_tokens

@@ -34,6 +34,7 @@ from llmhal.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
+from llmhal.attention.utils import check_causal
 
 
 @dataclass(frozen=True)
@@ -48,11 +49,7 @@ class ReferenceMetadata:
 
 class ReferenceMetadataBuilder(AttentionMetadataBuilder[ReferenceMetadata]):
     def build(self, common: CommonAttentionMetadata) -> ReferenceMetadata:
-        if not common.causal:
-            raise ValueError(
-                "reference attention implements causal (decoder) attention only; the step asks "
-                "for non-causal attention"
-            )
+        check_causal(common, "reference attention")
         return ReferenceMetadata(
             common=common,
             query_start=tuple(int(x) for x in common.query_start_loc_cpu),
@@ -86,10 +83,21 @@ def visibility_mask(
         mask = torch.ones(q, seq_len, dtype=torch.bool, device=qpos.device)
         mask[:, num_computed:] = tree_mask.bool()
         return mask
-    kpos = torch.arange(seq_len, device=qpos.device)[None, :]
-    mask = kpos <= qpos
+    return causal_window_mask(
+        qpos, torch.arange(seq_len, device=qpos.device)[None, :], sliding_window
+    )
+
+
+def causal_window_mask(
+    query_positions: torch.Tensor, key_positions: torch.Tensor, sliding_window: int | None
+) -> torch.Tensor:
+    """bool, the two position tensors broadcast: may a query at ``p`` see the key at ``k``.
+
+    Causal (``k <= p``), and with a sliding window ``W`` also ``p - W < k``.
+    """
+    mask = key_positions <= query_positions
     if sliding_window:
-        mask &= kpos > qpos - sliding_window
+        mask &= key_positions > query_positions - sliding_window
     return mask
 
 
@@ -131,9 +139,8 @@ class ReferenceAttentionImpl(AttentionImpl[ReferenceMetadata]):
     ) -> torch.Tensor:
         m = attn_metadata
         common = m.common
-        paged_kv.write_kv(kv_cache, key, value, common.slot_mapping, layer.k_scale, layer.v_scale)
+        out = paged_kv.store_and_allocate(layer, query, key, value, kv_cache, common.slot_mapping)
         block_size = kv_cache.shape[2]
-        out = torch.zeros_like(query)
         tree = common.tree_mask
         for r in range(common.num_reqs):
             start, end = m.query_start[r], m.query_start[r + 1]

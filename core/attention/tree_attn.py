@@ -26,6 +26,7 @@ from llmhal.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
+from llmhal.attention.utils import check_causal
 
 SCORE_BUDGET = 32 << 20  # score elements per group per query head (x4 bytes)
 
@@ -62,8 +63,7 @@ def _groups(seq_lens: list[int], query_lens: list[int], num_heads: int) -> list[
 
 class TreeMetadataBuilder(AttentionMetadataBuilder[TreeMetadata]):
     def build(self, common: CommonAttentionMetadata) -> TreeMetadata:
-        if not common.causal:
-            raise ValueError("tree_attn implements causal (decoder) attention only")
+        check_causal(common, TreeAttentionBackend.name)
         bs = self.requirements.block_size
         dev = common.block_table.device
         tree = common.tree_mask
@@ -116,8 +116,7 @@ class TreeAttentionImpl(AttentionImpl[TreeMetadata]):
         attn_metadata: TreeMetadata,
     ) -> torch.Tensor:
         m = attn_metadata
-        paged_kv.write_kv(kv_cache, key, value, m.slot_mapping, layer.k_scale, layer.v_scale)
-        out = torch.zeros_like(query)
+        out = paged_kv.store_and_allocate(layer, query, key, value, kv_cache, m.slot_mapping)
         group = self.num_heads // self.num_kv_heads
         for g in m.groups:
             n, max_q = g.token_index.shape

@@ -27,6 +27,7 @@ from llmhal.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
+from llmhal.attention.utils import check_step
 from llmhal.utils.imports import is_available, require
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -54,13 +55,7 @@ class TritonMetadata:
 
 class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
     def build(self, common: CommonAttentionMetadata) -> TritonMetadata:
-        if common.tree_mask is not None:
-            raise ValueError(
-                "triton_attn does not verify draft trees (tree_mask is set); the tree_attn "
-                "backend does"
-            )
-        if not common.causal:
-            raise ValueError("triton_attn implements causal (decoder) attention only")
+        check_step(common, TritonAttentionBackend.name)
         k = _kernels()
         r = self.requirements
         block_q = k.block_q_for(r.num_heads // r.num_kv_heads)

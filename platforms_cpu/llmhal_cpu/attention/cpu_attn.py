@@ -35,6 +35,7 @@ from llmhal.attention.backend import (
     CommonAttentionMetadata,
 )
 from llmhal.attention.reference import visibility_mask
+from llmhal.attention.utils import check_causal
 from llmhal_cpu.attention import native, torch_paths
 
 # Requests with at most this many new tokens are memory-bound: they go to the paged kernel.
@@ -80,11 +81,7 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata]
     """Routes requests (kernel or torch path) and resolves their blocks once per step."""
 
     def build(self, common: CommonAttentionMetadata) -> CpuAttentionMetadata:
-        if not common.causal:
-            raise ValueError(
-                "cpu_attn implements causal (decoder) attention only; the step asks for "
-                "non-causal attention"
-            )
+        check_causal(common, CpuAttentionBackend.name)
         bs = self.requirements.block_size
         qsl_cpu = common.query_start_loc_cpu.tolist()
         seq_cpu = common.seq_lens_cpu.tolist()
@@ -306,7 +303,7 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata]):
         return mask
 
 
-class CpuAttentionBackend(AttentionBackend):
+class CpuAttentionBackend(paged_kv.SharedKVLayout, AttentionBackend):
     """Paged attention for CPUs: native kernel for decodes, torch flash kernel for prefills."""
 
     name = "cpu_attn"
@@ -326,13 +323,3 @@ class CpuAttentionBackend(AttentionBackend):
     @staticmethod
     def get_builder_cls() -> type[CpuAttentionMetadataBuilder]:
         return CpuAttentionMetadataBuilder
-
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_size: int,
-        cache_dtype: str = "auto",
-    ) -> tuple[int, ...]:
-        return paged_kv.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from llmhal.attention import paged_kv
+from llmhal.attention.reference import causal_window_mask
 
 # Upper bound of one score chunk in the soft-cap path, in elements (256 MiB of fp32).
 _SCORE_CHUNK_ELEMS = 1 << 26
@@ -77,14 +78,6 @@ def _soft_capped(
             scores.masked_fill_(~m[..., s:e, :], float("-inf"))
         torch.matmul(scores.softmax(-1), vf, out=out[:, :, :, s:e])
     return out.reshape(n, hq, lq, d).to(q.dtype)
-
-
-def visible(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Causal (and sliding-window) visibility of keys at ``kpos`` from queries at ``qpos``."""
-    mask = kpos <= qpos
-    if window:
-        mask &= kpos > qpos - window
-    return mask
 
 
 def short_queries(
@@ -189,7 +182,7 @@ def _short_group(
     q = query[tok.flatten()].view(r, len(rows), query.shape[1], d)
     qpos = seq_lens[:, None].to(torch.int64) - q_lens[:, None] + rows[None, :]  # [r, lq]
     kpos = first_block[:, None] * bs + torch.arange(lk)[None, :]  # [r, lk]
-    mask = visible(qpos[:, :, None], kpos[:, None, :], window)[:, None]
+    mask = causal_window_mask(qpos[:, :, None], kpos[:, None, :], window)[:, None]
     out = attend(
         q.transpose(1, 2),
         k.transpose(1, 2),
