@@ -18,6 +18,7 @@ import resource
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -49,8 +50,10 @@ def _worker_llmhal(a: argparse.Namespace) -> dict[str, Any]:
         [{"prompt_token_ids": p} for p in _prompts(vocab, 2, 16, 99)],
         SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
     )
-    out: dict[str, Any] = {"load_s": load, "decode": {}, "weight_bytes": llm.load_report.weight_bytes,
-                           "attention": llm.load_report.attention_backends, "quantization": llm.load_report.quantization}  # fmt: skip
+    report = llm.load_report
+    out: dict[str, Any] = {"load_s": load, "decode": {}, "weight_bytes": report.weight_bytes,
+                           "attention": report.attention_backends, "quantization": report.quantization,
+                           "dtype": str(report.dtype).removeprefix("torch.")}  # fmt: skip
     for b in a.batch_sizes:
         engine.stats.__init__()
         prompts = _prompts(vocab, b, a.prompt_len, b)
@@ -115,13 +118,29 @@ def _worker_hf(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _run_worker(system: str, a: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "llmhal.benchmarks.engine", "--worker", system, "--model", a.model, "--dtype", a.dtype,
-           "--batch-sizes", ",".join(map(str, a.batch_sizes)), "--new-tokens", str(a.new_tokens),
-           "--prompt-len", str(a.prompt_len), "--prefill-len", str(a.prefill_len)]  # fmt: skip
-    if a.quantization:
-        cmd += ["--quantization", a.quantization]
-    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
+@dataclass
+class WorkerSpec:
+    """One measured configuration, run in a fresh process."""
+
+    model: str
+    dtype: str = "auto"
+    quantization: str | None = None
+    batch_sizes: tuple[int, ...] = (1, 8, 32)
+    new_tokens: int = 64
+    prompt_len: int = 32
+    prefill_len: int = 512
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def run_worker(system: str, spec: WorkerSpec) -> dict[str, Any]:
+    """Measure ``spec`` with ``system`` ("llmhal" or "hf") in a worker process; returns its JSON."""
+    cmd = [sys.executable, "-m", "llmhal.benchmarks.engine", "--worker", system, "--model", spec.model,
+           "--dtype", spec.dtype, "--batch-sizes", ",".join(map(str, spec.batch_sizes)),
+           "--new-tokens", str(spec.new_tokens), "--prompt-len", str(spec.prompt_len),
+           "--prefill-len", str(spec.prefill_len)]  # fmt: skip
+    if spec.quantization:
+        cmd += ["--quantization", spec.quantization]
+    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **spec.env})
     if res.returncode != 0:
         raise RuntimeError(f"{system} worker failed:\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -165,9 +184,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch
 
-    env = {"LLMHAL_GGUF_KERNEL": "dequant"} if a.exact else {}
-    ours = _run_worker("llmhal", a, env)
-    theirs = None if a.no_hf else _run_worker("hf", a, {})
+    spec = WorkerSpec(
+        a.model,
+        a.dtype,
+        a.quantization,
+        tuple(a.batch_sizes),
+        a.new_tokens,
+        a.prompt_len,
+        a.prefill_len,
+    )
+    ours = run_worker(
+        "llmhal", replace(spec, env={"LLMHAL_GGUF_KERNEL": "dequant"} if a.exact else {})
+    )
+    theirs = None if a.no_hf else run_worker("hf", spec)
     rows = []
     for b in a.batch_sizes:
         rows.append(
