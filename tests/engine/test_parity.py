@@ -84,3 +84,25 @@ def test_triton_interpreter_tiny_case(tiny_models, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params)[0]
     assert out.outputs[0].token_ids == hf_greedy(hf_model, PROMPTS[0], 4)[0]
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("backend", ["cpu_attn", "reference"])
+def test_fp8_kv_cache_stays_close_to_the_model_dtype_cache(tiny_models, kv_dtype, backend):
+    """An fp8 KV cache holds a quarter of the bytes and perturbs the distribution only slightly."""
+    folder, _ = tiny_models("llama")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    exact = LLM(folder, dtype="float32", attention_backend=backend)
+    fp8 = LLM(folder, dtype="float32", attention_backend=backend, kv_cache_dtype=kv_dtype)
+    assert (
+        fp8.engine.runner.kv_cache_bytes_per_block() * 4
+        == exact.engine.runner.kv_cache_bytes_per_block()
+    )
+    for a, b in zip(exact.generate(prompts, params), fp8.generate(prompts, params), strict=True):
+        first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        top = max(first_a, key=first_a.get)
+        assert top == max(first_b, key=first_b.get)
+        # e4m3 keeps 3 mantissa bits, e5m2 only 2: a looser bound for the latter.
+        tol = 0.15 if kv_dtype == "fp8_e4m3" else 0.5
+        assert abs(first_a[top] - first_b[top]) < tol
