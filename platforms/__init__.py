@@ -16,6 +16,7 @@ import threading
 import traceback
 from typing import TYPE_CHECKING, Any
 
+from llmhal.platforms.accelerator import AcceleratorPlatform
 from llmhal.platforms.interface import (
     PLATFORM_API_VERSION,
     DeviceCapability,
@@ -32,6 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "PLATFORM_API_VERSION",
+    "AcceleratorPlatform",
     "DeviceCapability",
     "Platform",
     "PlatformCapabilities",

@@ -13,7 +13,7 @@ import os
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from llmhal.logger import init_logger
-from llmhal.platforms import DeviceCapability, Platform, PlatformCapabilities
+from llmhal.platforms import AcceleratorPlatform, DeviceCapability, PlatformCapabilities
 from llmhal.utils.imports import is_available
 from llmhal_cuda import visibility
 from llmhal_cuda.detect import JETSON, CudaDevice, CudaInventory, detect_cuda, nvml_session
@@ -22,10 +22,6 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 logger = init_logger(__name__)
-
-# Fraction of the free device memory the KV cache may take (after the weights are loaded).
-MEMORY_FRACTION_ENV = "LLMHAL_GPU_MEMORY_UTILIZATION"
-DEFAULT_MEMORY_FRACTION = 0.9
 
 # Backends in preference order (names are case-insensitive; unknown ones are skipped by the selector).
 _BLACKWELL_ORDER = ("flashinfer", "flash_attn", "triton_attn", "flex_attention")
@@ -42,31 +38,16 @@ def _is_wsl() -> bool:
         return False
 
 
-def memory_fraction() -> float:
-    """``LLMHAL_GPU_MEMORY_UTILIZATION`` as a fraction in (0, 1]; 0.9 when unset."""
-    raw = os.environ.get(MEMORY_FRACTION_ENV)
-    if not raw:
-        return DEFAULT_MEMORY_FRACTION
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0.0 < value <= 1.0:
-        raise ValueError(
-            f"{MEMORY_FRACTION_ENV}={raw!r} must be a fraction in (0, 1], e.g. 0.9 (the share of "
-            f"free GPU memory the KV cache may use)"
-        )
-    return value
-
-
-class CudaPlatform(Platform):
+class CudaPlatform(AcceleratorPlatform):
     """NVIDIA GPUs. ``inventory`` (what detection found) may be injected; otherwise NVML is asked
-    on first use."""
+    on first use. Device facts, the KV-cache budget, seeding and synchronisation follow
+    :class:`~llmhal.platforms.AcceleratorPlatform`; on Jetson (no NVML) torch reports the facts."""
 
     PLATFORM_API_VERSION = 1
 
     name = "cuda"
     device_name = "NVIDIA GPU"
+    device_label = "CUDA"
     device_type = "cuda"
     dispatch_key = "CUDA"
     dist_backend = "nccl"
@@ -109,54 +90,45 @@ class CudaPlatform(Platform):
         order = visibility.visible_indices(os.environ.get(visibility.ENV_VAR), inv.devices)
         return [by_index[i] for i in order]
 
-    def _device(self, device_id: int) -> CudaDevice:
-        devices = self.visible_devices()
-        if not 0 <= device_id < len(devices):
-            raise IndexError(
-                f"CUDA device {device_id} does not exist: {len(devices)} visible "
-                f"({visibility.ENV_VAR}={os.environ.get(visibility.ENV_VAR)!r})"
-            )
-        return devices[device_id]
-
     def device_count(self) -> int:
         if self.is_jetson:
             import torch
 
             return torch.cuda.device_count()
-        return len(self.visible_devices())
+        return super().device_count()
 
     def physical_device_id(self, device_id: int) -> int:
         if self.is_jetson:
             return device_id
-        return self._device(device_id).index
+        return super().physical_device_id(device_id)
 
     def device_capability(self, device_id: int = 0) -> DeviceCapability | None:
         if self.is_jetson:
             import torch
 
             return DeviceCapability(*torch.cuda.get_device_capability(device_id))
-        return self._device(device_id).capability
+        return super().device_capability(device_id)
 
     def get_device_name(self, device_id: int = 0) -> str:
         if self.is_jetson:
             import torch
 
             return torch.cuda.get_device_name(device_id)
-        return self._device(device_id).name
+        return super().get_device_name(device_id)
 
     def get_device_uuid(self, device_id: int = 0) -> str:
         if self.is_jetson:
             import torch
 
             return str(torch.cuda.get_device_properties(device_id).uuid)
-        return self._device(device_id).uuid
+        return super().get_device_uuid(device_id)
 
     def get_device_total_memory(self, device_id: int = 0) -> int:
         if self.is_jetson:
             import torch
 
             return int(torch.cuda.get_device_properties(device_id).total_memory)
-        return self._device(device_id).total_memory
+        return super().get_device_total_memory(device_id)
 
     def mem_get_info(self, device_id: int = 0) -> tuple[int, int]:
         """(free, total) bytes of the whole device, as NVML sees it (every process counted)."""
@@ -165,19 +137,10 @@ class CudaPlatform(Platform):
 
             free, total = torch.cuda.mem_get_info(device_id)
             return int(free), int(total)
-        physical = self._device(device_id).index
+        physical = self.physical_device_id(device_id)
         with nvml_session() as nvml:
             info = nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(physical))
         return int(info.free), int(info.total)
-
-    def kv_cache_memory_budget(self, model_bytes: int, device_id: int = 0) -> int:
-        """``LLMHAL_GPU_MEMORY_UTILIZATION`` (default 0.9) of the device's free memory.
-
-        The engine asks once the weights are resident, so free memory already excludes them (and
-        whatever other processes hold); ``model_bytes`` is not subtracted again.
-        """
-        free, _total = self.mem_get_info(device_id)
-        return int(free * memory_fraction())
 
     # ---------------------------------------------------------------------------------- data
     def _min_capability(self) -> DeviceCapability:
@@ -231,23 +194,6 @@ class CudaPlatform(Platform):
                 f"{e} (compute capability {cap.as_version_str()}: bfloat16 needs >= 8.0, float16 "
                 f">= 6.0; pass dtype=float16 or float32)"
             ) from None
-
-    # ------------------------------------------------------------------------ device control
-    def set_device(self, device: torch.device) -> None:
-        import torch
-
-        torch.cuda.set_device(device)
-
-    def synchronize(self, device_id: int = 0) -> None:
-        import torch
-
-        torch.cuda.synchronize(device_id)
-
-    def seed(self, seed: int) -> None:
-        super().seed(seed)
-        import torch
-
-        torch.cuda.manual_seed_all(seed)
 
     # ------------------------------------------------------------------------- contributions
     def attention_backend_priority(self, requirements: Any) -> list[str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from llmhal.platforms.accelerator import visible_prefix
 from llmhal_cuda.detect import CudaDevice
 
 ENV_VAR = "CUDA_VISIBLE_DEVICES"
@@ -28,21 +29,13 @@ def visible_indices(value: str | None, devices: Sequence[CudaDevice]) -> list[in
 
     ``value`` None means the variable is unset: every GPU, in NVML order.
     """
-    if value is None:
-        return [d.index for d in devices]
-    known = {d.index for d in devices}
-    out: list[int] = []
-    for raw in value.split(","):
-        token = raw.strip()
+    known = [d.index for d in devices]
+
+    def pick(token: str) -> int | None:
         if token.isdigit():
-            idx: int | None = int(token)
-            if idx not in known:
-                idx = None
-        elif token.startswith("GPU-"):
-            idx = _match_uuid(token, devices)
-        else:  # "", "-1", MIG-..., garbage: CUDA stops here
-            idx = None
-        if idx is None or idx in out:
-            break
-        out.append(idx)
-    return out
+            return int(token) if int(token) in known else None
+        if token.startswith("GPU-"):
+            return _match_uuid(token, devices)
+        return None  # "", "-1", MIG-..., garbage: CUDA stops here
+
+    return visible_prefix(value, known, pick)

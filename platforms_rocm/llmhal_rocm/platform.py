@@ -15,7 +15,7 @@ import os
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from llmhal.logger import init_logger
-from llmhal.platforms import DeviceCapability, Platform, PlatformCapabilities
+from llmhal.platforms import AcceleratorPlatform, PlatformCapabilities
 from llmhal.utils.imports import is_available
 from llmhal_rocm import arch as gfx
 from llmhal_rocm import visibility
@@ -26,8 +26,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = init_logger(__name__)
 
-MEMORY_FRACTION_ENV = "LLMHAL_GPU_MEMORY_UTILIZATION"
-DEFAULT_MEMORY_FRACTION = 0.9
 AITER_ENV = "VLLM_ROCM_USE_AITER"
 
 
@@ -36,31 +34,16 @@ def aiter_enabled() -> bool:
     return os.environ.get(AITER_ENV, "0").strip().lower() in ("1", "true")
 
 
-def memory_fraction() -> float:
-    """``LLMHAL_GPU_MEMORY_UTILIZATION`` as a fraction in (0, 1]; 0.9 when unset."""
-    raw = os.environ.get(MEMORY_FRACTION_ENV)
-    if not raw:
-        return DEFAULT_MEMORY_FRACTION
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0.0 < value <= 1.0:
-        raise ValueError(
-            f"{MEMORY_FRACTION_ENV}={raw!r} must be a fraction in (0, 1], e.g. 0.9 (the share of "
-            f"free GPU memory the KV cache may use)"
-        )
-    return value
-
-
-class RocmPlatform(Platform):
+class RocmPlatform(AcceleratorPlatform):
     """AMD Instinct/Radeon GPUs. ``inventory`` may be injected; otherwise amdsmi is asked on first
-    use."""
+    use. Device facts, the KV-cache budget, seeding and synchronisation follow
+    :class:`~llmhal.platforms.AcceleratorPlatform` (torch's ``cuda`` module drives HIP devices)."""
 
     PLATFORM_API_VERSION = 1
 
     name = "rocm"
     device_name = "AMD GPU"
+    device_label = "ROCm"
     device_type = "cuda"  # PyTorch's ROCm build names HIP devices "cuda"
     dispatch_key = "CUDA"
     dist_backend = "nccl"  # RCCL behind torch's nccl backend
@@ -98,51 +81,23 @@ class RocmPlatform(Platform):
     def visible_devices(self) -> list[RocmDevice]:
         return visibility.visible_devices(self.inventory.devices)
 
-    def _device(self, device_id: int) -> RocmDevice:
-        devices = self.visible_devices()
-        if not 0 <= device_id < len(devices):
-            raise IndexError(
-                f"ROCm device {device_id} does not exist: {len(devices)} visible "
-                f"({visibility.ROCR_VAR}={os.environ.get(visibility.ROCR_VAR)!r}, "
-                f"{visibility.ENV_VAR}={visibility.hip_visible_value()!r})"
-            )
-        return devices[device_id]
-
-    def device_count(self) -> int:
-        return len(self.visible_devices())
-
-    def physical_device_id(self, device_id: int) -> int:
-        return self._device(device_id).index
+    def visibility_note(self) -> str:
+        return (
+            f"{visibility.ROCR_VAR}={os.environ.get(visibility.ROCR_VAR)!r}, "
+            f"{visibility.ENV_VAR}={visibility.hip_visible_value()!r}"
+        )
 
     def gcn_arch(self, device_id: int = 0) -> str:
         """The device's architecture name, e.g. ``"gfx942"``."""
-        return self._device(device_id).arch
-
-    def device_capability(self, device_id: int = 0) -> DeviceCapability | None:
-        return self._device(device_id).capability
-
-    def get_device_name(self, device_id: int = 0) -> str:
-        return self._device(device_id).name
-
-    def get_device_uuid(self, device_id: int = 0) -> str:
-        return self._device(device_id).uuid
-
-    def get_device_total_memory(self, device_id: int = 0) -> int:
-        return self._device(device_id).total_memory
+        return self.device_record(device_id).arch
 
     def mem_get_info(self, device_id: int = 0) -> tuple[int, int]:
         """(free, total) VRAM bytes of the whole device, as amdsmi sees it."""
-        physical = self._device(device_id).index
+        physical = self.physical_device_id(device_id)
         with amdsmi_session() as smi:
             handle = list(smi.amdsmi_get_processor_handles())[physical]
             total, used = vram_bytes(smi, handle)
         return max(0, total - used), total
-
-    def kv_cache_memory_budget(self, model_bytes: int, device_id: int = 0) -> int:
-        """``LLMHAL_GPU_MEMORY_UTILIZATION`` (default 0.9) of the device's free memory (asked once
-        the weights are resident, so they are not subtracted again)."""
-        free, _total = self.mem_get_info(device_id)
-        return int(free * memory_fraction())
 
     # ---------------------------------------------------------------------------------- data
     def _archs(self) -> list[str]:
@@ -185,23 +140,6 @@ class RocmPlatform(Platform):
         import torch
 
         return torch.float8_e4m3fnuz if self.is_fp8_fnuz() else torch.float8_e4m3fn
-
-    # ------------------------------------------------------------------------ device control
-    def set_device(self, device: torch.device) -> None:
-        import torch
-
-        torch.cuda.set_device(device)
-
-    def synchronize(self, device_id: int = 0) -> None:
-        import torch
-
-        torch.cuda.synchronize(device_id)
-
-    def seed(self, seed: int) -> None:
-        super().seed(seed)
-        import torch
-
-        torch.cuda.manual_seed_all(seed)
 
     # ------------------------------------------------------------------------- contributions
     def attention_backend_priority(self, requirements: Any) -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 
+from llmhal.platforms.accelerator import visible_prefix
 from llmhal_rocm.detect import RocmDevice
 
 ENV_VAR = "HIP_VISIBLE_DEVICES"
@@ -20,21 +21,15 @@ CUDA_VAR = "CUDA_VISIBLE_DEVICES"
 
 
 def _filter(value: str | None, candidates: list[RocmDevice], allow_uuid: bool) -> list[RocmDevice]:
-    if value is None:
-        return candidates
-    out: list[RocmDevice] = []
-    for raw in value.split(","):
-        token = raw.strip()
-        pick: RocmDevice | None = None
+    def pick(token: str) -> RocmDevice | None:
         if token.isdigit() and int(token) < len(candidates):
-            pick = candidates[int(token)]
-        elif allow_uuid and token.startswith("GPU-"):
+            return candidates[int(token)]
+        if allow_uuid and token.startswith("GPU-"):
             hits = [d for d in candidates if d.uuid and token[4:].lower() in d.uuid.lower()]
-            pick = hits[0] if len(hits) == 1 else None
-        if pick is None or pick in out:
-            break
-        out.append(pick)
-    return out
+            return hits[0] if len(hits) == 1 else None
+        return None
+
+    return visible_prefix(value, candidates, pick)
 
 
 def hip_visible_value(env: Mapping[str, str] | None = None) -> str | None:
