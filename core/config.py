@@ -7,10 +7,10 @@ which dtype), so model classes do not thread it through every constructor.
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from llmhal.utils.current import Current
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -59,24 +59,17 @@ class EngineConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-_local = threading.local()
+_current: Current[EngineConfig] = Current(
+    "No current engine config: build models inside llmhal.config.set_current_config(...) "
+    "(the engine does this for you)."
+)
 
 
-@contextlib.contextmanager
-def set_current_config(config: EngineConfig) -> Iterator[EngineConfig]:
-    prev = getattr(_local, "config", None)
-    _local.config = config
-    try:
-        yield config
-    finally:
-        _local.config = prev
+def set_current_config(config: EngineConfig) -> contextlib.AbstractContextManager[EngineConfig]:
+    """``with set_current_config(config):`` makes ``config`` current in this thread for the block."""
+    return _current.using(config)
 
 
 def get_current_config() -> EngineConfig:
-    cfg = getattr(_local, "config", None)
-    if cfg is None:
-        raise RuntimeError(
-            "No current engine config: build models inside llmhal.config.set_current_config(...) "
-            "(the engine does this for you)."
-        )
-    return cfg
+    """The current engine config; RuntimeError outside :func:`set_current_config`."""
+    return _current.get()

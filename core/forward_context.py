@@ -8,12 +8,11 @@ sliding-window layers served by different ones).
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from llmhal.attention.backend import CommonAttentionMetadata
+from llmhal.utils.current import Current
 
 
 @dataclass
@@ -22,24 +21,17 @@ class ForwardContext:
     attn_metadata: dict[str, Any] = field(default_factory=dict)
 
 
-_local = threading.local()
+_current: Current[ForwardContext] = Current(
+    "No forward context: attention layers run only inside the model runner's step "
+    "(llmhal.forward_context.set_forward_context)."
+)
 
 
-@contextlib.contextmanager
-def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
-    prev = getattr(_local, "ctx", None)
-    _local.ctx = ctx
-    try:
-        yield ctx
-    finally:
-        _local.ctx = prev
+def set_forward_context(ctx: ForwardContext) -> contextlib.AbstractContextManager[ForwardContext]:
+    """``with set_forward_context(ctx):`` makes ``ctx`` current in this thread for the block."""
+    return _current.using(ctx)
 
 
 def get_forward_context() -> ForwardContext:
-    ctx = getattr(_local, "ctx", None)
-    if ctx is None:
-        raise RuntimeError(
-            "No forward context: attention layers run only inside the model runner's step "
-            "(llmhal.forward_context.set_forward_context)."
-        )
-    return ctx
+    """The step's forward context; RuntimeError outside :func:`set_forward_context`."""
+    return _current.get()
