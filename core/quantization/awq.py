@@ -26,13 +26,16 @@ from torch import nn
 
 from llmhal.ops.quant_linear import GroupedQuantWeight
 from llmhal.quantization.base import QuantizationConfig, QuantizeMethodBase
-from llmhal.quantization.grouped_linear import GroupedLinearMethod, GroupedPart
+from llmhal.quantization.grouped_linear import (
+    GroupedLinearMethod,
+    GroupedPart,
+    add_zeros_and_scales,
+)
 from llmhal.quantization.int_packing import AWQ_ORDER, unpack_int32
-from llmhal.quantization.module_names import is_skipped
+from llmhal.quantization.module_names import quantizes_linear
 from llmhal.quantization.tracked_params import add_param, check_loaded, layer_name
 
 SUPPORTED_VERSIONS = ("gemm",)
-_FLOAT_SCALES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class AWQConfig(QuantizationConfig):
@@ -89,11 +92,9 @@ class AWQConfig(QuantizationConfig):
         )
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
-        from llmhal.layers.linear import LinearBase
-
-        if not isinstance(layer, LinearBase):
-            return None
-        if is_skipped(prefix, self.modules_to_not_convert, self.packed_modules_mapping):
+        if not quantizes_linear(
+            layer, prefix, self.modules_to_not_convert, self.packed_modules_mapping
+        ):
             return None
         return self.linear_method_cls(self)
 
@@ -130,10 +131,7 @@ class AWQLinearMethod(GroupedLinearMethod):
         int32 = [torch.int32]
         add_param(layer, "qweight", (k, n // 8), torch.int32, loader, dtypes=int32,
                   input_dim=0, output_dim=1, packed_dim=1, packed_factor=8)  # fmt: skip
-        add_param(layer, "qzeros", (k // g, n // 8), torch.int32, loader, dtypes=int32,
-                  input_dim=0, output_dim=1, packed_dim=1, packed_factor=8)  # fmt: skip
-        add_param(layer, "scales", (k // g, n), torch.float32, loader, dtypes=_FLOAT_SCALES,
-                  input_dim=0, output_dim=1)  # fmt: skip
+        add_zeros_and_scales(layer, loader, k, n, g, 8)
 
     def grouped_parts(self, layer: nn.Module) -> list[GroupedPart]:
         check_loaded(layer, self.checkpoint_params, "AWQ")

@@ -39,8 +39,9 @@ from llmhal.layers.weights import WeightLoadError
 from llmhal.ops.quant_linear import GroupedQuantWeight
 from llmhal.quantization.base import QuantizationConfig, QuantizeMethodBase
 from llmhal.quantization.grouped_linear import GroupedLinearMethod, GroupedPart
-from llmhal.quantization.module_names import is_skipped
+from llmhal.quantization.module_names import quantizes_linear
 from llmhal.quantization.tracked_params import (
+    FLOAT_DTYPES,
     add_param,
     add_stash_param,
     check_loaded,
@@ -49,7 +50,7 @@ from llmhal.quantization.tracked_params import (
     shard_slices,
     stashed,
 )
-from llmhal.utils.imports import is_available, require
+from llmhal.utils.imports import is_available, not_installed, require
 
 # Device types bitsandbytes has backends for (its ``backends`` package).
 BNB_DEVICE_TYPES = ("cpu", "cuda", "xpu", "hpu", "mps")
@@ -123,7 +124,7 @@ class BitsAndBytesConfig(QuantizationConfig):
     def availability(cls, platform: Any) -> list[str]:
         reasons = []
         if not is_available("bitsandbytes"):
-            reasons.append("bitsandbytes is not installed (pip install bitsandbytes)")
+            reasons.append(not_installed("bitsandbytes", "bitsandbytes"))
         if platform.device_type not in BNB_DEVICE_TYPES:
             reasons.append(
                 f"bitsandbytes has no backend for device type {platform.device_type!r} "
@@ -147,11 +148,7 @@ class BitsAndBytesConfig(QuantizationConfig):
                 yield name, tensor
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
-        from llmhal.layers.linear import LinearBase
-
-        if not isinstance(layer, LinearBase):
-            return None
-        if is_skipped(prefix, self.skip_modules, self.packed_modules_mapping):
+        if not quantizes_linear(layer, prefix, self.skip_modules, self.packed_modules_mapping):
             return None
         if not self.load_in_4bit:
             return BnB8bitMethod()
@@ -319,8 +316,8 @@ class BnB8bitMethod(GroupedLinearMethod):
         n = sum(output_sizes)
         add_param(layer, "weight", (n, input_size), torch.int8, loader, dtypes=[torch.int8],
                   output_dim=0, input_dim=1)  # fmt: skip
-        add_param(layer, "SCB", (n,), torch.float32, loader,
-                  dtypes=[torch.float32, torch.float16, torch.bfloat16], output_dim=0)  # fmt: skip
+        add_param(layer, "SCB", (n,), torch.float32, loader, dtypes=FLOAT_DTYPES,
+                  output_dim=0)  # fmt: skip
 
     def grouped_parts(self, layer: nn.Module) -> list[GroupedPart]:
         check_loaded(layer, self.checkpoint_params, "bitsandbytes 8-bit")

@@ -35,13 +35,16 @@ from llmhal.quantization.grouped_linear import (
 )
 from llmhal.quantization.int_packing import unpack_int32
 from llmhal.quantization.tracked_params import (
+    FLOAT_DTYPES,
     add_param,
     add_stash_param,
     check_loaded,
     expect_shape,
     layer_name,
+    shard_segments,
     shard_slices,
-    stashed,
+    stashed_max,
+    tensor_where,
 )
 
 PACKED = "pack-quantized"
@@ -52,7 +55,6 @@ SUPPORTED = (
     "per-token or static per-tensor activations), FP8 (tensor, channel or block weight scales, "
     "static or dynamic activations)"
 )
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -196,7 +198,7 @@ class CTWNA16Method(GroupedLinearMethod):
         else:
             add_param(layer, "weight", (n, k), torch.int8, loader, dtypes=[torch.int8],
                       output_dim=0, input_dim=1)  # fmt: skip
-        add_param(layer, "weight_scale", (n, k // g), torch.float32, loader, dtypes=_FLOATS,
+        add_param(layer, "weight_scale", (n, k // g), torch.float32, loader, dtypes=FLOAT_DTYPES,
                   output_dim=0, input_dim=1)  # fmt: skip
         if not self.args.symmetric:
             if self.packed:
@@ -248,18 +250,12 @@ class CTWNA16Method(GroupedLinearMethod):
         return act_order_parts(layer, q, scale, offset, g, self.bits, g_idx)
 
     def _check_shapes(self, layer: nn.Module) -> None:
-        shapes = stashed(layer, "weight_shape")
-        slices = shard_slices(layer)
-        if None in shapes:  # one weight_shape for the whole merged layer
-            expected = {None: (layer.output_size, layer.input_size)}
-        else:
-            expected = {sid: (size, layer.input_size) for sid, (_s, size) in slices.items()}
-        for sid, want in expected.items():
-            got = tuple(int(v) for v in shapes[sid].reshape(-1).tolist())
+        for sid, shape, rows in shard_segments(layer, "weight_shape"):
+            got = tuple(int(v) for v in shape.reshape(-1).tolist())
+            want = (rows, layer.input_size)
             if got != want:
-                where = f" shard {sid!r}" if len(expected) > 1 else ""
                 raise WeightLoadError(
-                    f"{layer_name(layer)}.weight_shape{where}: the checkpoint says {got}, the "
+                    f"{tensor_where(layer, 'weight_shape', sid)}: the checkpoint says {got}, the "
                     f"layer expects {want}"
                 )
 
@@ -291,26 +287,21 @@ class CTW8A8Int8Method(QuantizeMethodBase):
         loader = extra["weight_loader"]
         add_param(layer, "weight", (sum(output_sizes), input_size), torch.int8, loader,
                   dtypes=[torch.int8], output_dim=0, input_dim=1)  # fmt: skip
-        add_stash_param(layer, "weight_scale", dtypes=_FLOATS)
+        add_stash_param(layer, "weight_scale", dtypes=FLOAT_DTYPES)
         if self.static:
-            add_stash_param(layer, "input_scale", dtypes=_FLOATS)
+            add_stash_param(layer, "input_scale", dtypes=FLOAT_DTYPES)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         from llmhal.quantization.tracked_params import release
 
         check_loaded(layer, self._names(), "compressed-tensors W8A8")
-        scales = stashed(layer, "weight_scale")
         rows = []
-        for sid, (_start, size) in shard_slices(layer).items():
-            t = scales[sid].to(torch.float32)
+        for sid, t, size in shard_segments(layer, "weight_scale"):
+            t = t.to(torch.float32)
             if t.numel() not in (1, size):
                 expect_shape(layer, "weight_scale", sid, t, (size, 1))
             rows.append(t.reshape(-1).expand(size) if t.numel() == 1 else t.reshape(size))
-        layer.w8a8_input_scale = (
-            max(float(t.float().max()) for t in stashed(layer, "input_scale").values())
-            if self.static
-            else None
-        )
+        layer.w8a8_input_scale = stashed_max(layer, "input_scale") if self.static else None
         layer.w8a8_int_mm = True
         weight = layer.weight.data
         release(layer, self._names())

@@ -41,19 +41,19 @@ from torch import nn
 
 from llmhal.layers.weights import WeightLoadError
 from llmhal.quantization.base import QuantizationConfig, QuantizeMethodBase
-from llmhal.quantization.module_names import is_skipped, kv_cache_scale_name
+from llmhal.quantization.module_names import kv_cache_scale_name, quantizes_linear
 from llmhal.quantization.tracked_params import (
+    FLOAT_DTYPES,
     add_param,
     add_stash_param,
     check_loaded,
-    layer_name,
     release,
-    shard_slices,
-    stashed,
+    shard_segments,
+    stashed_max,
+    tensor_where,
 )
 
 FP8_CHECKPOINT_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
-SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Values converted per chunk in the weight-only path: small enough that the temporaries stay in
 # cache and are reused by the allocator (1536x576 at once was 15x slower than in 4 chunks).
 CHUNK_ELEMENTS = 1 << 18
@@ -194,11 +194,7 @@ class Fp8Config(QuantizationConfig):
         )
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
-        from llmhal.layers.linear import LinearBase
-
-        if not isinstance(layer, LinearBase):
-            return None
-        if is_skipped(prefix, self.ignored_layers, self.packed_modules_mapping):
+        if not quantizes_linear(layer, prefix, self.ignored_layers, self.packed_modules_mapping):
             return None
         return Fp8LinearMethod(self.scheme())
 
@@ -241,30 +237,18 @@ class Fp8LinearMethod(QuantizeMethodBase):
             return
         add_param(layer, "weight", shape, torch.float8_e4m3fn, loader,
                   dtypes=FP8_CHECKPOINT_DTYPES, output_dim=0, input_dim=1)  # fmt: skip
-        add_stash_param(layer, self.scheme.scale_name, dtypes=SCALE_DTYPES)
+        add_stash_param(layer, self.scheme.scale_name, dtypes=FLOAT_DTYPES)
         if self.scheme.static_input_scale:
-            add_stash_param(layer, "input_scale", dtypes=SCALE_DTYPES)
+            add_stash_param(layer, "input_scale", dtypes=FLOAT_DTYPES)
 
     # ------------------------------------------------------------------------------- loading
     def _row_scales(self, layer: nn.Module) -> tuple[torch.Tensor, bool]:
         """Per-output-row float32 scale [N], or per-row block scales [N, K/bk] for block schemes;
         and whether every shard had a single (per-tensor) scale."""
         name, k = self.scheme.scale_name, layer.input_size
-        scales = stashed(layer, name)
-        if None in scales:  # loaded whole into a merged layer: one segment for all outputs
-            segments = [(f"{layer_name(layer)}.{name}", scales[None], layer.output_size)]
-        else:
-            multi = len(scales) > 1
-            segments = [
-                (
-                    f"{layer_name(layer)}.{name}" + (f" shard {sid!r}" if multi else ""),
-                    scales[sid],
-                    size,
-                )
-                for sid, (_start, size) in shard_slices(layer).items()
-            ]
         rows, per_tensor = [], True
-        for where, t, size in segments:
+        for sid, t, size in shard_segments(layer, name):
+            where = tensor_where(layer, name, sid)
             t = t.to(torch.float32)
             if self.scheme.block is not None:
                 bn, bk = self.scheme.block
@@ -305,9 +289,7 @@ class Fp8LinearMethod(QuantizeMethodBase):
         input_scale = None
         if self.scheme.static_input_scale:
             # One activation scale per layer: shards' static scales are merged to the largest.
-            input_scale = max(
-                float(t.float().max()) for t in stashed(layer, "input_scale").values()
-            )
+            input_scale = stashed_max(layer, "input_scale")
             if target == torch.float8_e4m3fnuz:
                 input_scale *= 2
         release(layer, self._param_names())

@@ -37,6 +37,7 @@ from llmhal.quantization.grouped_linear import (
     GroupedLinearMethod,
     GroupedPart,
     act_order_parts,
+    add_zeros_and_scales,
     stashed_g_idx,
 )
 from llmhal.quantization.int_packing import unpack_int32
@@ -50,7 +51,6 @@ from llmhal.quantization.tracked_params import (
 
 SUPPORTED_BITS = (4, 8)
 FORMATS = ("gptq", "gptq_v2")
-_FLOAT_SCALES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class GPTQConfig(QuantizationConfig):
@@ -205,10 +205,7 @@ class GPTQLinearMethod(GroupedLinearMethod):
         int32 = [torch.int32]
         add_param(layer, "qweight", (k // self.pack, n), torch.int32, loader, dtypes=int32,
                   input_dim=0, output_dim=1, packed_dim=0, packed_factor=self.pack)  # fmt: skip
-        add_param(layer, "qzeros", (k // g, n // self.pack), torch.int32, loader, dtypes=int32,
-                  input_dim=0, output_dim=1, packed_dim=1, packed_factor=self.pack)  # fmt: skip
-        add_param(layer, "scales", (k // g, n), torch.float32, loader, dtypes=_FLOAT_SCALES,
-                  input_dim=0, output_dim=1)  # fmt: skip
+        add_zeros_and_scales(layer, loader, k, n, g, self.pack)
         add_stash_param(layer, "g_idx", dtypes=[torch.int32, torch.int64])
 
     def grouped_parts(self, layer: nn.Module) -> list[GroupedPart]:

@@ -50,6 +50,21 @@ class DenseKernel:
         return F.linear(x, self.weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
 
+def add_zeros_and_scales(
+    layer: nn.Module, loader: Any, k: int, n: int, group_size: int, pack: int
+) -> None:
+    """Register the per-group zero points and scales GPTQ and AWQ checkpoints both store:
+    ``qzeros`` int32 [K/g, N/pack] (``pack`` zero points per word, along the outputs) and
+    ``scales`` [K/g, N] (any float dtype, kept as float32)."""
+    from llmhal.quantization.tracked_params import FLOAT_DTYPES, add_param
+
+    add_param(layer, "qzeros", (k // group_size, n // pack), torch.int32, loader,
+              dtypes=[torch.int32], input_dim=0, output_dim=1, packed_dim=1,
+              packed_factor=pack)  # fmt: skip
+    add_param(layer, "scales", (k // group_size, n), torch.float32, loader, dtypes=FLOAT_DTYPES,
+              input_dim=0, output_dim=1)  # fmt: skip
+
+
 def grouped_part(
     q: torch.Tensor,
     scale: torch.Tensor,

@@ -9,7 +9,10 @@ differently cannot be served by one merged matmul and is reported as such.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch import nn
 
 # Used when the model did not fill QuantizationConfig.packed_modules_mapping.
 DEFAULT_PACKED_MODULES: dict[str, list[str]] = {
@@ -54,6 +57,19 @@ def is_skipped(
 ) -> bool:
     """True when the checkpoint leaves layer ``prefix`` unquantized (listed in ``skip``)."""
     return agree(prefix, packed, lambda n: any(name_matches(n, s) for s in skip))
+
+
+def quantizes_linear(
+    layer: nn.Module,
+    prefix: str,
+    skip: Sequence[str],
+    packed: Mapping[str, Sequence[str]] | None = None,
+) -> bool:
+    """True when ``layer`` is a linear layer the checkpoint quantizes (not listed in ``skip``): the
+    test a method with a plain skip list applies before handing a layer its linear method."""
+    from llmhal.layers.linear import LinearBase
+
+    return isinstance(layer, LinearBase) and not is_skipped(prefix, skip, packed)
 
 
 def kv_cache_scale_name(name: str) -> str | None:

@@ -31,6 +31,9 @@ _STASH = "_llmhal_stash"  # layer attribute: param name -> {shard id: tensor}
 
 Loader = Callable[..., None]
 
+# Checkpoint dtypes accepted for float scales (converted to float32 when loaded).
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 def layer_name(layer: nn.Module) -> str:
     return getattr(layer, "prefix", "") or type(layer).__name__
@@ -48,6 +51,13 @@ def shard_slices(layer: nn.Module) -> dict[Any, tuple[int, int]]:
         out[sid] = (start, size)
         start += size
     return out
+
+
+def tensor_where(layer: nn.Module, name: str, shard_id: Any = None) -> str:
+    """How errors name checkpoint tensor ``name`` of ``layer``: ``<layer>.<name>``, plus the shard
+    when the layer has several and ``shard_id`` is one of them (None: the whole layer)."""
+    multi = shard_id is not None and len(shard_ids(layer)) > 1
+    return f"{layer_name(layer)}.{name}" + (f" shard {shard_id!r}" if multi else "")
 
 
 def _record(layer: nn.Module, name: str, shard_id: Any) -> None:
@@ -133,6 +143,24 @@ def stashed(layer: nn.Module, name: str) -> dict[Any, torch.Tensor]:
     return stash
 
 
+def shard_segments(layer: nn.Module, name: str) -> list[tuple[Any, torch.Tensor, int]]:
+    """(shard id, stashed tensor, output rows) covering the layer's outputs in order.
+
+    One entry per shard, or a single ``(None, tensor, output_size)`` when the checkpoint gave a
+    merged layer one tensor for all its outputs. Call after :func:`check_loaded`.
+    """
+    tensors = stashed(layer, name)
+    if None in tensors:
+        return [(None, tensors[None], layer.output_size)]
+    return [(sid, tensors[sid], size) for sid, (_start, size) in shard_slices(layer).items()]
+
+
+def stashed_max(layer: nn.Module, name: str) -> float:
+    """The largest value in any shard's stashed ``name``: the one static scale of a merged layer
+    whose shards were calibrated separately (a larger scale only widens the range)."""
+    return max(float(t.float().max()) for t in stashed(layer, name).values())
+
+
 def missing(layer: nn.Module, names: Sequence[str]) -> list[str]:
     """Human-readable descriptions of the parameters in ``names`` that were not fully loaded."""
     loaded = layer.__dict__.get(_LOADED, {})
@@ -176,8 +204,7 @@ def release(layer: nn.Module, names: Sequence[str]) -> None:
 def expect_shape(layer: nn.Module, name: str, shard: Any, t: torch.Tensor, shape: tuple) -> None:
     """Raise naming the tensor when a stashed shard tensor ``t`` does not have ``shape``."""
     if tuple(t.shape) != tuple(shape):
-        where = f" shard {shard!r}" if len(shard_ids(layer)) > 1 else ""
         raise WeightLoadError(
-            f"{layer_name(layer)}.{name}{where}: checkpoint shape {tuple(t.shape)} does not match "
+            f"{tensor_where(layer, name, shard)}: checkpoint shape {tuple(t.shape)} does not match "
             f"expected {tuple(shape)}"
         )

@@ -20,7 +20,7 @@ from torch import nn
 
 from llmhal.quantization.base import QuantizationConfig, QuantizeMethodBase
 from llmhal.quantization.fp8 import Fp8LinearMethod, Fp8Scheme, fp8_availability, fp8_max
-from llmhal.quantization.module_names import is_skipped
+from llmhal.quantization.module_names import quantizes_linear
 from llmhal.utils.imports import is_available
 
 
@@ -72,11 +72,7 @@ class FBGEMMFp8Config(QuantizationConfig):
         return reasons
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
-        from llmhal.layers.linear import LinearBase
-
-        if not isinstance(layer, LinearBase):
-            return None
-        if is_skipped(prefix, self.ignore_list, self.packed_modules_mapping):
+        if not quantizes_linear(layer, prefix, self.ignore_list, self.packed_modules_mapping):
             return None
         return FBGEMMFp8LinearMethod(self.input_scale_ub)
 

@@ -34,8 +34,7 @@ from llmhal.quantization.tracked_params import (
     check_loaded,
     expect_shape,
     release,
-    shard_slices,
-    stashed,
+    shard_segments,
 )
 
 ALGOS = ("FP8", "NVFP4")
@@ -143,10 +142,8 @@ class NvFp4LinearMethod(QuantizeMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         check_loaded(layer, self.NAMES, "ModelOpt NVFP4")
-        globals_ = stashed(layer, "weight_scale_2")
         rows = []
-        for sid, (_start, size) in shard_slices(layer).items():
-            t = globals_[sid]
+        for sid, t, size in shard_segments(layer, "weight_scale_2"):
             if t.numel() != 1:
                 expect_shape(layer, "weight_scale_2", sid, t, ())
             rows.append(t.reshape(1).float().expand(size))
