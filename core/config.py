@@ -6,7 +6,6 @@ which dtype), so model classes do not thread it through every constructor.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -63,13 +62,7 @@ _current: Current[EngineConfig] = Current(
     "No current engine config: build models inside llmhal.config.set_current_config(...) "
     "(the engine does this for you)."
 )
-
-
-def set_current_config(config: EngineConfig) -> contextlib.AbstractContextManager[EngineConfig]:
-    """``with set_current_config(config):`` makes ``config`` current in this thread for the block."""
-    return _current.using(config)
-
-
-def get_current_config() -> EngineConfig:
-    """The current engine config; RuntimeError outside :func:`set_current_config`."""
-    return _current.get()
+# ``with set_current_config(config):`` makes ``config`` current in this thread for the block;
+# get_current_config() returns it, and raises RuntimeError (the text above) outside one.
+set_current_config = _current.using
+get_current_config = _current.get

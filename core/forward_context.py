@@ -7,7 +7,6 @@ sliding-window layers served by different ones).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,13 +24,7 @@ _current: Current[ForwardContext] = Current(
     "No forward context: attention layers run only inside the model runner's step "
     "(llmhal.forward_context.set_forward_context)."
 )
-
-
-def set_forward_context(ctx: ForwardContext) -> contextlib.AbstractContextManager[ForwardContext]:
-    """``with set_forward_context(ctx):`` makes ``ctx`` current in this thread for the block."""
-    return _current.using(ctx)
-
-
-def get_forward_context() -> ForwardContext:
-    """The step's forward context; RuntimeError outside :func:`set_forward_context`."""
-    return _current.get()
+# ``with set_forward_context(ctx):`` makes ``ctx`` current in this thread for the step;
+# get_forward_context() returns it, and raises RuntimeError (the text above) outside one.
+set_forward_context = _current.using
+get_forward_context = _current.get
