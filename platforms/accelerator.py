@@ -5,6 +5,7 @@ Many accelerator platforms look alike from the engine's side: a detection librar
 selects and orders the ones this process sees, and torch drives them through its device module for
 the platform's ``device_type`` (``torch.get_device_module(device_type)``: ``set_device``,
 ``synchronize``, ``manual_seed_all``). A vendor subclasses :class:`AcceleratorPlatform`, implements
+:meth:`AcceleratorPlatform.detect` (its inventory: what the library found),
 :meth:`AcceleratorPlatform.visible_devices` (records with the fields of :class:`DeviceRecord`) and
 ``mem_get_info``, and inherits the rest. Nothing here names a vendor or imports torch at import time.
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 from llmhal.platforms.interface import DeviceCapability, Platform
 
@@ -27,6 +28,7 @@ MEMORY_FRACTION_ENV = "LLMHAL_GPU_MEMORY_UTILIZATION"
 DEFAULT_MEMORY_FRACTION = 0.9
 
 T = TypeVar("T")
+InventoryT = TypeVar("InventoryT")
 
 
 def memory_fraction() -> float:
@@ -89,17 +91,33 @@ class DeviceRecord(Protocol):
     def total_memory(self) -> int: ...
 
 
-class AcceleratorPlatform(Platform):
+class AcceleratorPlatform(Platform, Generic[InventoryT]):
     """A platform of enumerated accelerator devices driven through torch's device module.
 
     Subclasses set ``device_type`` (the torch device type), ``device_label`` (how an error names one
-    device, e.g. "CUDA device 3") and implement :meth:`visible_devices` and ``mem_get_info``.
-    Device facts come from the records, so querying them never initialises the device runtime.
+    device, e.g. "CUDA device 3") and implement :meth:`detect`, :meth:`visible_devices` and
+    ``mem_get_info``. Device facts come from the records, so querying them never initialises the
+    device runtime. ``inventory`` may be injected (tests, tools); otherwise :meth:`detect` runs on
+    first use.
     """
 
     device_label: ClassVar[str] = "accelerator"
 
+    def __init__(self, inventory: InventoryT | None = None) -> None:
+        self._inventory = inventory
+
     # ------------------------------------------------------------------------------ devices
+    def detect(self) -> InventoryT:
+        """Ask the detection library what is there (called once, on first use of ``inventory``)."""
+        raise NotImplementedError(f"platform {self.name!r} does not detect its devices")
+
+    @property
+    def inventory(self) -> InventoryT:
+        """What detection found, cached for the platform's lifetime."""
+        if self._inventory is None:
+            self._inventory = self.detect()
+        return self._inventory
+
     def visible_devices(self) -> Sequence[DeviceRecord]:
         """The devices this process sees, in logical order (position ``i`` is device id ``i``)."""
         return []

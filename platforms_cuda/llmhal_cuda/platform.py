@@ -38,7 +38,7 @@ def _is_wsl() -> bool:
         return False
 
 
-class CudaPlatform(AcceleratorPlatform):
+class CudaPlatform(AcceleratorPlatform[CudaInventory]):
     """NVIDIA GPUs. ``inventory`` (what detection found) may be injected; otherwise NVML is asked
     on first use. Device facts, the KV-cache budget, seeding and synchronisation follow
     :class:`~llmhal.platforms.AcceleratorPlatform`; on Jetson (no NVML) torch reports the facts."""
@@ -69,15 +69,9 @@ class CudaPlatform(AcceleratorPlatform):
     # None: every registered method may run; each one checks the capability it needs.
     supported_quantization = None
 
-    def __init__(self, inventory: CudaInventory | None = None) -> None:
-        self._inventory = inventory
-
     # ------------------------------------------------------------------------------ devices
-    @property
-    def inventory(self) -> CudaInventory:
-        if self._inventory is None:
-            self._inventory = detect_cuda()
-        return self._inventory
+    def detect(self) -> CudaInventory:
+        return detect_cuda()
 
     @property
     def is_jetson(self) -> bool:

@@ -34,7 +34,7 @@ def aiter_enabled() -> bool:
     return os.environ.get(AITER_ENV, "0").strip().lower() in ("1", "true")
 
 
-class RocmPlatform(AcceleratorPlatform):
+class RocmPlatform(AcceleratorPlatform[RocmInventory]):
     """AMD Instinct/Radeon GPUs. ``inventory`` may be injected; otherwise amdsmi is asked on first
     use. Device facts, the KV-cache budget, seeding and synchronisation follow
     :class:`~llmhal.platforms.AcceleratorPlatform` (torch's ``cuda`` module drives HIP devices)."""
@@ -68,15 +68,9 @@ class RocmPlatform(AcceleratorPlatform):
         "bitsandbytes",
     )
 
-    def __init__(self, inventory: RocmInventory | None = None) -> None:
-        self._inventory = inventory
-
     # ------------------------------------------------------------------------------ devices
-    @property
-    def inventory(self) -> RocmInventory:
-        if self._inventory is None:
-            self._inventory = detect_rocm()
-        return self._inventory
+    def detect(self) -> RocmInventory:
+        return detect_rocm()
 
     def visible_devices(self) -> list[RocmDevice]:
         return visibility.visible_devices(self.inventory.devices)

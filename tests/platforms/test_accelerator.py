@@ -104,3 +104,18 @@ def test_device_control_goes_through_the_torch_device_module(monkeypatch):
     assert calls == [("set", "npu:1"), ("sync", 1), ("seed", 5)]
     assert set(asked) == {"npu"}
     assert torch.initial_seed() == 5  # the base seeding ran too
+
+
+def test_inventory_is_detected_once_unless_injected():
+    class _Counted(_Npu):
+        calls = 0
+
+        def detect(self) -> str:
+            type(self).calls += 1
+            return "found"
+
+    p = _Counted()
+    assert (p.inventory, p.inventory, _Counted.calls) == ("found", "found", 1)
+    assert _Counted("given").inventory == "given" and _Counted.calls == 1
+    with pytest.raises(NotImplementedError, match="'npu' does not detect its devices"):
+        _ = _Npu().inventory
