@@ -5,15 +5,24 @@ plugins make (attention backends, quantization methods, op kernels, models), so 
 throwaway distribution on ``sys.path`` and resolve again. On exit it restores the previous plugin
 records and platform, drops the registrations made inside, and unloads modules imported from the
 throwaway folders, so later tests see the session as it was.
+
+:func:`switched_platform` is the light version: it lets a test make platform instances it built
+(fakes of any vendor's platform) current, and restores the resolved one on exit.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:  # pragma: no cover
+    from llmhal.platforms import Platform
+
+P = TypeVar("P", bound="Platform")
 
 
 def _clear_registries() -> None:
@@ -66,3 +75,28 @@ def fresh_plugin_state(*dist_roots: Path | str) -> Iterator[None]:
             plugins._loaded.update(saved_plugins[1])
             plugins._general_loaded = saved_plugins[2]
         platforms.set_current_platform(*saved_platform)
+
+
+@contextmanager
+def switched_platform() -> Iterator[Callable[[P], P]]:
+    """Within the block, ``use(platform)`` makes ``platform`` the current one and returns it.
+
+    The attention selector's cache is cleared at each switch (selection asks the new platform), and
+    on exit the previous platform and its selection record come back.
+    """
+    from llmhal.attention import selector
+    from llmhal.platforms import get_current_platform, get_platform_selection, set_current_platform
+
+    previous = (get_current_platform(), get_platform_selection())
+    selector._clear_cache_for_tests()
+
+    def use(platform: P) -> P:
+        set_current_platform(platform)
+        selector._clear_cache_for_tests()
+        return platform
+
+    try:
+        yield use
+    finally:
+        set_current_platform(*previous)
+        selector._clear_cache_for_tests()

@@ -25,13 +25,9 @@ from llmhal.attention.backend import AttentionRequirements
 from llmhal.attention.batch import build_common_metadata
 from llmhal.attention.registry import get_backend_entry
 from llmhal.attention.selector import AttentionBackendError, select_attention_backend
-from llmhal.platforms import (
-    UnspecifiedPlatform,
-    get_current_platform,
-    get_platform_selection,
-    set_current_platform,
-)
+from llmhal.platforms import UnspecifiedPlatform, get_current_platform
 from llmhal.testing.attention_conformance import conformance_cases, run_attention_case
+from llmhal.testing.isolation import switched_platform
 from llmhal_cuda.attention.flash_attn import (
     FlashAttentionBackend,
     FlashAttentionImpl,
@@ -181,18 +177,8 @@ def libs(monkeypatch: pytest.MonkeyPatch):
 @pytest.fixture
 def cuda_platform(cuda_env, gpus, fake_inventory) -> Iterator:
     """``cuda_platform(model)``: make a fake CudaPlatform on that GPU the current platform."""
-    previous = (get_current_platform(), get_platform_selection())
-    selector._clear_cache_for_tests()
-
-    def make(model: str) -> CudaPlatform:
-        p = CudaPlatform(fake_inventory(getattr(gpus, model)))
-        set_current_platform(p)
-        selector._clear_cache_for_tests()
-        return p
-
-    yield make
-    set_current_platform(*previous)
-    selector._clear_cache_for_tests()
+    with switched_platform() as use:
+        yield lambda model: use(CudaPlatform(fake_inventory(getattr(gpus, model))))
 
 
 def _req(dtype=torch.bfloat16, head_size=64, block_size=16, **kw) -> AttentionRequirements:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmhal.platforms import get_current_platform, set_current_platform
+from llmhal.platforms import get_current_platform
 from llmhal.quantization.base import QuantizationConfig
+from llmhal.testing.isolation import switched_platform
 from llmhal.testing.quant_layers import (
     assert_close_to_reference,
     build_linear,
@@ -38,15 +39,8 @@ AWQ = {
 @pytest.fixture
 def on_gpu(fake_inventory, gpus):
     """``on_gpu("H100")`` makes a CudaPlatform over that fake GPU the active platform."""
-    previous = get_current_platform()
-
-    def use(name: str) -> CudaPlatform:
-        platform = CudaPlatform(fake_inventory(getattr(gpus, name)))
-        set_current_platform(platform)
-        return platform
-
-    yield use
-    set_current_platform(previous)
+    with switched_platform() as use:
+        yield lambda name: use(CudaPlatform(fake_inventory(getattr(gpus, name))))
 
 
 def test_declared_methods_resolve_to_their_configs():

@@ -23,17 +23,13 @@ from llmhal.attention import selector
 from llmhal.attention.backend import AttentionRequirements
 from llmhal.attention.batch import build_common_metadata
 from llmhal.attention.selector import AttentionBackendError, select_attention_backend
-from llmhal.platforms import (
-    UnspecifiedPlatform,
-    get_current_platform,
-    get_platform_selection,
-    set_current_platform,
-)
+from llmhal.platforms import UnspecifiedPlatform
 from llmhal.testing.attention_conformance import (
     check_attention_case,
     conformance_cases,
     run_attention_case,
 )
+from llmhal.testing.isolation import switched_platform
 from llmhal_rocm.attention.rocm_aiter_fa import AiterFlashAttentionBackend, AiterFlashAttentionImpl
 from llmhal_rocm.attention.rocm_attn import RocmAttentionBackend, _sub_step
 from llmhal_rocm.platform import RocmPlatform
@@ -80,18 +76,8 @@ def test_triton_kernels_in_the_interpreter(request: pytest.FixtureRequest) -> No
 @pytest.fixture
 def rocm(rocm_env, gpus, fake_inventory) -> Iterator:
     """``rocm(model)``: a fake RocmPlatform on that GPU, made the current platform."""
-    previous = (get_current_platform(), get_platform_selection())
-    selector._clear_cache_for_tests()
-
-    def make(model: str) -> RocmPlatform:
-        p = RocmPlatform(fake_inventory(getattr(gpus, model)))
-        set_current_platform(p)
-        selector._clear_cache_for_tests()
-        return p
-
-    yield make
-    set_current_platform(*previous)
-    selector._clear_cache_for_tests()
+    with switched_platform() as use:
+        yield lambda model: use(RocmPlatform(fake_inventory(getattr(gpus, model))))
 
 
 # ----------------------------------------------------------------------- split-KV decode kernel

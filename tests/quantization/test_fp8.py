@@ -9,13 +9,9 @@ import pytest
 import torch
 
 from llmhal.layers.weights import WeightLoadError
-from llmhal.platforms import (
-    Platform,
-    PlatformCapabilities,
-    get_current_platform,
-    set_current_platform,
-)
+from llmhal.platforms import Platform, PlatformCapabilities
 from llmhal.quantization.fp8 import Fp8Config, Fp8LinearMethod
+from llmhal.testing.isolation import switched_platform
 from llmhal.testing.quant_layers import (
     assert_close_to_reference,
     build_linear,
@@ -46,13 +42,8 @@ class FakeFp8Platform(Platform):
 
 @pytest.fixture
 def use_platform():
-    previous = get_current_platform()
-
-    def use(platform: Platform) -> None:
-        set_current_platform(platform)
-
-    yield use
-    set_current_platform(previous)
+    with switched_platform() as use:
+        yield use
 
 
 def quantize(w: torch.Tensor, per_channel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
