@@ -12,8 +12,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from llmhal.platforms import get_current_platform
 from llmhal.testing.attention_conformance import check_attention_case, conformance_cases
+from llmhal.testing.fixtures import live_platform
 from llmhal.testing.platform_conformance import check_platform_instance
 from llmhal_cuda.attention.flash_attn import FlashAttentionBackend
 from llmhal_cuda.attention.flashinfer import FlashInferBackend
@@ -22,12 +22,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _cuda_platform():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    platform = get_current_platform()
-    if platform.name != "cuda":
-        pytest.skip(f"the active platform is {platform.name}, not cuda")
-    return platform
+    return live_platform("cuda", torch.cuda.is_available(), "CUDA")
 
 
 def test_live_platform_conforms():

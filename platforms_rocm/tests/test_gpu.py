@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmhal.platforms import get_current_platform
 from llmhal.testing.attention_conformance import check_attention_case, conformance_cases
+from llmhal.testing.fixtures import live_platform
 from llmhal.testing.platform_conformance import check_platform_instance
 from llmhal_rocm.attention.rocm_aiter_fa import AiterFlashAttentionBackend
 from llmhal_rocm.attention.rocm_attn import RocmAttentionBackend
@@ -20,12 +20,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _rocm_platform():
-    if not (torch.cuda.is_available() and torch.version.hip):
-        pytest.skip("no ROCm device")
-    platform = get_current_platform()
-    if platform.name != "rocm":
-        pytest.skip(f"the active platform is {platform.name}, not rocm")
-    return platform
+    return live_platform("rocm", torch.cuda.is_available() and bool(torch.version.hip), "ROCm")
 
 
 def test_live_platform_conforms():
