@@ -14,12 +14,13 @@ fp8 storage (``kv_cache_dtype`` ``fp8_e4m3``/``fp8_e5m2``): a value ``x`` is sto
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:  # pragma: no cover
-    from llmhal.attention.backend import AttentionLayerState
+    from llmhal.attention.backend import AttentionLayerState, CommonAttentionMetadata
 
 
 def kv_cache_shape(
@@ -153,3 +154,36 @@ def read_kv(
         dequantize_from_cache(k, k_scale, dtype).view(shape),
         dequantize_from_cache(v, v_scale, dtype).view(shape),
     )
+
+
+@dataclass(frozen=True)
+class VarlenStep:
+    """A step in the form varlen attention kernels (``flash_attn_varlen_func`` and its kin) take.
+
+    The new tokens are packed by ``query_start_loc``, each request's keys (cached and new) by
+    ``cu_seqlens_k``; ``kv_slots`` are the cache slots of those keys in that order, for backends
+    that gather them into contiguous tensors (None when the builder was asked not to keep them).
+    """
+
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    cu_seqlens_k: torch.Tensor  # int32 [num_reqs + 1]
+    slot_mapping: torch.Tensor  # int64 [num_actual_tokens], where the new keys/values go
+    kv_slots: torch.Tensor | None  # int64 [sum(seq_lens)]
+
+    @classmethod
+    def build(
+        cls, common: CommonAttentionMetadata, block_size: int, *, gather: bool = True
+    ) -> VarlenStep:
+        kv_slots, cu_k = kv_token_slots(common.block_table, common.seq_lens_cpu, block_size)
+        return cls(
+            num_actual_tokens=common.num_actual_tokens,
+            max_query_len=common.max_query_len,
+            max_seq_len=common.max_seq_len,
+            query_start_loc=common.query_start_loc.int(),
+            cu_seqlens_k=cu_k,
+            slot_mapping=common.slot_mapping,
+            kv_slots=kv_slots if gather else None,
+        )

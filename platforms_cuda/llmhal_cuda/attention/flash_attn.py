@@ -29,12 +29,7 @@ from llmhal.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
-from llmhal.attention.paged_kv import (
-    SharedKVLayout,
-    gather_kv,
-    kv_token_slots,
-    store_and_allocate,
-)
+from llmhal.attention.paged_kv import SharedKVLayout, VarlenStep, gather_kv, store_and_allocate
 from llmhal.attention.utils import check_step, flash_window_size, require_model_dtype_cache
 from llmhal.utils.imports import is_available, require
 from llmhal_cuda.attention.common import not_installed
@@ -64,18 +59,13 @@ def flash_attn_version(capability: tuple[int, int] | None) -> int | None:
 
 @dataclass(frozen=True)
 class FlashAttnMetadata:
-    """One step, in the form FlashAttention's varlen/paged entry points take."""
+    """One step, in the form FlashAttention's varlen/paged entry points take (``step.kv_slots``:
+    FA2 with small blocks gathers the keys/values at these slots; None otherwise)."""
 
     version: int
-    num_actual_tokens: int
-    max_query_len: int
-    max_seq_len: int
-    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    step: VarlenStep
     seq_lens: torch.Tensor  # int32 [num_reqs]
-    cu_seqlens_k: torch.Tensor  # int32 [num_reqs + 1]
     block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
-    slot_mapping: torch.Tensor  # int64 [num_actual_tokens]
-    kv_slots: torch.Tensor | None  # FA2 with small blocks: slots of every cached token to gather
 
 
 class FlashAttnMetadataBuilder(AttentionMetadataBuilder[FlashAttnMetadata]):
@@ -97,18 +87,11 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder[FlashAttnMetadata]):
 
     def build(self, common: CommonAttentionMetadata) -> FlashAttnMetadata:
         check_step(common, FlashAttentionBackend.name)
-        kv_slots, cu_k = kv_token_slots(common.block_table, common.seq_lens_cpu, self.block_size)
         return FlashAttnMetadata(
             version=self.version,
-            num_actual_tokens=common.num_actual_tokens,
-            max_query_len=common.max_query_len,
-            max_seq_len=common.max_seq_len,
-            query_start_loc=common.query_start_loc.int(),
+            step=VarlenStep.build(common, self.block_size, gather=self.gather),
             seq_lens=common.seq_lens.int(),
-            cu_seqlens_k=cu_k,
             block_table=common.block_table.int().contiguous(),
-            slot_mapping=common.slot_mapping,
-            kv_slots=kv_slots if self.gather else None,
         )
 
 
@@ -132,9 +115,9 @@ class FlashAttentionImpl(AttentionImpl[FlashAttnMetadata]):
         kv_cache: torch.Tensor,
         attn_metadata: FlashAttnMetadata,
     ) -> torch.Tensor:
-        m = attn_metadata
-        n = m.num_actual_tokens
-        out = store_and_allocate(layer, query, key, value, kv_cache, m.slot_mapping)
+        m, s = attn_metadata, attn_metadata.step
+        n = s.num_actual_tokens
+        out = store_and_allocate(layer, query, key, value, kv_cache, s.slot_mapping)
         if n == 0:
             return out
         k_pages, v_pages = kv_cache[0], kv_cache[1]
@@ -152,14 +135,14 @@ class FlashAttentionImpl(AttentionImpl[FlashAttnMetadata]):
                 v_pages,
                 cache_seqlens=m.seq_lens,
                 page_table=m.block_table,
-                cu_seqlens_q=m.query_start_loc,
-                max_seqlen_q=m.max_query_len,
+                cu_seqlens_q=s.query_start_loc,
+                max_seqlen_q=s.max_query_len,
                 **common,
             )
         else:
             fa2 = require(FA2_MODULE, package=f"llmhal-cuda[{EXTRA}]", purpose="FlashAttention 2")
-            if m.kv_slots is not None:
-                k, v = gather_kv(kv_cache, m.kv_slots)
+            if s.kv_slots is not None:
+                k, v = gather_kv(kv_cache, s.kv_slots)
                 paged: dict[str, Any] = {}
             else:
                 k, v, paged = k_pages, v_pages, {"block_table": m.block_table}
@@ -167,10 +150,10 @@ class FlashAttentionImpl(AttentionImpl[FlashAttnMetadata]):
                 query[:n],
                 k,
                 v,
-                m.query_start_loc,
-                m.cu_seqlens_k,
-                m.max_query_len,
-                m.max_seq_len,
+                s.query_start_loc,
+                s.cu_seqlens_k,
+                s.max_query_len,
+                s.max_seq_len,
                 **common,
                 **paged,
             )

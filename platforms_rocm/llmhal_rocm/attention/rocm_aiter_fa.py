@@ -14,7 +14,6 @@ installed and the arch supports it. Automatic selection considers it only with
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from llmhal.attention.backend import (
@@ -26,12 +25,7 @@ from llmhal.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
-from llmhal.attention.paged_kv import (
-    SharedKVLayout,
-    gather_kv,
-    kv_token_slots,
-    store_and_allocate,
-)
+from llmhal.attention.paged_kv import SharedKVLayout, VarlenStep, gather_kv, store_and_allocate
 from llmhal.attention.utils import check_step, flash_window_size, require_model_dtype_cache
 from llmhal.utils.imports import is_available, require
 from llmhal_rocm.arch import AITER_ARCHS, supports_aiter
@@ -47,32 +41,14 @@ EXTRA = "aiter"
 MAX_HEAD_SIZE = 256
 
 
-@dataclass(frozen=True)
-class AiterFaMetadata:
-    num_actual_tokens: int
-    max_query_len: int
-    max_seq_len: int
-    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
-    cu_seqlens_k: torch.Tensor  # int32 [num_reqs + 1]
-    slot_mapping: torch.Tensor
-    kv_slots: torch.Tensor  # int64 [sum(seq_lens)]: the cache slot of every attended token
+# Every step gathers the attended keys/values: ``kv_slots`` is always set.
+AiterFaMetadata = VarlenStep
 
 
 class AiterFaMetadataBuilder(AttentionMetadataBuilder[AiterFaMetadata]):
     def build(self, common: CommonAttentionMetadata) -> AiterFaMetadata:
         check_step(common, AiterFlashAttentionBackend.name)
-        slots, cu_k = kv_token_slots(
-            common.block_table, common.seq_lens_cpu, self.requirements.block_size
-        )
-        return AiterFaMetadata(
-            num_actual_tokens=common.num_actual_tokens,
-            max_query_len=common.max_query_len,
-            max_seq_len=common.max_seq_len,
-            query_start_loc=common.query_start_loc.int(),
-            cu_seqlens_k=cu_k,
-            slot_mapping=common.slot_mapping,
-            kv_slots=slots,
-        )
+        return VarlenStep.build(common, self.requirements.block_size)
 
 
 class AiterFlashAttentionImpl(AttentionImpl[AiterFaMetadata]):
@@ -98,6 +74,7 @@ class AiterFlashAttentionImpl(AttentionImpl[AiterFaMetadata]):
         if n == 0:
             return out
         aiter = require(MODULE, package=f"llmhal-rocm[{EXTRA}]", purpose="rocm_aiter_fa")
+        assert m.kv_slots is not None  # built with gather=True
         k, v = gather_kv(kv_cache, m.kv_slots)
         result = aiter.flash_attn_varlen_func(
             query[:n],
