@@ -101,6 +101,12 @@ def causal_window_mask(
     return mask
 
 
+def first_visible_position(query_position: int, sliding_window: int | None) -> int:
+    """The first key position a query at ``query_position`` sees: with a sliding window ``W``,
+    ``query_position - W + 1`` (not below 0); without one, 0. Keys before it can be skipped."""
+    return max(0, query_position - sliding_window + 1) if sliding_window else 0
+
+
 def attend(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -1,5 +1,5 @@
 """The hardware-neutral helpers backends share: step checks, platform reasons, window conventions,
-and the paged-KV gathers of :mod:`llmhal.attention.paged_kv`."""
+the paged-KV gathers of :mod:`llmhal.attention.paged_kv` and the window rule of the reference."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from llmhal.attention import paged_kv
 from llmhal.attention.batch import build_common_metadata
 from llmhal.attention.paged_kv import kv_token_slots
+from llmhal.attention.reference import causal_window_mask, first_visible_position
 from llmhal.attention.utils import (
     check_causal,
     check_step,
@@ -75,3 +76,12 @@ def test_gather_and_read_agree_with_written_tokens():
     rk, rv = paged_kv.read_kv(cache, torch.tensor([[3, 17], [30, 9]]), one, one)
     assert rk.shape == (2, 2, 2, 16) and torch.equal(rk.reshape(4, 2, 16), k)
     assert torch.equal(rv.reshape(4, 2, 16), v)
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 8])
+def test_first_visible_position_agrees_with_the_mask(window):
+    keys = torch.arange(12)
+    for p in range(12):
+        visible = causal_window_mask(torch.tensor(p), keys, window)
+        assert int(visible.nonzero()[0]) == first_visible_position(p, window)
+        assert bool(visible[first_visible_position(p, window) : p + 1].all())

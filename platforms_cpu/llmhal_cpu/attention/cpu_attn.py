@@ -34,7 +34,7 @@ from llmhal.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
-from llmhal.attention.reference import visibility_mask
+from llmhal.attention.reference import first_visible_position, visibility_mask
 from llmhal.attention.utils import check_causal
 from llmhal_cpu.attention import native, torch_paths
 
@@ -248,7 +248,7 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata]):
         if spec.context_len or kv_cache.dtype != q.dtype:
             # Keys before the first query's sliding window are never needed: skip their blocks.
             bs, w = kv_cache.shape[2], self.sliding_window
-            key_start = (max(0, spec.context_len - w + 1) if w else 0) // bs * bs
+            key_start = first_visible_position(spec.context_len, w) // bs * bs
             k = self._read(kv_cache[0], spec, key_start, layer.k_scale, q.dtype)
             v = self._read(kv_cache[1], spec, key_start, layer.v_scale, q.dtype)
         mask = self._prefill_mask(spec, key_start, meta)

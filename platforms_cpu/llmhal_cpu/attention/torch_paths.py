@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from llmhal.attention import paged_kv
-from llmhal.attention.reference import causal_window_mask
+from llmhal.attention.reference import causal_window_mask, first_visible_position
 
 # Upper bound of one score chunk in the soft-cap path, in elements (256 MiB of fp32).
 _SCORE_CHUNK_ELEMS = 1 << 26
@@ -105,9 +105,10 @@ def short_queries(
     _, bs, hkv, d = k_cache.shape
     seq = seq_lens[:num_reqs].tolist()
     qsl = query_start_loc[: num_reqs + 1].tolist()
-    first = [0] * num_reqs
-    if window:
-        first = [max(0, s - (qsl[j + 1] - qsl[j]) - window + 1) // bs for j, s in enumerate(seq)]
+    # The first block each request's first query can see (its sliding window's start).
+    first = [
+        first_visible_position(s - (qsl[j + 1] - qsl[j]), window) // bs for j, s in enumerate(seq)
+    ]
     parts = []
     start = 0
     while start < num_reqs:
