@@ -48,7 +48,7 @@ from llmhal.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
-from llmhal.attention.paged_kv import quantize_to_cache
+from llmhal.attention.paged_kv import quantize_to_cache, written_slots
 from llmhal.attention.utils import check_step
 from llmhal.logger import init_logger
 
@@ -361,13 +361,14 @@ def _write_kv(
     layer: AttentionLayerState,
 ) -> None:
     """Store the step's keys/values in this backend's head-major layout (-1 slots are skipped)."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
+    slots, index = written_slots(slot_mapping)
+    if index is not None:
+        key, value = key[index], value[index]
     kv_heads, head_size = kv_cache.shape[1], kv_cache.shape[-1]
     kc = kv_cache[0].view(kv_heads, -1, head_size)
     vc = kv_cache[1].view(kv_heads, -1, head_size)
-    kc[:, slots] = quantize_to_cache(key[keep], kv_cache.dtype, layer.k_scale).transpose(0, 1)
-    vc[:, slots] = quantize_to_cache(value[keep], kv_cache.dtype, layer.v_scale).transpose(0, 1)
+    kc[:, slots] = quantize_to_cache(key, kv_cache.dtype, layer.k_scale).transpose(0, 1)
+    vc[:, slots] = quantize_to_cache(value, kv_cache.dtype, layer.v_scale).transpose(0, 1)
 
 
 class FlexAttentionBackend(AttentionBackend):

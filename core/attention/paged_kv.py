@@ -64,6 +64,16 @@ def dequantize_from_cache(
     return x.to(dtype)
 
 
+def written_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The int64 slots of the tokens a step stores (-1 marks padding, which is not stored), and
+    the indices of those tokens (None when every token is stored: no gather needed)."""
+    slots = slot_mapping.to(torch.int64)
+    if slots.numel() and bool((slots < 0).any()):
+        index = torch.nonzero(slots >= 0).flatten()
+        return slots[index], index
+    return slots, None
+
+
 def write_kv(
     kv_cache: torch.Tensor,
     key: torch.Tensor,
@@ -76,11 +86,10 @@ def write_kv(
     n = slot_mapping.shape[0]
     if n == 0:
         return
-    slots = slot_mapping.long()
+    slots, index = written_slots(slot_mapping)
     key, value = key[:n], value[:n]
-    valid = slots >= 0
-    if not bool(valid.all()):
-        slots, key, value = slots[valid], key[valid], value[valid]
+    if index is not None:
+        key, value = key[index], value[index]
     kv_heads, head_size = kv_cache.shape[-2], kv_cache.shape[-1]
     k_flat = kv_cache[0].view(-1, kv_heads, head_size)
     v_flat = kv_cache[1].view(-1, kv_heads, head_size)

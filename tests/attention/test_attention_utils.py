@@ -85,3 +85,10 @@ def test_first_visible_position_agrees_with_the_mask(window):
         visible = causal_window_mask(torch.tensor(p), keys, window)
         assert int(visible.nonzero()[0]) == first_visible_position(p, window)
         assert bool(visible[first_visible_position(p, window) : p + 1].all())
+
+
+def test_written_slots_skip_padding():
+    slots, index = paged_kv.written_slots(torch.tensor([4, -1, 7, -1], dtype=torch.int32))
+    assert slots.dtype == torch.int64 and slots.tolist() == [4, 7] and index.tolist() == [0, 2]
+    slots, index = paged_kv.written_slots(torch.tensor([3, 5]))
+    assert slots.tolist() == [3, 5] and index is None

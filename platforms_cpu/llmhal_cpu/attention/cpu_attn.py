@@ -85,11 +85,8 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata]
         bs = self.requirements.block_size
         qsl_cpu = common.query_start_loc_cpu.tolist()
         seq_cpu = common.seq_lens_cpu.tolist()
-        slots = common.slot_mapping[: common.num_actual_tokens].to(torch.int64).contiguous()
-        all_slots, write_index = slots, None
-        if common.num_actual_tokens and bool((slots < 0).any()):
-            write_index = torch.nonzero(slots >= 0).flatten()
-            slots = slots[write_index]
+        all_slots = common.slot_mapping[: common.num_actual_tokens].to(torch.int64).contiguous()
+        slots, write_index = paged_kv.written_slots(all_slots)
         tree_q = None if common.tree_mask is None else int(common.tree_mask.shape[0])
         # The kernel takes the leading run of short requests (decodes come first by contract).
         n_kernel = 0
