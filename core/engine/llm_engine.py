@@ -22,6 +22,7 @@ from llmhal.engine.request import Request, RequestStatus
 from llmhal.engine.sampler import Sampler
 from llmhal.engine.sampling_params import SamplingParams
 from llmhal.engine.scheduler import Scheduler
+from llmhal.engine.stat_loggers import IterationStats, SchedulerStats, load_stat_loggers, record_all
 from llmhal.logger import init_logger
 
 logger = init_logger(__name__)
@@ -72,6 +73,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self.eos_token_ids = self._eos_ids()
+        self.stat_loggers = load_stat_loggers(config)
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -199,10 +201,25 @@ class LLMEngine:
             for i, req in enumerate(sample_reqs):
                 self._append_token(req, result.token_ids[i], result.logprobs[i])
                 outputs.append(req.to_output(self._hold_back(req)))
-        self._account(t0, prefill, batch.num_tokens, len(batch.preempted))
+        dt = self._account(t0, prefill, batch.num_tokens, len(batch.preempted))
+        if self.stat_loggers:
+            self._record_stats(dt, prefill, len(sample_reqs), outputs, len(batch.preempted))
         return outputs
 
-    def _account(self, t0: float, prefill: int, total: int, preempted: int) -> None:
+    def _record_stats(
+        self, dt: float, prefill: int, sampled: int, outputs: list[RequestOutput], preempted: int
+    ) -> None:
+        sched = self.scheduler
+        used = 1.0 - self.kv.num_free_blocks / self.kv.num_blocks
+        record_all(
+            self.stat_loggers,
+            SchedulerStats(len(sched.running), len(sched.waiting), used, sched.num_preemptions),
+            IterationStats(
+                dt, prefill, sampled, tuple(o.request_id for o in outputs if o.finished), preempted
+            ),
+        )
+
+    def _account(self, t0: float, prefill: int, total: int, preempted: int) -> float:
         dt = time.perf_counter() - t0
         self.stats.steps += 1
         self.stats.preemptions += preempted
@@ -212,6 +229,7 @@ class LLMEngine:
         else:
             self.stats.decode_tokens += total
             self.stats.decode_seconds += dt
+        return dt
 
     @staticmethod
     def _hold_back(req: Request) -> int:

@@ -1,0 +1,87 @@
+"""Engine statistics and the ``vllm.stat_logger_plugins`` group.
+
+A stat-logger plugin's entry point names a :class:`StatLoggerBase` subclass (a class, not a factory,
+as in vLLM). At engine start llmhal imports the allowed ones, rejects anything that is not such a
+subclass with a :class:`TypeError` naming the plugin, instantiates each with ``(config, engine_index)``
+and calls :meth:`StatLoggerBase.log_engine_initialized`. After every step it calls
+:meth:`StatLoggerBase.record` with a :class:`SchedulerStats` and an :class:`IterationStats`. A logger
+that raises is logged once and dropped, so metrics never take serving down.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmhal.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """The scheduler's state after a step."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV-cache blocks in use, 0..1
+    num_preemptions_total: int
+
+
+@dataclass(frozen=True)
+class IterationStats:
+    """What one step did."""
+
+    step_seconds: float
+    num_prompt_tokens: int  # tokens of prompts (prefill or recompute) processed this step
+    num_generation_tokens: int  # tokens sampled this step
+    finished_request_ids: tuple[str, ...] = field(default_factory=tuple)
+    num_preempted: int = 0
+
+
+class StatLoggerBase(ABC):
+    """Base class of engine stat loggers (built-in or from ``vllm.stat_logger_plugins``)."""
+
+    @abstractmethod
+    def __init__(self, config: Any, engine_index: int = 0) -> None: ...
+
+    @abstractmethod
+    def record(
+        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
+    ) -> None:
+        """Called after every engine step."""
+
+    @abstractmethod
+    def log_engine_initialized(self) -> None:
+        """Called once, when the engine is ready."""
+
+    def log(self) -> None:
+        """Called periodically by long-running front ends to emit a summary (optional)."""
+
+
+def load_stat_loggers(config: Any, engine_index: int = 0) -> list[StatLoggerBase]:
+    """Instantiate the allowed stat-logger plugins (in discovery order)."""
+    from llmhal.plugins import STAT_LOGGER_PLUGINS_GROUP, load_plugins_by_group
+
+    out = []
+    for name, cls in load_plugins_by_group(STAT_LOGGER_PLUGINS_GROUP).items():
+        if not (isinstance(cls, type) and issubclass(cls, StatLoggerBase)):
+            raise TypeError(
+                f"Stat logger plugin {name!r} must be a subclass of llmhal.engine.stat_loggers."
+                f"StatLoggerBase, got {cls!r}; fix the plugin or exclude it with VLLM_PLUGINS."
+            )
+        out.append(cls(config, engine_index))
+    for stat_logger in out:
+        stat_logger.log_engine_initialized()
+    return out
+
+
+def record_all(loggers: list[StatLoggerBase], sched: SchedulerStats, it: IterationStats) -> None:
+    """Feed every logger; drop (after logging once) any that raises."""
+    for stat_logger in list(loggers):
+        try:
+            stat_logger.record(sched, it)
+        except Exception:
+            logger.exception("Stat logger %s raised and is disabled", type(stat_logger).__name__)
+            loggers.remove(stat_logger)
