@@ -8,8 +8,8 @@ Report keys: ``llmhal`` (versions), ``platform`` {name, class, selected_by, reas
 ``plugins`` [{group, name, value, distribution, version, status, reason}], ``attention_backends``
 [{name, provider, class_path, available, reasons}], ``quantization_methods`` [{name, provider,
 class_path, supported, reasons}], ``ops`` [{name, implementation, source, note}],
-``attention_selections`` [{name, selected_by, reason, requirements}], ``env`` {name: value},
-``errors`` [str].
+``attention_selections`` [{name, selected_by, reason, requirements}] (this process's selections, then
+the one the default model would get, marked ``model``), ``env`` {name: value}, ``errors`` [str].
 """
 
 from __future__ import annotations
@@ -218,6 +218,45 @@ def _selections_section() -> list[dict[str, Any]]:
     ]
 
 
+def _default_model_selection() -> dict[str, Any] | None:
+    """The attention backend the default model would get here (honours VLLM_ATTENTION_BACKEND).
+
+    Reads only the GGUF header (no weights); None when the default model is not installed.
+    """
+    import torch
+
+    from llmhal.attention.backend import AttentionRequirements
+    from llmhal.attention.selector import select_attention_backend
+    from llmhal.default_model import FILENAME, default_model_path
+
+    try:
+        path = default_model_path()
+    except FileNotFoundError:
+        return None
+    entry: dict[str, Any] = {"model": FILENAME if path.endswith(FILENAME) else path}
+    try:
+        from llmhal.model_loader.gguf_loader import GGUFFile
+
+        cfg = GGUFFile(path).hf_config()
+        heads = cfg.num_attention_heads
+        req = AttentionRequirements(
+            head_size=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            dtype=torch.float32,  # GGUF models compute in float32 outside their quantized matmuls
+        )
+        sel = select_attention_backend(req)
+        entry.update(
+            name=sel.name,
+            selected_by=sel.selected_by,
+            reason=sel.reason,
+            requirements=req.describe(),
+        )
+    except Exception as e:  # a refused explicit choice is information, not a doctor failure
+        entry.update(name=None, selected_by=None, reason=_error(e), requirements="")
+    return entry
+
+
 def collect() -> dict[str, Any]:
     """The whole report (see the module docstring). Never raises for a broken installation."""
     from llmhal import envs
@@ -265,6 +304,10 @@ def collect() -> dict[str, Any]:
     if usable:
         report["ops"] = _ops_section()
     report["attention_selections"] = _selections_section()
+    if usable:
+        model = _default_model_selection()
+        if model is not None:
+            report["attention_selections"].append(model)
     return report
 
 
@@ -333,10 +376,17 @@ def format_report(report: dict[str, Any]) -> str:
         ]
     )
     if report["attention_selections"]:
-        lines += ["", "Attention selections in this process:"]
+        lines += ["", "Attention backend selection:"]
         lines += _table(
             [
-                [s["name"], s["selected_by"], f"{s['requirements']}: {s['reason']}"]
+                [
+                    s.get("model", "this process"),
+                    s["name"] or "none",
+                    s["selected_by"] or "-",
+                    (f"{s['requirements']}: {s['reason']}" if s["requirements"] else s["reason"])
+                    .strip()
+                    .replace("\n", "\n      "),
+                ]
                 for s in report["attention_selections"]
             ]
         )

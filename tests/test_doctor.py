@@ -56,7 +56,8 @@ def test_report_has_every_section_with_its_fields(cli_report):
         for row in report[section]:
             assert keys <= set(row), (section, row)
     assert report["env"] == {"LLMHAL_LOGGING_LEVEL": "ERROR"}
-    assert report["attention_selections"] == []
+    # a fresh process has made no selection; only the default model's would-be choice is listed
+    assert [s for s in report["attention_selections"] if "model" not in s] == []
     backends = {b["name"]: b for b in report["attention_backends"]}
     assert backends["reference"]["available"] is True
     for b in report["attention_backends"]:
@@ -170,11 +171,31 @@ def test_recent_attention_selections_are_shown(tmp_path):
         req = AttentionRequirements(head_size=64, num_heads=4, num_kv_heads=4, dtype=torch.float32)
         select_attention_backend(req, explicit="reference")
         selections = doctor.collect()["attention_selections"]
-    assert selections == [
-        {
-            "name": "reference",
-            "selected_by": "config",
-            "reason": "attention_backend=reference",
-            "requirements": req.describe(),
-        }
-    ]
+    assert selections[0] == {
+        "name": "reference",
+        "selected_by": "config",
+        "reason": "attention_backend=reference",
+        "requirements": req.describe(),
+    }
+    assert all("model" in s for s in selections[1:])  # then what the default model would get
+
+
+def test_the_default_models_backend_is_shown(cli_report):
+    _, report, _ = cli_report
+    model = [s for s in report["attention_selections"] if "model" in s]
+    assert len(model) == 1
+    assert model[0]["model"].endswith(".gguf")
+    assert (model[0]["name"], model[0]["selected_by"]) == ("cpu_attn", "priority")
+    assert "head_size=64" in model[0]["requirements"]
+
+
+def test_a_refused_explicit_backend_is_reported_for_the_default_model():
+    proc = run_cli(
+        "doctor",
+        "--json",
+        env={"VLLM_ATTENTION_BACKEND": "flash_attn", "LLMHAL_LOGGING_LEVEL": "ERROR"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    model = [s for s in json.loads(proc.stdout)["attention_selections"] if "model" in s][0]
+    assert model["name"] is None
+    assert "cuda platform" in model["reason"] and "cpu_attn" in model["reason"]
