@@ -1,0 +1,88 @@
+"""A background thread that drives an :class:`LLMEngine` for concurrent callers (the HTTP server).
+
+Callers :meth:`EngineLoop.submit` a prompt and read :class:`RequestOutput` updates from their own
+queue while the loop keeps stepping every active request together (continuous batching). A prompt
+is validated in the caller's thread, so bad input raises there and never reaches the engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from typing import Any
+
+from llmhal.engine.llm_engine import LLMEngine
+from llmhal.engine.outputs import RequestOutput
+from llmhal.engine.sampling_params import SamplingParams
+from llmhal.logger import init_logger
+
+logger = init_logger(__name__)
+
+# What a caller's queue yields: RequestOutput updates, then FINISHED; or an exception.
+FINISHED = object()
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._queues: dict[str, queue.Queue[Any]] = {}
+        self._ids = itertools.count()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="llmhal-engine-loop", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self, prompt: str | dict[str, Any], params: SamplingParams
+    ) -> tuple[str, queue.Queue[Any]]:
+        """Validate and enqueue; raises ValueError/TypeError for bad input."""
+        engine = self.engine
+        text, ids = engine.tokenize(prompt)
+        engine.check_prompt(ids, params)
+        q: queue.Queue[Any] = queue.Queue()
+        with self._cv:
+            rid = f"req-{next(self._ids)}"
+            engine.add_request({"prompt": text, "prompt_token_ids": ids}, params, request_id=rid)
+            self._queues[rid] = q
+            self._cv.notify()
+        return rid, q
+
+    def abort(self, request_id: str) -> None:
+        with self._cv:
+            self.engine.abort_request(request_id)
+            self._queues.pop(request_id, None)
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self.engine.has_unfinished_requests():
+                    self._cv.wait()
+                if self._stop:
+                    return
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:  # keep serving: fail the requests in flight, not the server
+                    logger.exception("Engine step failed; aborting the requests in flight")
+                    for rid, q in list(self._queues.items()):
+                        self.engine.abort_request(rid)
+                        q.put(e)
+                    self._queues.clear()
+                    continue
+                for out in outputs:
+                    self._deliver(out)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        q = self._queues.get(out.request_id)
+        if q is None:
+            return
+        q.put(out)
+        if out.finished:
+            q.put(FINISHED)
+            del self._queues[out.request_id]

@@ -1,0 +1,152 @@
+"""OpenAI-compatible request parsing and response shapes for ``llmhal serve``.
+
+Only what the engine really supports is accepted; anything else is a 400 that names the field.
+vLLM's extensions ``top_k``, ``min_p``, ``ignore_eos`` and ``stop_token_ids`` are accepted too.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from llmhal.engine.outputs import RequestOutput
+from llmhal.engine.sampling_params import SamplingParams
+
+
+class BadRequest(ValueError):
+    """The request cannot be served as sent; the message is returned to the client."""
+
+
+_SAMPLING_FIELDS = {
+    "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
+    "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "stop": "stop", "seed": "seed",
+    "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids", "min_tokens": "min_tokens",
+}  # fmt: skip
+_IGNORED = {
+    "model",
+    "stream",
+    "user",
+    "n",
+    "logprobs",
+    "top_logprobs",
+    "stream_options",
+    "messages",
+    "prompt",
+}
+
+
+def sampling_params(body: dict[str, Any], *, chat: bool) -> SamplingParams:
+    unknown = sorted(
+        set(body)
+        - set(_SAMPLING_FIELDS)
+        - _IGNORED
+        - {"echo", "presence_penalty", "frequency_penalty"}
+    )
+    if unknown:
+        raise BadRequest(f"unsupported field(s): {', '.join(unknown)}")
+    for penalty in ("presence_penalty", "frequency_penalty"):
+        if body.get(penalty):
+            raise BadRequest(f"{penalty} is not supported (send 0 or leave it out)")
+    if body.get("n", 1) != 1:
+        raise BadRequest("n must be 1")
+    kwargs: dict[str, Any] = {"max_tokens": None if chat else 16}
+    for field, name in _SAMPLING_FIELDS.items():
+        if body.get(field) is not None:
+            kwargs[name] = body[field]
+    if chat:
+        if body.get("logprobs"):
+            kwargs["logprobs"] = int(body.get("top_logprobs") or 0)
+    elif body.get("logprobs") is not None:
+        kwargs["logprobs"] = int(body["logprobs"])
+    try:
+        return SamplingParams(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise BadRequest(str(e)) from None
+
+
+def completion_prompt(body: dict[str, Any]) -> str | dict[str, Any]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one prompt
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return {"prompt_token_ids": prompt}
+    raise BadRequest("'prompt' must be a string or a list of token ids (one prompt per request)")
+
+
+def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list of {role, content} objects")
+    for m in messages:
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
+            raise BadRequest("each message needs a string 'role' and a string 'content'")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _logprobs(out: RequestOutput, chat: bool) -> Any:
+    c = out.outputs[0]
+    if c.logprobs is None:
+        return None
+    if chat:
+        return {"content": [{"token_id": t, "logprob": lp[t], "top_logprobs": [{"token_id": k, "logprob": v} for k, v in lp.items()]}
+                            for t, lp in zip(c.token_ids, c.logprobs, strict=True)]}  # fmt: skip
+    return {"token_ids": c.token_ids, "token_logprobs": [lp[t] for t, lp in zip(c.token_ids, c.logprobs, strict=True)],
+            "top_logprobs": [{str(k): v for k, v in lp.items()} for lp in c.logprobs]}  # fmt: skip
+
+
+def usage(out: RequestOutput) -> dict[str, int]:
+    p, c = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def full_response(rid: str, model: str, out: RequestOutput, *, chat: bool) -> dict[str, Any]:
+    c = out.outputs[0]
+    if chat:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": c.text},
+            "finish_reason": c.finish_reason,
+            "logprobs": _logprobs(out, True),
+        }
+    else:
+        choice = {
+            "index": 0,
+            "text": c.text,
+            "finish_reason": c.finish_reason,
+            "logprobs": _logprobs(out, False),
+        }
+    kind = "chat.completion" if chat else "text_completion"
+    return {
+        "id": rid,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": usage(out),
+    }
+
+
+def stream_chunk(
+    rid: str, model: str, delta: str, finish: str | None, *, chat: bool, first: bool = False
+) -> dict[str, Any]:
+    if chat:
+        d: dict[str, Any] = {"content": delta}
+        if first:
+            d["role"] = "assistant"
+        choice = {"index": 0, "delta": d, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": delta, "finish_reason": finish}
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    return {
+        "id": rid,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+    }

@@ -1,0 +1,211 @@
+"""``llmhal serve``: an OpenAI-compatible HTTP server over the engine (stdlib only).
+
+Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
+(``"stream": true`` answers with server-sent events). Requests from concurrent clients are batched
+by the engine loop. Bad input is a 400 whose message says what to change; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from llmhal.entrypoints import openai_protocol as api
+from llmhal.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+class ServerState:
+    """What every request handler shares: the engine loop and the served model's name."""
+
+    def __init__(self, llm: Any, model_name: str) -> None:
+        from llmhal.engine.engine_loop import EngineLoop
+
+        self.llm = llm
+        self.model_name = model_name
+        self.loop = EngineLoop(llm.engine)
+        self.started = int(time.time())
+
+
+def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "llmhal"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            logger.info("%s %s", self.address_string(), format % args)
+
+        def _json(self, code: int, body: dict[str, Any]) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _error(self, code: int, message: str, kind: str = "invalid_request_error") -> None:
+            self._json(code, {"error": {"message": message, "type": kind, "code": code}})
+
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                self._json(200, {"status": "ok"})
+            elif self.path == "/v1/models":
+                model = {
+                    "id": state.model_name,
+                    "object": "model",
+                    "created": state.started,
+                    "owned_by": "llmhal",
+                }
+                self._json(200, {"object": "list", "data": [model]})
+            else:
+                self._error(
+                    404,
+                    f"no route {self.path}; see GET /v1/models, POST /v1/completions, POST /v1/chat/completions",
+                    "not_found",
+                )
+
+        def do_POST(self) -> None:
+            chat = self.path == "/v1/chat/completions"
+            if not chat and self.path != "/v1/completions":
+                self._error(404, f"no route {self.path}", "not_found")
+                return
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}")
+                if not isinstance(body, dict):
+                    raise api.BadRequest("the request body must be a JSON object")
+                params = api.sampling_params(body, chat=chat)
+                prompt = self._chat_prompt(body) if chat else api.completion_prompt(body)
+                rid, q = state.loop.submit(prompt, params)
+            except (api.BadRequest, ValueError, TypeError) as e:
+                self._error(400, str(e))
+                return
+            try:
+                if body.get("stream"):
+                    self._stream(rid, q, chat)
+                else:
+                    self._complete(rid, q, chat)
+            except (BrokenPipeError, ConnectionResetError):
+                state.loop.abort(rid)
+
+        def _chat_prompt(self, body: dict[str, Any]) -> dict[str, Any]:
+            messages = api.chat_messages(body)
+            text = state.llm.apply_chat_template(messages)
+            ids = state.llm.get_tokenizer().encode(text, add_special_tokens=False)
+            return {"prompt": text, "prompt_token_ids": ids}
+
+        def _updates(self, q: Any):
+            from llmhal.engine.engine_loop import FINISHED
+
+            while True:
+                item = q.get()
+                if item is FINISHED:
+                    return
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+
+        def _complete(self, rid: str, q: Any, chat: bool) -> None:
+            last = None
+            try:
+                for out in self._updates(q):
+                    last = out
+            except Exception as e:
+                self._error(500, f"generation failed: {e}", "server_error")
+                return
+            assert last is not None
+            self._json(200, api.full_response(rid, state.model_name, last, chat=chat))
+
+        def _stream(self, rid: str, q: Any, chat: bool) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            sent, first = 0, True
+            try:
+                for out in self._updates(q):
+                    c = out.outputs[0]
+                    delta, sent = c.text[sent:], len(c.text)
+                    if delta or out.finished:
+                        chunk = api.stream_chunk(
+                            rid, state.model_name, delta, c.finish_reason, chat=chat, first=first
+                        )
+                        if out.finished:
+                            chunk["usage"] = api.usage(out)
+                        self._event(chunk)
+                        first = False
+            except (BrokenPipeError, ConnectionResetError):
+                raise
+            except Exception as e:
+                self._event(
+                    {"error": {"message": f"generation failed: {e}", "type": "server_error"}}
+                )
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+
+        def _event(self, body: dict[str, Any]) -> None:
+            self.wfile.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+            self.wfile.flush()
+
+    return Handler
+
+
+def build_server(
+    llm: Any, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None
+) -> ThreadingHTTPServer:
+    state = ServerState(llm, model_name or llm.load_report.model_path)
+    server = ThreadingHTTPServer((host, port), make_handler(state))
+    server.daemon_threads = True
+    server.state = state  # type: ignore[attr-defined]
+    return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="llmhal serve", description="OpenAI-compatible HTTP server (completions and chat)."
+    )
+    p.add_argument("--model", help="model folder or .gguf file; default: SmolLM2-135M-Instruct")
+    p.add_argument(
+        "--served-model-name", help="the model id clients send and see (default: the model path)"
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--attention-backend")
+    p.add_argument("--quantization")
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    a = p.parse_args(argv)
+    from llmhal.engine.llm import LLM
+
+    try:
+        llm = LLM(
+            a.model, dtype=a.dtype, attention_backend=a.attention_backend, quantization=a.quantization,
+            kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+        )  # fmt: skip
+    except (ValueError, FileNotFoundError, ImportError, RuntimeError) as e:
+        print(f"llmhal serve: {e}", file=sys.stderr)
+        return 2
+    server = build_server(llm, a.host, a.port, a.served_model_name)
+    print(
+        f"llmhal serve: http://{a.host}:{server.server_address[1]}/v1 ({server.state.model_name})",
+        file=sys.stderr,
+    )  # type: ignore[attr-defined]
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        server.state.loop.shutdown()  # type: ignore[attr-defined]
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

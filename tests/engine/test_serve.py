@@ -1,0 +1,134 @@
+"""`llmhal serve` on a tiny model: OpenAI-compatible completions, chat, streaming, concurrency, errors."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+from llmhal import LLM, SamplingParams
+from llmhal.entrypoints.serve import build_server
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models):
+    folder, _ = tiny_models("llama")
+    llm = LLM(folder, dtype="float32", max_model_len=128)
+    srv = build_server(llm, "127.0.0.1", 0, model_name="tiny")
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}", llm
+    srv.shutdown()
+    srv.server_close()
+    srv.state.loop.shutdown()
+
+
+def post(url: str, body: dict, raw: bool = False):
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            data = resp.read().decode()
+            return resp.status, (data if raw else json.loads(data))
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read().decode())
+
+
+def test_models_and_health(server):
+    base, _ = server
+    with urllib.request.urlopen(base + "/v1/models") as r:
+        assert json.load(r)["data"][0]["id"] == "tiny"
+    with urllib.request.urlopen(base + "/health") as r:
+        assert json.load(r) == {"status": "ok"}
+
+
+def test_completion_matches_the_offline_api(server):
+    base, llm = server
+    body = {
+        "model": "tiny",
+        "prompt": [5, 6, 7],
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    status, resp = post(base + "/v1/completions", body)
+    assert status == 200, resp
+    offline = llm.generate(
+        {"prompt_token_ids": [5, 6, 7]},
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+    )[0]
+    assert resp["choices"][0]["text"] == offline.outputs[0].text
+    assert resp["choices"][0]["finish_reason"] == "length"
+    assert resp["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+
+
+def test_chat_and_its_stream_agree(server):
+    base, _ = server
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    status, full = post(base + "/v1/chat/completions", body)
+    assert status == 200 and full["object"] == "chat.completion"
+    status, raw = post(base + "/v1/chat/completions", {**body, "stream": True}, raw=True)
+    events = [line[len("data: ") :] for line in raw.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert (
+        "".join(c["choices"][0]["delta"]["content"] for c in chunks)
+        == full["choices"][0]["message"]["content"]
+    )
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_concurrent_requests_are_each_answered_correctly(server):
+    base, llm = server
+    prompts = [[3, 4], [9, 10, 11], [20], [30, 31, 32, 33]]
+    results: dict[int, str] = {}
+
+    def run(i: int) -> None:
+        body = {"prompt": prompts[i], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+        status, resp = post(base + "/v1/completions", body)
+        results[i] = resp["choices"][0]["text"] if status == 200 else f"{status}: {resp}"
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    expected = [
+        o.outputs[0].text for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    ]
+    assert [results[i] for i in range(len(prompts))] == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"prompt": [5] * 200, "max_tokens": 4}, "200 tokens"),
+        ({"prompt": "x", "temperature": -1}, "temperature"),
+        ({"prompt": "x", "best_of": 2}, "unsupported field(s): best_of"),
+        ({"prompt": ["a", "b"]}, "one prompt per request"),
+        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ],
+)
+def test_bad_requests_are_400_with_the_reason_and_the_server_keeps_going(server, body, message):
+    base, _ = server
+    status, resp = post(base + "/v1/completions", body)
+    assert status == 400 and message in resp["error"]["message"]
+    status, _ = post(base + "/v1/completions", {"prompt": [1, 2], "max_tokens": 2})
+    assert status == 200
+
+
+def test_unknown_route_is_404(server):
+    base, _ = server
+    status, resp = post(base + "/v1/embeddings", {"input": "x"})
+    assert status == 404 and "no route" in resp["error"]["message"]
