@@ -198,10 +198,23 @@ def _ops_section() -> list[dict[str, Any]]:
                 "name": impl.name,
                 "implementation": impl.implementation,
                 "source": impl.source,
-                "note": impl.note,
+                "note": "; ".join(n for n in (impl.note, _kernel_status(op)) if n),
             }
         )
     return out
+
+
+def _kernel_status(op: str) -> str:
+    """The kernel's own ``status()`` (optional: what it runs on this host and why), or ''."""
+    from llmhal.ops.registry import get_op
+
+    status = getattr(get_op(op), "status", None)
+    if not callable(status):
+        return ""
+    try:
+        return str(status())
+    except Exception as e:
+        return f"status() failed: {_error(e)}"
 
 
 def _selections_section() -> list[dict[str, Any]]:

@@ -8,7 +8,9 @@ as the reference). The kernel that runs is resolved once per op and process, in 
 3. core's native implementation.
 
 A kernel that fails to import falls back to the next source with a warning (and the reason is kept
-for ``llmhal doctor``). The op signatures are documented in :mod:`llmhal.ops.native`.
+for ``llmhal doctor``). The op signatures are documented in :mod:`llmhal.ops.native`. A kernel may
+also have a ``status()`` attribute (a zero-argument callable returning a string: which of its
+paths runs on this host, and why); ``llmhal doctor`` shows it beside the op.
 """
 
 from __future__ import annotations
