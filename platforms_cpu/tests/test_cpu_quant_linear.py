@@ -1,4 +1,7 @@
-"""The CPU quant_linear kernel (int4pack, bf16 activations) against the exact grouped weight.
+"""The CPU quant_linear kernel's int4pack fallback (bf16 activations) against the exact grouped weight.
+
+(It runs when the native quant_gemm kernel cannot be built; test_cpu_quant_gemm.py covers that
+kernel and the dispatch between them.)
 
 Tolerance: the kernel rounds activations, scales/zeros and its output to bf16, so its error is
 compared with that of a "perfect bf16 kernel" (exact weight, activation and output rounded to
@@ -16,10 +19,10 @@ import pytest
 import torch
 
 from llmhal.ops.quant_linear import GroupedQuantWeight, NativeQuantLinear
-from llmhal_cpu.kernels.quant_linear import CpuQuantLinear
+from llmhal_cpu.kernels.int4pack import Int4PackLinear
 
 pytestmark = pytest.mark.skipif(
-    CpuQuantLinear.supports(
+    Int4PackLinear.supports(
         GroupedQuantWeight(torch.zeros(16, 32, dtype=torch.uint8), torch.ones(16, 1), None, 32, 4),
         torch.float32,
     )
@@ -53,7 +56,7 @@ def rel(y, ref):
 def test_matches_exact_weight_within_bf16_error(bits, g, offset):
     n, k = 96, 512
     w = make_weight(n, k, g, bits, offset, seed=bits + g)
-    kernel = CpuQuantLinear(w, torch.float32)
+    kernel = Int4PackLinear(w, torch.float32)
     if bits == 4 or AVX512:
         assert kernel.name == "cpu_int4pack"
     else:
@@ -70,7 +73,7 @@ def test_matches_exact_weight_within_bf16_error(bits, g, offset):
 
 def test_batch_shapes_bias_and_dtypes():
     w = make_weight(64, 128, 32, 4)
-    kernel = CpuQuantLinear(w, torch.bfloat16)
+    kernel = Int4PackLinear(w, torch.bfloat16)
     x = torch.randn(2, 3, 128, generator=torch.Generator().manual_seed(2))
     bias = torch.randn(64, generator=torch.Generator().manual_seed(3))
     ref = x.double() @ w.dequantize().double().T + bias.double()
@@ -83,21 +86,21 @@ def test_batch_shapes_bias_and_dtypes():
 def test_large_n_is_packed_in_chunks():
     # N above the repacking chunk (4096 rows) and a multiple of 64: chunks must join seamlessly.
     w = make_weight(4096 + 64, 64, 32, 8, seed=5)
-    kernel = CpuQuantLinear(w, torch.float32)
+    kernel = Int4PackLinear(w, torch.float32)
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(4))
     assert rel(kernel(x), x.double() @ w.dequantize().double().T) < 1e-2
 
 
 def test_dequantize_and_weight_bytes():
     w = make_weight(32, 256, 32, 4)
-    kernel = CpuQuantLinear(w, torch.float32)
+    kernel = Int4PackLinear(w, torch.float32)
     torch.testing.assert_close(kernel.dequantize(), w.dequantize(), rtol=1e-2, atol=1e-3)
     # 4-bit codes plus bf16 (scale, zero) per group of 32: 5 bits per weight, like Q4_1
     assert kernel.weight_bytes() == 32 * 256 // 2 + 32 * 8 * 2 * 2
     if AVX512:
         w8 = make_weight(32, 256, 32, 8)
         # two 4-bit planes plus two bf16 (scale, zero) pairs per group
-        assert CpuQuantLinear(w8, torch.float32).weight_bytes() == 32 * 256 + 32 * 16 * 2 * 2
+        assert Int4PackLinear(w8, torch.float32).weight_bytes() == 32 * 256 + 32 * 16 * 2 * 2
 
 
 @pytest.mark.parametrize(
@@ -106,8 +109,8 @@ def test_dequantize_and_weight_bytes():
 )
 def test_unsupported_weights_are_delegated_to_native(n, k, g, reason):
     w = make_weight(n, k, g, 4)
-    assert reason in CpuQuantLinear.supports(w, torch.float32)
-    kernel = CpuQuantLinear(w, torch.float32)
+    assert reason in Int4PackLinear.supports(w, torch.float32)
+    kernel = Int4PackLinear(w, torch.float32)
     assert kernel.name.startswith("native") and reason in kernel.name
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(6))
     native = NativeQuantLinear(w, torch.float32)
@@ -116,7 +119,7 @@ def test_unsupported_weights_are_delegated_to_native(n, k, g, reason):
     ids = torch.tensor([[1, 0], [n - 1, 1]])
     assert torch.equal(kernel.embedding(ids), native.embedding(ids))
     # the int4pack layout is not row-addressable: no lookups offered
-    assert not hasattr(CpuQuantLinear(make_weight(64, 64, 32, 4), torch.float32), "embedding")
+    assert not hasattr(Int4PackLinear(make_weight(64, 64, 32, 4), torch.float32), "embedding")
 
 
 def test_avx2_only_cpu():
@@ -126,7 +129,7 @@ def test_avx2_only_cpu():
         """
         import torch
         from llmhal.ops.quant_linear import GroupedQuantWeight
-        from llmhal_cpu.kernels.quant_linear import CpuQuantLinear
+        from llmhal_cpu.kernels.int4pack import Int4PackLinear
         assert torch.backends.cpu.get_cpu_capability() in ("AVX2", "DEFAULT", "NO AVX"), torch.backends.cpu.get_cpu_capability()
         g = torch.Generator().manual_seed(0)
         for bits in (4, 8):
@@ -134,7 +137,7 @@ def test_avx2_only_cpu():
             w = GroupedQuantWeight(q, torch.rand(64, 4, generator=g) * 0.02, torch.randn(64, 4, generator=g) * 0.05, 32, bits)
             x = torch.randn(5, 128, generator=g)
             ref = x.double() @ w.dequantize().double().T
-            kernel = CpuQuantLinear(w, torch.float32)
+            kernel = Int4PackLinear(w, torch.float32)
             assert (kernel.name == "cpu_int4pack") == (bits == 4), kernel.name
             err = float((kernel(x).double() - ref).norm() / ref.norm())
             assert err < 1e-2, (bits, err)

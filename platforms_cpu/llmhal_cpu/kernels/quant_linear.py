@@ -1,146 +1,201 @@
-"""The CPU ``quant_linear`` kernel: torch's int4 weight-only matmul with bf16 activations.
+"""The CPU ``quant_linear`` kernel: the native ``quant_gemm`` kernel, with torch fallbacks.
 
-Weights are repacked once, at load, for ``aten._weight_int4pack_mm_for_cpu``, whose dequantization is
-``w = (q - 8) * scale + zero`` per group along K. The normalised form ``w = s * q + offset`` maps onto
-it with ``scale = s`` and ``zero = offset + 8 s`` (Q4_0: zero = 0; Q4_1: zero = m + 8 d).
+:class:`CpuQuantLinear` (registered as ``quant_linear`` in ``CpuPlatform.op_kernels``) runs a
+:class:`~llmhal.ops.quant_linear.GroupedQuantWeight` through, in order of preference:
 
-8-bit codes (Q8_0, and Q5_0/Q5_1/Q5_K through their 8-bit form) are split into two 4-bit planes,
-``q = lo + 16 * hi`` with ``lo = q & 15`` and ``hi = q >> 4`` (arithmetic). The planes are laid side
-by side along K, so one call with the activation repeated twice computes
-``x @ (s*lo + offset)^T + x @ (16 s * hi)^T``; the lo plane's groups take ``(s, offset + 8 s)``, the hi
-plane's ``(16 s, 0)`` with codes ``hi + 8``. The int8 matmul torch offers on CPU
-(``_weight_int8pack_mm``) takes only one scale per output channel, which per-block formats do not map
-onto without re-quantizing.
+1. ``cpu_qgemm`` (:mod:`.quant_gemm`): the weight repacked once, still 4/8-bit; activations quantized
+   to int16 per block of 32 inputs, exact integer dot products, fp32 accumulation and output.
+2. ``cpu_int4pack`` (:mod:`.int4pack`): torch's int4 matmul with bf16 activations and output, when
+   the native kernel cannot be built (no compiler; said once in a log line and by :func:`status`).
+3. core's exact :class:`~llmhal.ops.quant_linear.NativeQuantLinear`, for what neither takes.
 
-Precision: the op needs its scales in the activation dtype, and its float32-activation path is
-~30x slower than the bf16 one, so activations, scales and zeros are rounded to bf16 for the call
-(llama.cpp likewise rounds activations to 8 bits). The output is then bf16 too, so rounding the
-scales adds an error of the same order as the activation/output rounding that a bf16 model has
-anyway; ``LLMHAL_GGUF_KERNEL=dequant`` (GGUF) or :class:`NativeQuantLinear` is the exact path.
-Measured numbers are in ``llmhal.benchmarks.quant_kernels``.
+Accuracy bar, on the default model (SmolLM2-135M-Instruct Q4_1, Q8_0 LM head) against the exact
+path (``LLMHAL_GGUF_KERNEL=dequant``): greedy tokens equal and every top-5 log-probability within
+0.01 nats, teacher-forced over 16 tokens of 4 prompts (chat "What is the capital of France?", a
+642-token prefill, ...). Measured worst differences: int16 0.0025, fp32 0.0000 (both pass);
+int8 activations 0.45 and int4pack 0.27 (both fail: the chat prompt answers "L'Étoile..." instead
+of "Paris").
 
-Weights this kernel cannot run (group size other than 32/64/128/256, N not a multiple of 16, a
-torch without the op) are delegated to core's :class:`NativeQuantLinear`; so are 8-bit codes when
-torch's CPU kernels run below AVX-512 (``torch.backends.cpu.get_cpu_capability()``), where the
-two planes measured no faster than the exact native kernel.
+``LLMHAL_CPU_QUANT_KERNEL`` overrides the choice: ``auto`` (default), ``int16``, ``fp32`` (exact) or
+``int8`` (the native kernel in that mode for every call), ``int4pack``, ``native``.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import threading
+from typing import Any
+
 import torch
 
+from llmhal.logger import init_logger
 from llmhal.ops.quant_linear import GroupedQuantWeight, NativeQuantLinear
+from llmhal_cpu.kernels import quant_gemm
+from llmhal_cpu.kernels.int4pack import Int4PackLinear
 
-_GROUP_SIZES = (32, 64, 128, 256)
-_PACK_ROWS = 4096  # rows repacked at a time: bounds the int32 staging copy; a multiple of 64
+logger = init_logger(__name__)
+
+CHOICES = ("auto", "fp32", "int16", "int8", "int4pack", "native")
+_MODES = {
+    "fp32": quant_gemm.MODE_FP32,
+    "int16": quant_gemm.MODE_INT16,
+    "int8": quant_gemm.MODE_INT8,
+}
+_warned = threading.Event()
+MAX_SCALE_BITS = 1.0  # scale/offset bits per weight the native kernel may add (see _too_large)
 
 
-def _has_int4pack() -> bool:
-    ops = torch.ops.aten
-    return hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(
-        ops, "_convert_weight_to_int4pack_for_cpu"
-    )
-
-
-def _pack(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes 0..15 ``[N, K]`` -> the op's packed layout (row blocks of 64 pack independently)."""
-    n = codes.shape[0]
-    step = _PACK_ROWS if n % 64 == 0 else n
-    parts = [
-        torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            codes[s : s + step].to(torch.int32).contiguous(), 1
+def kernel_choice() -> str:
+    """``LLMHAL_CPU_QUANT_KERNEL`` (read when a kernel is built); unknown values list the valid ones."""
+    raw = os.environ.get("LLMHAL_CPU_QUANT_KERNEL", "auto").strip().lower() or "auto"
+    if raw not in CHOICES:
+        raise ValueError(
+            f"LLMHAL_CPU_QUANT_KERNEL={raw!r} is not a CPU quant_linear kernel; use one of "
+            f"{', '.join(CHOICES)}"
         )
-        for s in range(0, n, step)
-    ]
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+    return raw
+
+
+def choose_mode(bits: int, m: int) -> int:
+    """The ``quant_gemm`` inner product for a call of ``m`` rows on a ``bits``-bit weight (auto).
+
+    int16 activations for every call: measured (``llmhal.benchmarks.quant_kernels``, SmolLM2
+    shapes, M = 1..512, AVX-512-VNNI and AVX2 builds, 1 and 2 threads) it is the fastest of the
+    accurate options everywhere, fp32 never faster; int8 activations and torch's int4pack (bf16)
+    are faster in places but change SmolLM2's answers (see the module docstring).
+    """
+    return quant_gemm.MODE_INT16
+
+
+def status() -> str:
+    """What ``quant_linear`` runs on this host, and why (for ``llmhal doctor``)."""
+    choice = kernel_choice()
+    if choice in ("int4pack", "native"):
+        return f"{choice} (LLMHAL_CPU_QUANT_KERNEL={choice})"
+    quant_gemm.load_library()
+    state = quant_gemm.kernel_status()
+    if state.startswith("ok"):
+        return f"cpu_qgemm {choice}: {state}"
+    return f"cpu_int4pack / native: the native quant_gemm kernel is unavailable ({state})"
+
+
+def _gemm_or_reason(weight: GroupedQuantWeight) -> tuple[Any, str | None]:
+    lib = quant_gemm.load_library()
+    if lib is None:
+        reason = f"the native quant_gemm kernel is unavailable ({quant_gemm.kernel_status()})"
+        if not _warned.is_set():
+            _warned.set()
+            logger.warning(
+                "CPU quant_linear: %s; using torch's int4pack kernel (bf16 activations and "
+                "output: less accurate) and core's native kernel",
+                reason,
+            )
+        return None, reason
+    reason = quant_gemm.supports(weight) or _too_large(weight)
+    return (quant_gemm.QuantGemm(weight, lib), None) if reason is None else (None, reason)
+
+
+def _too_large(weight: GroupedQuantWeight) -> str | None:
+    """Why ``weight`` should not be repacked for size, or None.
+
+    Scales that fp16 cannot hold exactly are stored as fp32; with small groups that would add more
+    than the 1 bit per weight GGUF's own formats spend (K-quants: sub-block scales of 16 or 32
+    weights, e.g. Q4_K 4.5 bits a weight in the file, 6 repacked). Those keep their previous paths
+    (int4pack, or the exact per-call dequantization) and their size.
+    """
+    bits = quant_gemm.scale_bits_per_weight(weight)
+    if bits > MAX_SCALE_BITS:
+        return (
+            f"its fp32 scales would add {bits:g} bits per weight (groups of {weight.group_size}; "
+            f"at most {MAX_SCALE_BITS:g})"
+        )
+    return None
 
 
 class CpuQuantLinear:
-    """``y = x @ W.T + bias`` for a :class:`GroupedQuantWeight`, kept packed (see module docstring).
+    """``y = x @ W.T + bias`` for a :class:`GroupedQuantWeight` (see the module docstring).
 
-    Built once per weight at load; the call runs in bf16 and returns ``x.dtype``. A weight it cannot
-    run is handed to :class:`NativeQuantLinear` (``name`` then says ``native`` and why).
+    Built once per weight at load; calls return ``x.dtype``. ``name`` says which path runs it.
+    ``embedding(ids)`` (row lookups for quantized embedding tables) exists only where the storage
+    is row-addressable (``cpu_qgemm``, native), so a tied table keeps one copy.
     """
 
-    name = "cpu_int4pack"
-    compute_dtype = torch.bfloat16
+    name = "cpu_qgemm"
 
-    def __init__(self, weight: GroupedQuantWeight, act_dtype: torch.dtype) -> None:
+    def __init__(
+        self, weight: GroupedQuantWeight, act_dtype: torch.dtype, choice: str | None = None
+    ) -> None:
         self.shape = weight.shape
         self.bits = weight.bits
         self.group_size = weight.group_size
         self.act_dtype = act_dtype
-        reason = self.supports(weight, act_dtype)
-        self._native: NativeQuantLinear | None = None
-        if reason is not None:
-            self._native = NativeQuantLinear(weight, act_dtype)
-            self.name = f"native ({reason})"
-            # Row lookups only where the storage is row-addressable (the int4pack layout is not).
-            self.embedding = self._native.embedding
+        self.choice = choice or kernel_choice()
+        if self.choice not in CHOICES:
+            raise ValueError(f"choice {self.choice!r} is not one of {', '.join(CHOICES)}")
+        self._gemm: quant_gemm.QuantGemm | None = None
+        self._fallback: Any = None
+        reason = f"LLMHAL_CPU_QUANT_KERNEL={self.choice}"
+        if self.choice in _MODES or self.choice == "auto":
+            self._gemm, reason = _gemm_or_reason(weight)
+        if self._gemm is not None:
+            if self.choice != "auto":
+                self.name = f"cpu_qgemm ({self.choice})"
+            self.embedding = self._embedding
             return
-        s = weight.scale.to(torch.float32)
-        off = torch.zeros_like(s) if weight.offset is None else weight.offset.to(torch.float32)
-        q = weight.qweight
-        if weight.bits == 4:
-            codes, scale, zero = q, s, off + 8 * s
+        if self.choice != "native" and Int4PackLinear.supports(weight, act_dtype) is None:
+            self._fallback = Int4PackLinear(weight, act_dtype)
         else:
-            q8 = q.to(torch.int8)
-            lo = (q8 & 15).to(torch.uint8)
-            hi = ((q8 >> 4) + 8).to(torch.uint8)
-            codes = torch.cat([lo, hi], dim=1)
-            scale = torch.cat([s, 16 * s], dim=1)
-            zero = torch.cat([off + 8 * s, torch.zeros_like(s)], dim=1)
-        self.packed = _pack(codes)
-        # [groups, N, 2]: the op's scale-and-zero layout
-        self.scale_zero = (
-            torch.stack([scale.t(), zero.t()], dim=-1).to(self.compute_dtype).contiguous()
-        )
+            self._fallback = NativeQuantLinear(weight, act_dtype)
+            self.embedding = self._fallback.embedding
+        self.name = f"{self._fallback.name} ({reason})"
+
+    @classmethod
+    def status(cls) -> str:
+        """Which path runs on this host and why (``llmhal doctor`` shows it beside the op)."""
+        return status()
+
+    @classmethod
+    def benchmark_variants(cls) -> dict[str, Any]:
+        """Name -> constructor ``(weight, act_dtype)`` of each path, for ``llmhal bench quant_kernels``."""
+        return {
+            f"cpu:{c}": functools.partial(cls, choice=c)
+            for c in ("fp32", "int16", "int8", "int4pack")
+        }
 
     @classmethod
     def supports(cls, weight: GroupedQuantWeight, act_dtype: torch.dtype) -> str | None:
-        """None when the int4 path can run ``weight``; otherwise why not (it is then delegated)."""
-        if not _has_int4pack():
-            return (
-                f"torch {torch.__version__} has no aten._weight_int4pack_mm_for_cpu (needs >= 2.6)"
-            )
-        n, _ = weight.shape
-        if weight.group_size not in _GROUP_SIZES:
-            return f"group size {weight.group_size} is not one of {_GROUP_SIZES}"
-        if n % 16:
-            return f"N={n} is not a multiple of 16"
-        if weight.bits == 8 and not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
-            # Two 4-bit planes double the work; measured on AVX2 this is no faster than the exact
-            # native kernel at M=1 and slower at M=16 (see llmhal.benchmarks.quant_kernels).
-            cap = torch.backends.cpu.get_cpu_capability()
-            return f"8-bit codes run as two 4-bit planes only with AVX-512 (torch uses {cap})"
-        return None
+        """None when a fast path runs ``weight``; otherwise why not (it is then delegated)."""
+        choice = kernel_choice()
+        if choice == "native":
+            return "LLMHAL_CPU_QUANT_KERNEL=native"
+        if choice != "int4pack" and quant_gemm.load_library() is not None:
+            reason = quant_gemm.supports(weight) or _too_large(weight)
+            if reason is None:
+                return None
+            return None if Int4PackLinear.supports(weight, act_dtype) is None else reason
+        return Int4PackLinear.supports(weight, act_dtype)
 
     def weight_bytes(self) -> int:
-        if self._native is not None:
-            return self._native.weight_bytes()
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale_zero))
+        impl = self._gemm if self._gemm is not None else self._fallback
+        return impl.weight_bytes()
 
     def dequantize(self) -> torch.Tensor:
-        """The weight as the kernel sees it (bf16-rounded scales), float32 ``[N, K]``."""
-        if self._native is not None:
-            return self._native.dequantize()
-        k = self.shape[1]
-        eye = torch.eye(k, dtype=self.compute_dtype)
-        return self._mm(eye).t().to(torch.float32).contiguous()
+        """The weight as the kernel sees it, float32 ``[N, K]``."""
+        if self._gemm is None:
+            return self._fallback.dequantize()
+        return self._gemm.rows(torch.arange(self.shape[0]))
 
-    def _mm(self, x2d: torch.Tensor) -> torch.Tensor:
-        xb = x2d.to(self.compute_dtype)
-        if self.bits == 8:
-            xb = torch.cat([xb, xb], dim=-1)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            xb.contiguous(), self.packed, self.group_size, self.scale_zero
-        )
+    def _embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        assert self._gemm is not None
+        rows = self._gemm.rows(ids.reshape(-1))
+        return rows.to(self.act_dtype).view(*ids.shape, self.shape[1])
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self._native is not None:
-            return self._native(x, bias)
-        n, k = self.shape
-        y = self._mm(x.reshape(-1, k)).to(x.dtype).view(*x.shape[:-1], n)
-        if bias is not None:
-            y = y + bias.to(x.dtype)
-        return y
+        if self._gemm is None:
+            return self._fallback(x, bias)
+        if self.choice == "auto":
+            mode = choose_mode(self.bits, x.numel() // self.shape[1])
+        else:
+            mode = _MODES[self.choice]
+        return self._gemm(x, bias, mode)

@@ -1,0 +1,231 @@
+"""The native grouped-quantized matmul (``quant_gemm.cpp``): packing, loading and calls.
+
+:class:`QuantGemm` repacks a :class:`~llmhal.ops.quant_linear.GroupedQuantWeight` once into the
+kernel's layout (still 4 or 8 bits per weight, plus scales/offsets: fp16 where that is exact, else fp32)
+and runs ``y = x @ W.T (+ bias)`` in one of three modes (details in the C++ header):
+
+* ``MODE_FP32``: codes converted to float, the exact fp32 weight ``s * q + o``, fp32 FMAs;
+* ``MODE_INT16``: activations quantized to int16 per 32 (or 16) inputs, exact integer dot products
+  per block, fp32 accumulation across blocks (relative error ~2e-5);
+* ``MODE_INT8``: the same with int8 activations (llama.cpp's scheme; relative error ~5e-3).
+
+Which mode a call uses is the caller's choice (``kernels/quant_linear.py`` decides). The packed
+layout is row-addressable, so :meth:`QuantGemm.embedding` serves a tied embedding table from the
+same storage.
+
+The library is built on first use by :mod:`llmhal_cpu.native_build`; :func:`load_library` returns
+None when it cannot be (no compiler, a failed build) and :func:`kernel_status` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+
+import torch
+
+from llmhal.ops.quant_linear import GroupedQuantWeight
+from llmhal_cpu import native_build
+
+SOURCE = Path(__file__).with_name("quant_gemm.cpp")
+MODE_FP32, MODE_INT8, MODE_INT16 = 0, 1, 2
+# Below this many multiply-adds a call runs on one thread (waking the team costs more).
+MIN_PARALLEL_WORK = 1 << 16
+_X_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_Y_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class WeightDesc(ctypes.Structure):
+    """Mirror of ``Weight`` in quant_gemm.cpp (checked against its ``sizeof`` on load)."""
+
+    _fields_ = [
+        ("packed", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("kpad", ctypes.c_int64),
+        ("bits", ctypes.c_int32),
+        ("group_size", ctypes.c_int32),
+        ("groups", ctypes.c_int32),
+        ("has_offset", ctypes.c_int32),
+        ("unit", ctypes.c_int32),
+        ("half_scales", ctypes.c_int32),
+    ]
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_status: str | None = None  # None: not tried yet
+_compiler = native_build.compiler  # module-level so tests can take the compiler away
+
+
+def _setup(lib: ctypes.CDLL) -> None:
+    lib.llmhal_qgemm_isa.restype = ctypes.c_char_p
+    lib.llmhal_qgemm_weight_size.restype = ctypes.c_int64
+    lib.llmhal_qgemm.restype = ctypes.c_int
+    v, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+    lib.llmhal_qgemm.argtypes = [v, v, i64, i64, i32, v, i64, i32, v, i32, i32, i64]
+    size = lib.llmhal_qgemm_weight_size()
+    if size != ctypes.sizeof(WeightDesc):
+        raise RuntimeError(
+            f"argument layout mismatch ({size} vs {ctypes.sizeof(WeightDesc)} bytes)"
+        )
+
+
+def load_library() -> ctypes.CDLL | None:
+    """The kernel library, built on first use; None when it cannot be used (see kernel_status)."""
+    global _lib, _status
+    if _status is not None:
+        return _lib
+    with _lock:
+        if _status is None:
+            _lib, _status = native_build.load(SOURCE, "quant_gemm", _compiler(), _setup)
+        return _lib
+
+
+def kernel_status() -> str:
+    """``"ok (<isa>)"``, ``"not built yet"``, or why the kernel cannot be used."""
+    if _status is None:
+        return "not built yet"
+    if _lib is None:
+        return _status
+    return f"ok ({isa()})"
+
+
+def isa() -> str:
+    """The code path the library was compiled with: avx512_vnni, avx2_vnni, avx2 or scalar."""
+    lib = load_library()
+    return "unavailable" if lib is None else lib.llmhal_qgemm_isa().decode()
+
+
+def unit_for(weight: GroupedQuantWeight) -> int | None:
+    """The K block (16 or 32) the kernel uses for ``weight``, or None when it has none."""
+    groups = weight.shape[1] // weight.group_size
+    if groups == 1 or weight.group_size % 32 == 0:
+        return 32
+    if weight.group_size % 16 == 0:
+        return 16
+    return None
+
+
+def half_scales_exact(weight: GroupedQuantWeight) -> bool:
+    """True when fp16 holds every scale and offset exactly (the kernel then stores fp16)."""
+    parts = [weight.scale] + ([] if weight.offset is None else [weight.offset])
+    return all(bool(torch.equal(p.half().float(), p.float())) for p in parts)
+
+
+def scale_bits_per_weight(weight: GroupedQuantWeight) -> float:
+    """Bits the kernel's scales (and offsets) add to each weight."""
+    parts = 1 + (weight.offset is not None)
+    return parts * (16 if half_scales_exact(weight) else 32) / weight.group_size
+
+
+def supports(weight: GroupedQuantWeight) -> str | None:
+    """None when the kernel can run ``weight``; otherwise why not."""
+    if unit_for(weight) is None:
+        return (
+            f"group size {weight.group_size} is neither a multiple of 16 nor the whole row "
+            f"(K={weight.shape[1]})"
+        )
+    return None
+
+
+class QuantGemm:
+    """One packed weight and the calls on it (see the module docstring).
+
+    ``lib`` is the loaded library (:func:`load_library`); the weight must pass :func:`supports`.
+    """
+
+    def __init__(self, weight: GroupedQuantWeight, lib: ctypes.CDLL) -> None:
+        n, k = weight.shape
+        unit = unit_for(weight)
+        if unit is None:
+            raise ValueError(supports(weight))
+        self.lib = lib
+        self.shape = (n, k)
+        self.bits = weight.bits
+        self.group_size = weight.group_size
+        self.groups = k // weight.group_size
+        self.kpad = -(-k // unit) * unit
+        blocks = -(-n // 32) * 2  # the kernel's register tiles span up to 2 blocks of 16
+        q = torch.zeros(blocks * 16, self.kpad, dtype=torch.uint8)
+        q[:n, :k] = weight.qweight.view(torch.uint8)  # int8 codes keep their two's-complement bits
+        if weight.bits == 4:
+            v = q.view(blocks, 16, self.kpad // 8, 2, 4)
+            q = v[:, :, :, 0, :] | (v[:, :, :, 1, :] << 4)
+        else:
+            q = q.view(blocks, 16, self.kpad // 4, 4)
+        self.packed = q.permute(0, 2, 1, 3).contiguous()  # [blocks, chunks, 16 lanes, 4 bytes]
+        parts = [weight.scale] + ([] if weight.offset is None else [weight.offset])
+        sc = torch.zeros(blocks * 16, self.groups, len(parts), dtype=torch.float32)
+        sc[:n] = torch.stack([p.to(torch.float32) for p in parts], dim=-1)
+        # fp16 where that loses nothing (GGUF stores fp16 scales): less memory to stream per call
+        half = half_scales_exact(weight)
+        sc = sc.half() if half else sc
+        self.scales = sc.view(blocks, 16, self.groups, len(parts)).permute(0, 2, 3, 1).contiguous()
+        self.has_offset = weight.offset is not None
+        self.desc = WeightDesc(
+            packed=self.packed.data_ptr(),
+            scales=self.scales.data_ptr(),
+            n=n,
+            k=k,
+            kpad=self.kpad,
+            bits=weight.bits,
+            group_size=weight.group_size,
+            groups=self.groups,
+            has_offset=int(self.has_offset),
+            unit=unit,
+            half_scales=int(half),
+        )
+        self._desc_ptr = ctypes.addressof(self.desc)
+
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The exact fp32 weight rows ``ids`` (1-D int64), ``[len(ids), K]``."""
+        n, k = self.shape
+        b, lane = ids // 16, ids % 16
+        p = self.packed[b, :, lane, :]  # [len, chunks, 4]
+        if self.bits == 4:
+            q = torch.cat([p & 15, p >> 4], dim=-1)
+        else:
+            q = p.view(torch.int8)
+        q = q.reshape(len(ids), self.kpad)[:, :k]
+        sc = self.scales[b, :, :, lane].to(torch.float32)  # [len, groups, 1 or 2]
+        off = sc[..., 1] if self.has_offset else None
+        return GroupedQuantWeight(q, sc[..., 0], off, self.group_size, self.bits).dequantize()
+
+    def __call__(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, mode: int = MODE_FP32
+    ) -> torch.Tensor:
+        """``x @ W.T + bias`` in ``x.dtype`` (fp32 accumulation; see the module docstring)."""
+        n, k = self.shape
+        x2 = x.reshape(-1, k)
+        if x2.dtype not in _X_DTYPES:
+            x2 = x2.to(torch.float32)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        m = x2.shape[0]
+        y_dtype = x2.dtype if x2.dtype in _Y_DTYPES else torch.float32
+        y = torch.empty(m, n, dtype=y_dtype)
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+            bias = bias.to(torch.float32).contiguous()
+        rc = self.lib.llmhal_qgemm(
+            self._desc_ptr,
+            x2.data_ptr(),
+            m,
+            x2.stride(0),
+            _X_DTYPES[x2.dtype],
+            y.data_ptr(),
+            n,
+            _Y_DTYPES[y_dtype],
+            None if bias is None else bias.data_ptr(),
+            mode,
+            torch.get_num_threads(),
+            MIN_PARALLEL_WORK,
+        )
+        if rc != 0:
+            raise RuntimeError(f"quant_gemm rejected its arguments (mode {mode}, x {x2.dtype})")
+        return y.to(x.dtype).view(*x.shape[:-1], n)
