@@ -53,7 +53,7 @@
 
 #include <omp.h>
 #ifndef QG_PF
-#define QG_PF 2048
+#define QG_PF 16384
 #endif
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -732,27 +732,34 @@ int llmhal_qgemm(const Weight* w, const void* x, int64_t m, int64_t x_s, int32_t
   const int64_t items = ntiles * row_chunks;
   const TileFn* tile = tiles(w->bits, w->has_offset != 0, w->half_scales != 0).get(mode);
   const bool parallel = threads > 1 && m * w->n * w->k >= min_parallel && items > 1;
+  // Row r of x, converted or quantized, by thread `thread` (its own fp32 staging row).
+  auto prepare = [&](int64_t r, int thread) {
+    const void* src = static_cast<const char*>(x) + r * x_s * esize;
+    if (mode == 0) {
+      load_row(src, x_dtype, w->k, w->kpad, xf + r * w->kpad);
+      return;
+    }
+    float* row = xrow + thread * (row_bytes / sizeof(float));
+    load_row(src, x_dtype, w->k, w->kpad, row);
+    if (mode == 1)
+      quantize_row8(row, w->kpad, w->unit, reinterpret_cast<int8_t*>(xq) + r * w->kpad,
+                    xd + r * nu, xs + r * nu, xi + r * nu);
+    else
+      quantize_row16(row, w->kpad, w->unit, reinterpret_cast<int16_t*>(xq) + r * w->kpad,
+                     xd + r * nu, xs + r * nu);
+  };
+  // A few rows are prepared before the team starts: one synchronisation per call instead of two
+  // (on a busy machine each one can wait out a descheduled thread's time slice).
+  const bool prep_in_team = parallel && !direct && m * w->kpad >= (int64_t(1) << 15);
+  if (!direct && !prep_in_team)
+    for (int64_t r = 0; r < m; ++r) prepare(r, 0);
 #pragma omp parallel num_threads(team) if (parallel)
   {
-    if (!direct) {
+    if (prep_in_team) {
 #pragma omp for schedule(static)
-      for (int64_t r = 0; r < m; ++r) {
-        const void* src = static_cast<const char*>(x) + r * x_s * esize;
-        if (mode == 0) {
-          load_row(src, x_dtype, w->k, w->kpad, xf + r * w->kpad);
-          continue;
-        }
-        float* row = xrow + omp_get_thread_num() * (row_bytes / sizeof(float));
-        load_row(src, x_dtype, w->k, w->kpad, row);
-        if (mode == 1)
-          quantize_row8(row, w->kpad, w->unit, reinterpret_cast<int8_t*>(xq) + r * w->kpad, xd + r * nu, xs + r * nu,
-                        xi + r * nu);
-        else
-          quantize_row16(row, w->kpad, w->unit, reinterpret_cast<int16_t*>(xq) + r * w->kpad,
-                         xd + r * nu, xs + r * nu);
-      }
+      for (int64_t r = 0; r < m; ++r) prepare(r, omp_get_thread_num());
     }
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t it = 0; it < items; ++it) {
       const int64_t rc = it / ntiles, t = it % ntiles;
       const int64_t r_end = std::min(m, (rc + 1) * chunk_rows);
