@@ -210,45 +210,65 @@ def test_without_a_compiler_the_torch_paths_run_and_say_why(monkeypatch, caplog)
     assert fallback.name.startswith("native") and hasattr(fallback, "embedding")
 
 
+PORTABLE_CASES = [
+    (4, 32, True, True),
+    (4, 16, False, False),
+    (8, 32, False, True),
+    (8, 200, True, False),
+]
+
+
+def portable_outputs() -> tuple[str, dict]:
+    """(isa, {case: (x, outputs per mode)}) of the library this process built."""
+    lib = quant_gemm.load_library()
+    assert lib is not None, quant_gemm.kernel_status()
+    out = {}
+    for case in PORTABLE_CASES:
+        bits, g, off, half = case
+        w = make_weight(33, 4 * g if g < 200 else g, g, bits, off, half=half)
+        kernel = QuantGemm(w, lib)
+        x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(g))
+        ys = {mode: kernel(x, mode=mode) for mode in TOL}
+        ys["bf16"] = kernel(x.bfloat16(), mode=MODE_INT16)
+        out[case] = (w, x, ys)
+    return quant_gemm.isa(), out
+
+
 @pytest.mark.parametrize(
     "arch,isa",
     [("-march=haswell", "avx2"), ("-march=alderlake", "avx2_vnni"), ("-march=x86-64", "scalar")],
     ids=["avx2", "avx2_vnni", "baseline"],
 )
-def test_portable_builds(arch, isa):
+def test_portable_builds(lib, arch, isa, tmp_path):
     # The product must not assume AVX-512: build the AVX2+FMA code (with and without AVX-VNNI) and
-    # the baseline x86-64 one, and check every mode on them (in a subprocess: one library each).
-    if platform.machine().lower() not in ("x86_64", "amd64") or native_build.compiler() is None:
-        pytest.skip("x86-64 with a C++ compiler only")
+    # the baseline x86-64 one (one library per process), and check every mode on them. Integer
+    # products are exact, so their results must equal this host's build bit for bit.
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("x86-64 only")
     if isa == "avx2_vnni" and "avx_vnni" not in open("/proc/cpuinfo").read():
         pytest.skip("this CPU has no AVX-VNNI")
     code = textwrap.dedent(
         f"""
         import torch
-        from llmhal_cpu.kernels import quant_gemm
-        from test_cpu_quant_gemm import TOL, make_weight, rel
-        lib = quant_gemm.load_library()
-        assert lib is not None, quant_gemm.kernel_status()
-        assert quant_gemm.isa() == {isa!r}, quant_gemm.isa()
-        for bits, g, off, half in [(4, 32, True, True), (4, 16, False, False), (8, 32, False, True),
-                                   (8, 100, True, False)]:
-            w = make_weight(33, 200 if g == 100 else 4 * g, g if g != 100 else 200, bits, off, half=half)
-            kernel = quant_gemm.QuantGemm(w, lib)
-            for m in (1, 5):
-                x = torch.randn(m, w.shape[1])
-                ref = x.double() @ w.dequantize().double().T
-                for mode, tol in TOL.items():
-                    assert rel(kernel(x, mode=mode), ref) < tol, (bits, g, m, mode)
-                y = kernel(x.bfloat16(), mode=quant_gemm.MODE_INT16)
-                assert y.dtype == torch.bfloat16
-        print("ok")
+        from test_cpu_quant_gemm import portable_outputs
+        torch.save(portable_outputs(), {str(tmp_path / "out.pt")!r})
         """
     )
     env = {**os.environ, "LLMHAL_CPU_KERNEL_ARCH": arch}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "ok" in out.stdout
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    built_isa, theirs = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert built_isa == isa
+    _, ours = portable_outputs()
+    for case, (w, x, ys) in theirs.items():
+        ref = x.double() @ w.dequantize().double().T
+        for mode, tol in TOL.items():
+            assert rel(ys[mode], ref) < tol, (case, mode)
+        assert torch.equal(ys[MODE_INT16], ours[case][2][MODE_INT16]), case
+        assert torch.equal(ys[MODE_INT8], ours[case][2][MODE_INT8]), case
+        assert ys["bf16"].dtype == torch.bfloat16
+        assert torch.equal(ys["bf16"], ours[case][2]["bf16"]), case
 
 
 @pytest.mark.slow
