@@ -146,6 +146,20 @@ def test_results_do_not_depend_on_the_thread_count(lib):
     assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
 
 
+def test_integer_modes_do_not_depend_on_the_batch(lib):
+    # Each row is quantized on its own and its block sums are exact integers, so a row's result is
+    # the same whether it runs alone (decode) or with others (prefill, batched decode).
+    w = make_weight(200, 576, 32, 4)
+    kernel = QuantGemm(w, lib)
+    x = torch.randn(65, 576, generator=torch.Generator().manual_seed(12))
+    for mode in (MODE_INT16, MODE_INT8):
+        full = kernel(x, mode=mode)
+        assert torch.equal(full, torch.cat([kernel(x[i : i + 1], mode=mode) for i in range(65)]))
+        assert torch.equal(
+            full, torch.cat([kernel(x[i : i + 7], mode=mode) for i in range(0, 65, 7)])
+        )
+
+
 def test_choices_and_their_names(lib, monkeypatch):
     w = make_weight(64, 128, 32, 4)
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(10))
