@@ -146,6 +146,15 @@ def test_results_do_not_depend_on_the_thread_count(lib):
     assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
 
 
+def test_nan_and_inf_inputs_propagate(lib):
+    kernel = QuantGemm(make_weight(40, 96, 32, 8), lib)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(13))
+    x[0, 5], x[2, 70] = float("nan"), float("inf")
+    for mode in TOL:
+        y = kernel(x, mode=mode)
+        assert y[0].isnan().all() and y[1].isfinite().all() and not y[2].isfinite().any(), mode
+
+
 def test_integer_modes_do_not_depend_on_the_batch(lib):
     # Each row is quantized on its own and its block sums are exact integers, so a row's result is
     # the same whether it runs alone (decode) or with others (prefill, batched decode).

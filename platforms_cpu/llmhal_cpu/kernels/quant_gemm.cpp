@@ -602,11 +602,16 @@ const Tiles& tiles(int bits, bool off, bool half) {
 
 // Largest |x| of a U block and its codes rounded to nearest with the step amax / qmax; the loops
 // vectorize (omp simd) so that quantizing stays small next to the matmul for narrow weights.
+// A NaN or infinity in the block makes amax (and so the block's step and outputs) NaN, as a float
+// matmul would; a max reduction alone would skip NaNs.
 inline float block_amax(const float* xb, int unit) {
-  float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-  for (int i = 0; i < unit; ++i) amax = std::max(amax, std::fabs(xb[i]));
-  return amax;
+  float amax = 0.f, poison = 0.f;
+#pragma omp simd reduction(max : amax) reduction(+ : poison)
+  for (int i = 0; i < unit; ++i) {
+    amax = std::max(amax, std::fabs(xb[i]));
+    poison += xb[i] * 0.f;
+  }
+  return amax + poison;
 }
 inline int32_t block_codes(const float* xb, int unit, float inv, int32_t* out) {
   int32_t sum = 0;
