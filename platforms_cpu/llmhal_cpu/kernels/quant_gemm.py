@@ -1,8 +1,8 @@
 """The native grouped-quantized matmul (``quant_gemm.cpp``): packing, loading and calls.
 
 :class:`QuantGemm` repacks a :class:`~llmhal.ops.quant_linear.GroupedQuantWeight` once into the
-kernel's layout (still 4 or 8 bits per weight, plus scales/offsets: fp16 where that is exact, else fp32)
-and runs ``y = x @ W.T (+ bias)`` in one of three modes (details in the C++ header):
+kernel's layout (still 4 or 8 bits per weight, plus scales/offsets: fp16 where that is exact, else
+fp32) and runs ``y = x @ W.T (+ bias)`` in one of three modes (details in the C++ header):
 
 * ``MODE_FP32``: codes converted to float, the exact fp32 weight ``s * q + o``, fp32 FMAs;
 * ``MODE_INT16``: activations quantized to int16 per 32 (or 16) inputs, exact integer dot products
@@ -10,8 +10,8 @@ and runs ``y = x @ W.T (+ bias)`` in one of three modes (details in the C++ head
 * ``MODE_INT8``: the same with int8 activations (llama.cpp's scheme; relative error ~5e-3).
 
 Which mode a call uses is the caller's choice (``kernels/quant_linear.py`` decides). The packed
-layout is row-addressable, so :meth:`QuantGemm.embedding` serves a tied embedding table from the
-same storage.
+layout is row-addressable, so :meth:`QuantGemm.rows` serves a tied embedding table from the same
+storage.
 
 The library is built on first use by :mod:`llmhal_cpu.native_build`; :func:`load_library` returns
 None when it cannot be (no compiler, a failed build) and :func:`kernel_status` says why.
