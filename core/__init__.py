@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from llmhal.utils.openmp import apply_default_wait_policy
+
+# Before torch loads its OpenMP runtime (which reads the policy once): see llmhal.utils.openmp.
+apply_default_wait_policy()
+
 __version__ = "0.1.0"
 
 # public name -> "module:attribute"; resolved lazily.

@@ -21,6 +21,9 @@ ENV_VARS: dict[str, str] = {
     "LLMHAL_CPU_COMPILE": "'1' lets the CPU platform torch.compile its custom ops (default off)",
     "LLMHAL_FLEX_COMPILE": "flex_attention: 'auto' (compile where the platform supports torch.compile), '1', '0' (eager)",
     "TRITON_INTERPRET": "'1' runs Triton kernels in the interpreter (CPU testing)",
+    "OMP_WAIT_POLICY": "OpenMP idle threads: PASSIVE (sleep) or ACTIVE (spin: fastest on a "
+    "dedicated machine, collapses when the cores are shared); unset: llmhal's short spin",
+    "GOMP_SPINCOUNT": "libgomp spin count; llmhal sets 2000 unless a wait policy was chosen",
     "CUDA_VISIBLE_DEVICES": "devices visible to the CUDA platform",
     "HIP_VISIBLE_DEVICES": "devices visible to the ROCm platform",
 }

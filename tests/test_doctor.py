@@ -55,7 +55,8 @@ def test_report_has_every_section_with_its_fields(cli_report):
         assert report[section], section
         for row in report[section]:
             assert keys <= set(row), (section, row)
-    assert report["env"] == {"LLMHAL_LOGGING_LEVEL": "ERROR"}
+    # the variables set for the run, and the OpenMP spin that `import llmhal` chose
+    assert report["env"] == {"LLMHAL_LOGGING_LEVEL": "ERROR", "GOMP_SPINCOUNT": "2000"}
     # a fresh process has made no selection; only the default model's would-be choice is listed
     assert [s for s in report["attention_selections"] if "model" not in s] == []
     backends = {b["name"]: b for b in report["attention_backends"]}

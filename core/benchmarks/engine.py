@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from llmhal.utils.openmp import openmp_wait_policy
+
 
 def _prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
     import random
@@ -214,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     rows.append(("peak RSS MB", ours["peak_rss_mb"], theirs["peak_rss_mb"] if theirs else None))
-    print(f"model: {a.model}\nthreads: {torch.get_num_threads()}  llmhal attention: {ours['attention']}  "
+    print(f"model: {a.model}\nthreads: {torch.get_num_threads()} (OpenMP wait policy: {openmp_wait_policy()})  llmhal attention: {ours['attention']}  "
           f"quantization: {ours['quantization']}  weights: {ours['weight_bytes'] / 2**20:.1f} MiB")  # fmt: skip
     print(_table(rows))
     if a.json_path:

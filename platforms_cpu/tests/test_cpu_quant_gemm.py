@@ -131,7 +131,9 @@ def test_weight_bytes_stay_quantized(lib):
     assert CpuQuantLinear(w8, torch.float32).weight_bytes() == 64 * 256 + 64 * 8 * 2  # as Q8_0
 
 
-def test_results_do_not_depend_on_the_thread_count(lib):
+def test_results_do_not_depend_on_the_thread_count(lib, monkeypatch):
+    # every call splits over the team, whatever the wait policy's threshold
+    monkeypatch.setattr(quant_gemm, "MIN_PARALLEL_WORK", 0)
     w = make_weight(512, 256, 32, 4)
     kernel = QuantGemm(w, lib)
     x = torch.randn(17, 256, generator=torch.Generator().manual_seed(9))

@@ -36,12 +36,16 @@ from llmhal.attention.backend import (
 )
 from llmhal.attention.reference import first_visible_position, visibility_mask
 from llmhal.attention.utils import check_causal
+from llmhal.utils.openmp import threads_park_quickly
 from llmhal_cpu.attention import native, torch_paths
 
 # Requests with at most this many new tokens are memory-bound: they go to the paged kernel.
 KERNEL_MAX_QUERY_LEN = 8
 # A key split (for too few (token, head) items to fill the threads) is never shorter than this.
-MIN_SPLIT_TOKENS = 256
+# Where idle threads park quickly (llmhal's default, see llmhal.utils.openmp) waking the second one
+# costs tens of microseconds, about what 256 keys of a small model's decode take: batch-1 decode at
+# a 700-token context ran 72 tok/s splitting at 256 keys, 85-90 at 1024 (2 cores, PASSIVE).
+MIN_SPLIT_TOKENS = 1024 if threads_park_quickly() else 256
 
 
 @dataclass(frozen=True)

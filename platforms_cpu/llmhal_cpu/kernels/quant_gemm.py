@@ -26,12 +26,18 @@ from pathlib import Path
 import torch
 
 from llmhal.ops.quant_linear import GroupedQuantWeight
+from llmhal.utils.openmp import threads_park_quickly
 from llmhal_cpu import native_build
 
 SOURCE = Path(__file__).with_name("quant_gemm.cpp")
 MODE_FP32, MODE_INT8, MODE_INT16 = 0, 1, 2
-# Below this many multiply-adds a call runs on one thread (waking the team costs more).
-MIN_PARALLEL_WORK = 1 << 16
+# Below this many multiply-adds a call runs on one thread (waking the team costs more). Threads
+# that spin long wake in about a microsecond; parked ones (llmhal's short default spin, or PASSIVE)
+# in tens, and a region needing both threads stalls whenever one core is taken. So then a batch-1
+# decode keeps its GEMVs (<= 2M multiply-adds for SmolLM2's layers) on one thread and only the head
+# and batched calls split: with a busy core 101 instead of 48 tok/s, quiet 102 instead of 117
+# (2 cores; see llmhal.utils.openmp).
+MIN_PARALLEL_WORK = (1 << 22) if threads_park_quickly() else (1 << 16)
 _X_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _Y_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
