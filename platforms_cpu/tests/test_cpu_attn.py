@@ -88,6 +88,7 @@ def test_odd_shapes(case, path):
 def test_long_decodes_split_across_threads(path, monkeypatch, window):
     # Few (token, KV head) items: the kernel splits each token's keys and merges the pieces.
     monkeypatch.setattr(cpu_attn, "MIN_SPLIT_TOKENS", 16)
+    monkeypatch.setattr(cpu_attn, "PARKED_SPLIT_WORK", 0)
     case = AttentionCase(
         head_size=64,
         num_heads=8,
@@ -223,3 +224,11 @@ def test_unwritable_cache_dir_falls_back_to_temp(fresh_kernel_state, monkeypatch
     (fresh_kernel_state / "tmp").mkdir()
     assert native.load_kernel() is not None, native.kernel_status()
     assert list((fresh_kernel_state / "tmp").glob("llmhal-*/kernels/paged_attention-*.so"))
+
+
+def test_parked_threads_split_only_work_worth_a_wake_up(monkeypatch):
+    monkeypatch.setattr(cpu_attn, "PARKED_SPLIT_WORK", 1 << 19)
+    assert cpu_attn.min_split_tokens(9, 64) == 911  # SmolLM2: a split must cover ~900 keys
+    assert cpu_attn.min_split_tokens(32, 128) == cpu_attn.MIN_SPLIT_TOKENS
+    monkeypatch.setattr(cpu_attn, "PARKED_SPLIT_WORK", 0)
+    assert cpu_attn.min_split_tokens(9, 64) == cpu_attn.MIN_SPLIT_TOKENS

@@ -42,10 +42,17 @@ from llmhal_cpu.attention import native, torch_paths
 # Requests with at most this many new tokens are memory-bound: they go to the paged kernel.
 KERNEL_MAX_QUERY_LEN = 8
 # A key split (for too few (token, head) items to fill the threads) is never shorter than this.
+MIN_SPLIT_TOKENS = 256
 # Where idle threads park quickly (llmhal's default, see llmhal.utils.openmp) waking the second one
-# costs tens of microseconds, about what 256 keys of a small model's decode take: batch-1 decode at
-# a 700-token context ran 72 tok/s splitting at 256 keys, 85-90 at 1024 (2 cores, PASSIVE).
-MIN_SPLIT_TOKENS = 1024 if threads_park_quickly() else 256
+# costs tens of microseconds, so a split also carries at least this many multiply-adds (keys x
+# query heads x head size). SmolLM2 (9 x 64) then splits from ~900 keys: its batch-1 decode at a
+# 700-token context ran 72 tok/s splitting at 256 keys, 85-90 without a split (2 cores, PASSIVE).
+PARKED_SPLIT_WORK = (1 << 19) if threads_park_quickly() else 0
+
+
+def min_split_tokens(num_heads: int, head_size: int) -> int:
+    """The shortest key split worth a second thread for this layer's shape."""
+    return max(MIN_SPLIT_TOKENS, -(-PARKED_SPLIT_WORK // (num_heads * head_size)))
 
 
 @dataclass(frozen=True)
@@ -199,7 +206,7 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata]):
                     num_kv_heads=self.num_kv_heads,
                     k_scale=float(layer.k_scale) if fp8 else 1.0,
                     v_scale=float(layer.v_scale) if fp8 else 1.0,
-                    min_split_tokens=MIN_SPLIT_TOKENS,
+                    min_split_tokens=min_split_tokens(query.shape[1], query.shape[2]),
                     new_kv=(key, value, meta.all_slots) if kernel_stores else None,
                     **self._kernel_args(meta),
                 )
