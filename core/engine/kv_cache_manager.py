@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections import deque
-
 from llmhal.engine.request import Request
 
 
@@ -13,7 +11,11 @@ class KVCacheManager:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        # A stack, lowest block on top: the most recently freed blocks are handed out first. The
+        # cache is allocated untouched, so a block's first write faults its pages in; a FIFO pool
+        # cycled through every block of a multi-GiB cache, faulting on every step (batch-32
+        # decode attention 280 -> 130 us per layer) and growing the process to the whole cache.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
 
     @property
     def num_free_blocks(self) -> int:
@@ -35,9 +37,9 @@ class KVCacheManager:
             return True
         if need > len(self._free):
             return False
-        request.block_ids.extend(self._free.popleft() for _ in range(need))
+        request.block_ids.extend(self._free.pop() for _ in range(need))
         return True
 
     def free(self, request: Request) -> None:
-        self._free.extend(request.block_ids)
+        self._free.extend(reversed(request.block_ids))
         request.block_ids = []

@@ -74,3 +74,14 @@ def test_finished_requests_return_their_blocks():
     assert kv.num_free_blocks == 5
     s.finish(a, RequestStatus.FINISHED_STOPPED)
     assert kv.num_free_blocks == 8 and not s.has_unfinished()
+
+
+def test_blocks_come_from_a_stack_so_freed_pages_are_reused_first():
+    kv = KVCacheManager(num_blocks=64, block_size=16)
+    a, b = req("a", 40), req("b", 20)
+    assert kv.allocate(a, 40) and a.block_ids == [0, 1, 2]  # low blocks first: a compact cache
+    blocks_a = list(a.block_ids)
+    kv.free(a)
+    # the freed (already faulted-in) blocks, not untouched ones further up the cache
+    assert kv.allocate(b, 20) and b.block_ids == blocks_a[:2]
+    assert kv.num_free_blocks == 62
