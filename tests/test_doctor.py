@@ -17,7 +17,9 @@ from llmhal.testing.isolation import fresh_plugin_state
 
 @pytest.fixture(scope="module")
 def cli_report() -> tuple[int, dict[str, Any], str]:
-    proc = run_cli("doctor", "--json", env={"LLMHAL_LOGGING_LEVEL": "ERROR"})
+    # OpenMP choices unset, so the report shows the spin `import llmhal` picks whatever this machine sets
+    quiet_omp = dict.fromkeys(("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME"))
+    proc = run_cli("doctor", "--json", env={"LLMHAL_LOGGING_LEVEL": "ERROR", **quiet_omp})
     return proc.returncode, json.loads(proc.stdout), proc.stderr
 
 
