@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any
 
+from llmhal.entrypoints.engine_args import add_engine_args, build_llm
+
 DEFAULT_PROMPT = "What is the capital of France?"
 
 
@@ -15,10 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="llmhal generate",
         description="Generate text with a local model on the current platform.",
     )
-    p.add_argument(
-        "--model",
-        help="model folder (config.json + safetensors) or .gguf file; default: SmolLM2-135M-Instruct",
-    )
+    add_engine_args(p)
     p.add_argument(
         "--prompt",
         action="append",
@@ -40,11 +39,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--attention-backend", help="attention backend (default: the platform's choice)")
-    p.add_argument("--quantization", help="quantization method (default: from the checkpoint)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--max-model-len", type=int)
     p.add_argument(
         "--json", action="store_true", help="print one JSON object per prompt and a summary object"
     )
@@ -82,17 +76,11 @@ def _summary(llm: Any) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from llmhal.engine.llm import LLM
     from llmhal.engine.sampling_params import SamplingParams
 
     prompts = _prompts(args)
-    try:
-        llm = LLM(
-            args.model, dtype=args.dtype, attention_backend=args.attention_backend, quantization=args.quantization,
-            kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, seed=args.seed,
-        )  # fmt: skip
-    except (ValueError, FileNotFoundError, ImportError, RuntimeError) as e:
-        print(f"llmhal generate: {e}", file=sys.stderr)
+    llm = build_llm("llmhal generate", args, seed=args.seed)
+    if llm is None:
         return 2
     tok = llm.get_tokenizer()
     use_chat = args.chat if args.chat is not None else bool(getattr(tok, "chat_template", None))

@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from llmhal.entrypoints import openai_protocol as api
+from llmhal.entrypoints.engine_args import add_engine_args, build_llm
 from llmhal.logger import init_logger
 
 logger = init_logger(__name__)
@@ -169,28 +170,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="llmhal serve", description="OpenAI-compatible HTTP server (completions and chat)."
     )
-    p.add_argument("--model", help="model folder or .gguf file; default: SmolLM2-135M-Instruct")
+    add_engine_args(p)
     p.add_argument(
         "--served-model-name", help="the model id clients send and see (default: the model path)"
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--attention-backend")
-    p.add_argument("--quantization")
-    p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-num-seqs", type=int, default=64)
     a = p.parse_args(argv)
-    from llmhal.engine.llm import LLM
-
-    try:
-        llm = LLM(
-            a.model, dtype=a.dtype, attention_backend=a.attention_backend, quantization=a.quantization,
-            kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
-        )  # fmt: skip
-    except (ValueError, FileNotFoundError, ImportError, RuntimeError) as e:
-        print(f"llmhal serve: {e}", file=sys.stderr)
+    llm = build_llm("llmhal serve", a, max_num_seqs=a.max_num_seqs)
+    if llm is None:
         return 2
     server = build_server(llm, a.host, a.port, a.served_model_name)
     print(

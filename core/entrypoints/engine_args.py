@@ -1,0 +1,42 @@
+"""Engine options shared by the CLI commands that start an engine (``generate``, ``serve``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from llmhal.engine.llm import LLM
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The model and how the engine runs it: the options every engine-starting command takes."""
+    p.add_argument(
+        "--model",
+        help="model folder (config.json + safetensors) or .gguf file; default: SmolLM2-135M-Instruct",
+    )
+    p.add_argument("--attention-backend", help="attention backend (default: the platform's choice)")
+    p.add_argument("--quantization", help="quantization method (default: from the checkpoint)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--max-model-len", type=int)
+
+
+def build_llm(prog: str, args: argparse.Namespace, **extra: Any) -> LLM | None:
+    """The engine for ``args`` (plus ``extra`` LLM arguments), or None after printing why not.
+
+    A bad model path, an unknown backend or method, a missing optional library: the message is the
+    engine's own, which names the remedy; the caller exits with status 2.
+    """
+    from llmhal.engine.llm import LLM
+
+    try:
+        return LLM(
+            args.model, dtype=args.dtype, attention_backend=args.attention_backend,
+            quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+            max_model_len=args.max_model_len, **extra,
+        )  # fmt: skip
+    except (ValueError, FileNotFoundError, ImportError, RuntimeError) as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return None
