@@ -82,7 +82,9 @@ def build(source: Path, stem: str, cxx: str) -> Path:
     Raises RuntimeError when the compiler fails (its last output lines are in the message) or no
     folder can be written.
     """
-    src = source.read_bytes()
+    # The kernels include the package's shared headers (kernels/*.h): they are part of the source.
+    headers = sorted(Path(__file__).parent.glob("kernels/*.h"))
+    src = b"\0".join([source.read_bytes(), *(h.read_bytes() for h in headers)])
     flags = [*BASE_FLAGS, *arch_flags()]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256(

@@ -31,6 +31,8 @@
 #include <vector>
 
 #include <omp.h>
+
+#include "../kernels/float_bits.h"
 #if defined(__F16C__) && defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -64,25 +66,12 @@ inline float hsum(vf v) {
 }
 
 // ------------------------------------------------------------------------- conversions
-inline float bits_to_f32(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+using llmhal_cpu::bits_to_f32;
+using llmhal_cpu::half_bits_to_f32;
 
-// Scalar conversions: branch-free, so that conversion loops vectorize with any compiler. On x86
-// with F16C (every AVX2 CPU) `load8` converts eight elements at a time through the hardware's
-// half-to-float instruction instead: fp16 directly, fp8 after widening to a half.
-inline float half_bits_to_f32(uint32_t h) {
-  const uint32_t sign = (h & 0x8000u) << 16;
-  const uint32_t mag = h & 0x7fffu;
-  const uint32_t exp = mag >> 10;
-  // Normal and Inf/NaN: rebias the exponent (15 -> 127; 31 -> 255). Subnormal: mantissa * 2^-24.
-  const uint32_t normal = sign | ((mag << 13) + (exp == 31 ? (224u << 23) : (112u << 23)));
-  const float sub = static_cast<float>(static_cast<int32_t>(mag)) * 0x1p-24f;
-  return exp == 0 ? (sign ? -sub : sub) : bits_to_f32(normal);
-}
-
+// On x86 with F16C (every AVX2 CPU) `load8` converts eight elements at a time through the
+// hardware's half-to-float instruction instead of half_bits_to_f32: fp16 directly, fp8 after
+// widening to a half.
 #if defined(__F16C__) && defined(__AVX2__)
 #define LLMHAL_HW_HALF 1
 inline void store8(float* dst, __m128i halves) { _mm256_storeu_ps(dst, _mm256_cvtph_ps(halves)); }

@@ -52,6 +52,8 @@
 #include <vector>
 
 #include <omp.h>
+
+#include "float_bits.h"
 #ifndef QG_PF
 #define QG_PF 16384
 #endif
@@ -62,20 +64,8 @@
 namespace {
 
 // ------------------------------------------------------------------------ conversions
-inline float bits_to_f32(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline float half_to_f32(uint16_t h16) {
-  const uint32_t h = h16;
-  const uint32_t sign = (h & 0x8000u) << 16;
-  const uint32_t mag = h & 0x7fffu;
-  const uint32_t exp = mag >> 10;
-  const uint32_t normal = sign | ((mag << 13) + (exp == 31 ? (224u << 23) : (112u << 23)));
-  const float sub = static_cast<float>(static_cast<int32_t>(mag)) * 0x1p-24f;
-  return exp == 0 ? (sign ? -sub : sub) : bits_to_f32(normal);
-}
+using llmhal_cpu::bits_to_f32;
+inline float half_to_f32(uint16_t h16) { return llmhal_cpu::half_bits_to_f32(h16); }
 inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
