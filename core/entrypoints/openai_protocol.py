@@ -105,6 +105,17 @@ def usage(out: RequestOutput) -> dict[str, int]:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
+def _envelope(rid: str, kind: str, model: str, choice: dict[str, Any]) -> dict[str, Any]:
+    """The fields every completion object and stream chunk carries around its one choice."""
+    return {
+        "id": rid,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+    }
+
+
 def full_response(rid: str, model: str, out: RequestOutput, *, chat: bool) -> dict[str, Any]:
     c = out.outputs[0]
     if chat:
@@ -122,14 +133,7 @@ def full_response(rid: str, model: str, out: RequestOutput, *, chat: bool) -> di
             "logprobs": _logprobs(out, False),
         }
     kind = "chat.completion" if chat else "text_completion"
-    return {
-        "id": rid,
-        "object": kind,
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": usage(out),
-    }
+    return {**_envelope(rid, kind, model, choice), "usage": usage(out)}
 
 
 def stream_chunk(
@@ -143,10 +147,4 @@ def stream_chunk(
     else:
         choice = {"index": 0, "text": delta, "finish_reason": finish}
     kind = "chat.completion.chunk" if chat else "text_completion"
-    return {
-        "id": rid,
-        "object": kind,
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-    }
+    return _envelope(rid, kind, model, choice)
