@@ -28,6 +28,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include <omp.h>
@@ -59,10 +60,27 @@ inline vf vload(const float* p) {
   return v;
 }
 inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
+
+// Sum of the lanes by halving (log2(W) shuffles and adds; a lane-by-lane loop is a chain of W
+// dependent adds that the compiler may not reorder).
+template <int N, std::size_t... J>
+inline vf fold_half(vf v, std::index_sequence<J...>) {
+  return v + __builtin_shufflevector(v, v, (static_cast<int>(J) + N) % W...);
+}
+template <int N = W / 2>
 inline float hsum(vf v) {
-  float s = 0.f;
-  for (int i = 0; i < W; ++i) s += v[i];
-  return s;
+  v = fold_half<N>(v, std::make_index_sequence<W>{});
+  if constexpr (N > 1) {
+    return hsum<N / 2>(v);
+  } else {
+    return v[0];
+  }
+}
+inline vf lane_index() {
+  vi idx;
+  for (int i = 0; i < W; ++i) idx[i] = i;
+  return __builtin_convertvector(idx, vf);
 }
 
 // ------------------------------------------------------------------------- conversions
@@ -175,6 +193,29 @@ inline float exp_approx(float x) {
   return p * bits_to_f32(static_cast<uint32_t>(e) << 23);
 }
 
+// exp_approx on W lanes: the same reduction and polynomial, with the rounding of x * log2(e) done
+// by adding and subtracting 1.5 * 2^23 (round to nearest) so that no lane leaves the vector unit;
+// the rounded integer is read back from the sum's low mantissa bits.
+inline vf exp_approx(vf x) {
+  const vf lo = vf{} - 87.3f, hi = vf{} + 88.3f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const vf magic = vf{} + 12582912.f;
+  const vf big = x * 1.44269504088896341f + magic;
+  const vf n = big - magic;
+  vf r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vf p = vf{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vi e = (reinterpret_cast<const vi&>(big) - reinterpret_cast<const vi&>(magic) + 127) << 23;
+  return p * reinterpret_cast<const vf&>(e);
+}
+
 // ------------------------------------------------------------------------------ kernel
 // Keys of one item are processed in tiles of at most this many tokens (bounded scratch).
 constexpr int kTile = 32;
@@ -227,6 +268,79 @@ void store_new_kv(const Args& a) {
                   static_cast<const T*>(a.new_k) + t * a.nk_s_tok + h * a.nk_s_head, row);
       std::memcpy(static_cast<T*>(const_cast<void*>(a.v_cache)) + dst + h * a.c_s_head,
                   static_cast<const T*>(a.new_v) + t * a.nv_s_tok + h * a.nv_s_head, row);
+    }
+  }
+}
+
+// Sums of the lanes of W vectors at once: v[t] holds partial sums of score t; the result's lane t
+// is their total. A lane-by-lane horizontal sum per score (a chain of W dependent adds) cost
+// several times the dot product itself; folding pairs of vectors (two shuffles and an add each)
+// costs W - 1 folds for W scores. Fold level H pairs blocks of H lanes: even output blocks take
+// a's two halves of a 2H-lane block, odd ones b's.
+constexpr int fold_src(int h, int j, bool second) {
+  const int blk = j / h, w = j % h;
+  if (blk % 2 == 0) return (second ? blk + 1 : blk) * h + w;
+  return W + (second ? blk : blk - 1) * h + w;
+}
+
+template <int H, std::size_t... J>
+inline vf fold_pair(vf a, vf b, std::index_sequence<J...>) {
+  return __builtin_shufflevector(a, b, fold_src(H, static_cast<int>(J), false)...) +
+         __builtin_shufflevector(a, b, fold_src(H, static_cast<int>(J), true)...);
+}
+
+template <int H>
+inline void fold_levels(vf* v) {  // 2H vectors in, H out
+  for (int p = 0; p < H; ++p) v[p] = fold_pair<H>(v[2 * p], v[2 * p + 1], std::make_index_sequence<W>{});
+  if constexpr (H > 1) fold_levels<H / 2>(v);
+}
+
+// Which lane of the folded vector holds score t (the folds interleave them): worked out at
+// compile time by running the folds on labels.
+struct FoldOrder {
+  int lane_of[W];
+  constexpr FoldOrder() : lane_of() {
+    int v[W][W] = {};
+    for (int t = 0; t < W; ++t)
+      for (int j = 0; j < W; ++j) v[t][j] = t;
+    for (int h = W / 2; h >= 1; h /= 2)
+      for (int p = 0; p < h; ++p) {
+        int out[W] = {};
+        for (int j = 0; j < W; ++j) {
+          const int blk = j / h, w = j % h;
+          out[j] = blk % 2 == 0 ? v[2 * p][blk * h + w] : v[2 * p + 1][(blk - 1) * h + w];
+        }
+        for (int j = 0; j < W; ++j) v[p][j] = out[j];
+      }
+    for (int j = 0; j < W; ++j) lane_of[v[0][j]] = j;
+  }
+};
+constexpr FoldOrder kFoldOrder{};
+
+template <std::size_t... J>
+inline vf in_order(vf r, std::index_sequence<J...>) {
+  return __builtin_shufflevector(r, r, kFoldOrder.lane_of[J]...);
+}
+
+// s[t] = q . k_t for one query row and n key rows (stride ks), W keys at a time; D % W == 0.
+inline void row_scores(const float* q, int D, const float* k, int64_t ks, int n, float* s) {
+  for (int t0 = 0; t0 < n; t0 += W) {
+    const int m = std::min(W, n - t0);
+    // W independent accumulators (one chain of FMAs per key would wait on the FMA latency);
+    // past the last key the rows repeat it, and those lanes are not stored.
+    const float* rows[W];
+    for (int t = 0; t < W; ++t) rows[t] = k + (t0 + std::min(t, m - 1)) * ks;
+    vf acc[W] = {};
+    for (int d = 0; d < D; d += W) {
+      const vf qv = vload(q + d);
+      for (int t = 0; t < W; ++t) acc[t] += qv * vload(rows[t] + d);
+    }
+    fold_levels<W / 2>(acc);
+    const vf r = in_order(acc[0], std::make_index_sequence<W>{});
+    if (m == W) {
+      vstore(s + t0, r);
+    } else {
+      for (int t = 0; t < m; ++t) s[t0 + t] = r[t];
     }
   }
 }
@@ -385,6 +499,10 @@ struct Worker {
   void scores_group(int row, const float* krow, int64_t ks, int n) {
     float* q = qs + static_cast<size_t>(row) * D;
     float* s = scores + static_cast<size_t>(row) * kTile;
+    if (D % W == 0) {
+      for (int g = 0; g < G; ++g) row_scores(q + g * D, D, krow, ks, n, s + g * kTile);
+      return;
+    }
     int g = 0;
     for (; g + 4 <= G; g += 4) tile_scores<4>(q + g * D, D, krow, ks, n, s + g * kTile);
     for (; g + 2 <= G; g += 2) tile_scores<2>(q + g * D, D, krow, ks, n, s + g * kTile);
@@ -408,14 +526,24 @@ struct Worker {
         const float c = a.soft_cap, inv = 1.f / a.soft_cap;
         for (int t = 0; t < n; ++t) sg[t] = c * std::tanh(sg[t] * inv);
       }
-      float mt = m[g];
-      for (int t = 0; t < n; ++t) mt = std::max(mt, sg[t]);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int t = 0; t < n; ++t) {
-        sg[t] = exp_approx(sg[t] - mt);
-        sum += sg[t];
+      // W lanes at a time; a partial last chunk is masked by lane index (the row has room for
+      // kTile scores, a multiple of W, so the whole chunk can be read and written).
+      const vf lanes = lane_index(), neg_inf = vf{} - std::numeric_limits<float>::infinity();
+      vf mx = neg_inf;
+      for (int t = 0; t < n; t += W) {
+        const vf x = vload(sg + t);
+        mx = lanes < static_cast<float>(n - t) && x > mx ? x : mx;
       }
+      float mt = m[g];
+      for (int i = 0; i < W; ++i) mt = std::max(mt, mx[i]);
+      vf sums = {};
+      for (int t = 0; t < n; t += W) {
+        const vf e = exp_approx(vload(sg + t) - mt);
+        const vf kept = lanes < static_cast<float>(n - t) ? e : vf{};
+        vstore(sg + t, kept);
+        sums += kept;
+      }
+      const float sum = hsum(sums);
       if (mt != m[g]) {
         const float corr = exp_approx(m[g] - mt);
         float* ag = acc + static_cast<size_t>(g) * D;
