@@ -34,6 +34,7 @@
 #include <omp.h>
 
 #include "../kernels/float_bits.h"
+#include "../kernels/simd_math.h"
 #if defined(__F16C__) && defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -41,47 +42,16 @@
 namespace {
 
 // ------------------------------------------------------------------------------ vectors
-// GCC/Clang vector extensions: the same source becomes AVX-512, AVX2 or NEON code.
-#if defined(__AVX512F__)
-constexpr int W = 16;
-constexpr int kChunk = 4;  // vectors of one accumulator row kept in registers (32 registers)
-#elif defined(__AVX__)
-constexpr int W = 8;
-constexpr int kChunk = 2;  // 16 registers
-#else
-constexpr int W = 4;
-constexpr int kChunk = 2;
-#endif
-typedef float vf __attribute__((vector_size(W * sizeof(float))));
-
-inline vf vload(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
-
-// Sum of the lanes by halving (log2(W) shuffles and adds; a lane-by-lane loop is a chain of W
-// dependent adds that the compiler may not reorder).
-template <int N, std::size_t... J>
-inline vf fold_half(vf v, std::index_sequence<J...>) {
-  return v + __builtin_shufflevector(v, v, (static_cast<int>(J) + N) % W...);
-}
-template <int N = W / 2>
-inline float hsum(vf v) {
-  v = fold_half<N>(v, std::make_index_sequence<W>{});
-  if constexpr (N > 1) {
-    return hsum<N / 2>(v);
-  } else {
-    return v[0];
-  }
-}
-inline vf lane_index() {
-  vi idx;
-  for (int i = 0; i < W; ++i) idx[i] = i;
-  return __builtin_convertvector(idx, vf);
-}
+using llmhal_cpu::exp_approx;
+using llmhal_cpu::hsum;
+using llmhal_cpu::lane_index;
+using llmhal_cpu::vf;
+using llmhal_cpu::vi;
+using llmhal_cpu::vload;
+using llmhal_cpu::vstore;
+using llmhal_cpu::W;
+// Vectors of one accumulator row kept in registers: 32 registers with AVX-512, else 16.
+constexpr int kChunk = W == 16 ? 4 : 2;
 
 // ------------------------------------------------------------------------- conversions
 using llmhal_cpu::bits_to_f32;
@@ -173,47 +143,6 @@ inline void convert_row(const typename C::T* src, float* dst, int D) {
 #endif
 #pragma omp simd
   for (int e = d; e < D; ++e) dst[e] = C::load(src[e]);
-}
-
-// exp via Cody-Waite range reduction and the Cephes single-precision polynomial (about 1 ulp);
-// written with selects only so the softmax loops vectorize (libm's expf does not).
-inline float exp_approx(float x) {
-  x = std::min(std::max(x, -87.3f), 88.3f);  // exp(-inf) becomes ~1e-38: harmless as a weight
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t e = static_cast<int32_t>(n) + 127;
-  return p * bits_to_f32(static_cast<uint32_t>(e) << 23);
-}
-
-// exp_approx on W lanes: the same reduction and polynomial, with the rounding of x * log2(e) done
-// by adding and subtracting 1.5 * 2^23 (round to nearest) so that no lane leaves the vector unit;
-// the rounded integer is read back from the sum's low mantissa bits.
-inline vf exp_approx(vf x) {
-  const vf lo = vf{} - 87.3f, hi = vf{} + 88.3f;
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
-  const vf magic = vf{} + 12582912.f;
-  const vf big = x * 1.44269504088896341f + magic;
-  const vf n = big - magic;
-  vf r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  vf p = vf{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const vi e = (reinterpret_cast<const vi&>(big) - reinterpret_cast<const vi&>(magic) + 127) << 23;
-  return p * reinterpret_cast<const vf&>(e);
 }
 
 // ------------------------------------------------------------------------------ kernel
