@@ -1,0 +1,145 @@
+"""The native float32 kernels of the small custom ops (``fused_ops.cpp``): loading and calls.
+
+Each function takes the op's arguments (see :mod:`llmhal.ops.native`) and returns the result, or
+None when the call is not one the kernel takes (another dtype, a layout it does not read, the
+library unavailable), so :mod:`llmhal_cpu.ops` falls back to its torch kernels. The library is
+built on first use by :mod:`llmhal_cpu.native_build`; ``LLMHAL_CPU_OPS_KERNEL=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from llmhal_cpu import native_build
+
+SOURCE = Path(__file__).with_name("fused_ops.cpp")
+_F32 = torch.float32
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_status: str | None = None  # None: not tried yet
+_compiler = native_build.compiler  # module-level so tests can take the compiler away
+
+
+def _disabled() -> bool:
+    return os.environ.get("LLMHAL_CPU_OPS_KERNEL", "1").strip() == "0"
+
+
+def _setup(lib: ctypes.CDLL) -> None:
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+    lib.llmhal_rms_norm.argtypes = [p, i64, p, i64, p, p, p, i64, i64, f32, i32]
+    lib.llmhal_rotary.argtypes = [p, p, i64, i32, p, i64, i32, i32, p, i64, i64, i32, i32, i64, i32]
+    lib.llmhal_silu_and_mul.argtypes = [p, i64, p, i64, i64, i32]
+    for fn in (lib.llmhal_rms_norm, lib.llmhal_rotary, lib.llmhal_silu_and_mul):
+        fn.restype = ctypes.c_int
+
+
+def load_library() -> ctypes.CDLL | None:
+    """The kernel library, built on first use; None when it cannot or may not be used."""
+    global _lib, _status
+    if _disabled():
+        return None
+    if _status is None:
+        with _lock:
+            if _status is None:
+                _lib, _status = native_build.load(SOURCE, "fused_ops", _compiler(), _setup)
+    return _lib
+
+
+def status() -> str:
+    """``"native"``, or why the torch kernels run instead (for ``llmhal doctor``)."""
+    if _disabled():
+        return "torch (LLMHAL_CPU_OPS_KERNEL=0)"
+    load_library()
+    return "native fused_ops (float32; torch for other dtypes)" if _lib else f"torch ({_status})"
+
+
+def _rows(x: torch.Tensor) -> bool:
+    """2-D float32 with contiguous rows: the layout the kernels read."""
+    return x.dtype == _F32 and x.dim() == 2 and x.stride(1) == 1
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(normed, x + residual or None), or None when the kernel does not take these arguments."""
+    lib = _lib if _status is not None else load_library()
+    if lib is None or not _rows(x) or weight.dtype != _F32 or not weight.is_contiguous():
+        return None
+    if residual is not None and (not _rows(residual) or residual.shape != x.shape):
+        return None
+    t, h = x.shape
+    out = torch.empty(t, h)
+    summed = None if residual is None else torch.empty(t, h)
+    lib.llmhal_rms_norm(
+        x.data_ptr(),
+        x.stride(0),
+        None if residual is None else residual.data_ptr(),
+        0 if residual is None else residual.stride(0),
+        None if summed is None else summed.data_ptr(),
+        out.data_ptr(),
+        weight.data_ptr(),
+        t,
+        h,
+        eps,
+        torch.get_num_threads(),
+    )
+    return out, summed
+
+
+def rotary_(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+    is_neox: bool,
+) -> bool:
+    """Rotate ``query`` and ``key`` in place; False (nothing done) when the kernel does not take
+    these arguments."""
+    lib = _lib if _status is not None else load_library()
+    if lib is None or not (_rows(query) and _rows(key) and _rows(cos_sin_cache)):
+        return False
+    if positions.dtype != torch.int64 or not positions.is_contiguous():
+        return False
+    t = query.shape[0]
+    if positions.numel() != t or key.shape[0] != t:
+        return False
+    # An out-of-range position makes the kernel return -1 before it writes anything; torch's path
+    # then raises its IndexError.
+    rc = lib.llmhal_rotary(
+        positions.data_ptr(),
+        query.data_ptr(),
+        query.stride(0),
+        query.shape[1] // head_size,
+        key.data_ptr(),
+        key.stride(0),
+        key.shape[1] // head_size,
+        head_size,
+        cos_sin_cache.data_ptr(),
+        cos_sin_cache.stride(0),
+        cos_sin_cache.shape[0],
+        cos_sin_cache.shape[1],
+        int(is_neox),
+        t,
+        torch.get_num_threads(),
+    )
+    return rc == 0
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """``silu(x[:, :d]) * x[:, d:]``, or None when the kernel does not take ``x``."""
+    lib = _lib if _status is not None else load_library()
+    if lib is None or not _rows(x):
+        return None
+    t, d2 = x.shape
+    out = torch.empty(t, d2 // 2)
+    lib.llmhal_silu_and_mul(
+        x.data_ptr(), x.stride(0), out.data_ptr(), t, d2 // 2, torch.get_num_threads()
+    )
+    return out
