@@ -757,9 +757,16 @@ int llmhal_qgemm(const Weight* w, const void* x, int64_t m, int64_t x_s, int32_t
 #pragma omp for schedule(static) nowait
     for (int64_t it = 0; it < items; ++it) {
       const int64_t rc = it / ntiles, t = it % ntiles;
-      const int64_t r_end = std::min(m, (rc + 1) * chunk_rows);
-      for (int64_t r0 = rc * chunk_rows; r0 < r_end; r0 += mr)
-        tile[std::min<int64_t>(mr, r_end - r0) - 1](c, r0, t * kNR);
+      const int64_t r_begin = rc * chunk_rows;
+      const int64_t rows = std::min(m, r_begin + chunk_rows) - r_begin;
+      // Tiles of near-equal height (32 rows: 6+6+5+5+5+5, not 6x5+2): a short tile reuses each
+      // weight load for few rows, and its rows cost up to twice as much.
+      const int64_t nt = (rows + mr - 1) / mr, base_rows = rows / nt, extra = rows % nt;
+      for (int64_t i = 0, r0 = r_begin; i < nt; ++i) {
+        const int64_t h = base_rows + (i < extra);
+        tile[h - 1](c, r0, t * kNR);
+        r0 += h;
+      }
     }
   }
   return 0;
