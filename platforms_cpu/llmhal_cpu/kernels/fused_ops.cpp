@@ -66,15 +66,8 @@ void norm_row(const float* x, const float* r, float* s, float* out, const float*
 }
 
 // Rotate the first rot features of each of `heads` heads of one token's row. Without contraction
-// into FMAs: a * c - b * s is then rounded as torch (and HF, the parity reference) round it, so
-// rotated queries and keys are bit-identical to theirs.
-#if defined(__clang__)
-#define LLMHAL_NO_FMA_CONTRACTION
-#define LLMHAL_NO_FMA_CONTRACTION_BODY _Pragma("clang fp contract(off)")
-#else
-#define LLMHAL_NO_FMA_CONTRACTION __attribute__((optimize("fp-contract=off")))
-#define LLMHAL_NO_FMA_CONTRACTION_BODY
-#endif
+// into FMAs (simd_math.h): a * c - b * s is then rounded as torch (and HF, the parity reference)
+// round it, so rotated queries and keys are bit-identical to theirs.
 LLMHAL_NO_FMA_CONTRACTION void rotate_row(float* x, int heads, int head_size, const float* cs, int rot, bool neox) {
   LLMHAL_NO_FMA_CONTRACTION_BODY
   const int half = rot / 2;

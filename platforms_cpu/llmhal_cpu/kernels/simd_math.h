@@ -43,11 +43,38 @@ inline float hsum(vf v) {
   }
 }
 
+// Largest lane (the same halving folds with max; NaN lanes lose to numbers, as in std::max).
+template <int N, std::size_t... J>
+inline vf fold_half_max(vf v, std::index_sequence<J...>) {
+  const vf o = __builtin_shufflevector(v, v, (static_cast<int>(J) + N) % W...);
+  return o > v ? o : v;
+}
+template <int N = W / 2>
+inline float hmax(vf v) {
+  v = fold_half_max<N>(v, std::make_index_sequence<W>{});
+  if constexpr (N > 1) {
+    return hmax<N / 2>(v);
+  } else {
+    return v[0];
+  }
+}
+
 inline vf lane_index() {
   vi idx;
   for (int i = 0; i < W; ++i) idx[i] = i;
   return __builtin_convertvector(idx, vf);
 }
+
+// A function whose a * b + c must round twice, as torch (and the scalar code it must match bit
+// for bit) rounds it: the build's -ffp-contract=fast would otherwise fuse them into one FMA.
+// GCC takes a function attribute, Clang a pragma at the top of the body.
+#if defined(__clang__)
+#define LLMHAL_NO_FMA_CONTRACTION
+#define LLMHAL_NO_FMA_CONTRACTION_BODY _Pragma("clang fp contract(off)")
+#else
+#define LLMHAL_NO_FMA_CONTRACTION __attribute__((optimize("fp-contract=off")))
+#define LLMHAL_NO_FMA_CONTRACTION_BODY
+#endif
 
 // exp via Cody-Waite range reduction and the Cephes single-precision polynomial (about 1 ulp), on
 // W lanes. x * log2(e) is rounded by adding and subtracting 1.5 * 2^23 (round to nearest), so no
