@@ -27,36 +27,28 @@ inline vf vload(const float* p) {
 }
 inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-// Sum of the lanes by halving (log2(W) shuffles and adds; a lane-by-lane loop is a chain of W
-// dependent adds that the compiler may not reorder).
-template <int N, std::size_t... J>
-inline vf fold_half(vf v, std::index_sequence<J...>) {
-  return v + __builtin_shufflevector(v, v, (static_cast<int>(J) + N) % W...);
+// One lane from all W by halving: log2(W) shuffles and ops (a lane-by-lane loop is a chain of W
+// dependent ops that the compiler may not reorder for floats).
+template <int N, typename Op, std::size_t... J>
+inline vf fold_half(vf v, Op op, std::index_sequence<J...>) {
+  return op(v, __builtin_shufflevector(v, v, (static_cast<int>(J) + N) % W...));
 }
-template <int N = W / 2>
-inline float hsum(vf v) {
-  v = fold_half<N>(v, std::make_index_sequence<W>{});
+template <int N = W / 2, typename Op>
+inline float fold_lanes(vf v, Op op) {
+  v = fold_half<N>(v, op, std::make_index_sequence<W>{});
   if constexpr (N > 1) {
-    return hsum<N / 2>(v);
+    return fold_lanes<N / 2>(v, op);
   } else {
     return v[0];
   }
 }
 
-// Largest lane (the same halving folds with max; NaN lanes lose to numbers, as in std::max).
-template <int N, std::size_t... J>
-inline vf fold_half_max(vf v, std::index_sequence<J...>) {
-  const vf o = __builtin_shufflevector(v, v, (static_cast<int>(J) + N) % W...);
-  return o > v ? o : v;
+inline float hsum(vf v) {
+  return fold_lanes(v, [](vf a, vf b) { return a + b; });
 }
-template <int N = W / 2>
+// Largest lane (NaN lanes lose to numbers, as in std::max).
 inline float hmax(vf v) {
-  v = fold_half_max<N>(v, std::make_index_sequence<W>{});
-  if constexpr (N > 1) {
-    return hmax<N / 2>(v);
-  } else {
-    return v[0];
-  }
+  return fold_lanes(v, [](vf a, vf b) { return b > a ? b : a; });
 }
 
 inline vf lane_index() {
