@@ -186,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--prefill-len", type=int, default=256)
     p.add_argument(
+        "--repeat", type=int, default=1, help="timed runs per measurement; the best is reported"
+    )
+    p.add_argument(
         "--workdir", type=Path, default=None, help="where derived checkpoints are cached"
     )
     p.add_argument("--json", dest="json_path")
@@ -200,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     for v in variants:
         model, quant = paths[v]
-        spec = WorkerSpec(model, a.dtype, quant, batch, a.new_tokens, a.prompt_len, a.prefill_len)
+        spec = WorkerSpec(
+            model, a.dtype, quant, batch, a.new_tokens, a.prompt_len, a.prefill_len, a.repeat
+        )
         results[v] = run_worker("llmhal", spec)
         print(f"  measured {v}", file=sys.stderr)
     base = results.get("q4_1")
