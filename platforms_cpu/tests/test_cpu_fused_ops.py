@@ -120,3 +120,37 @@ def test_without_a_compiler_the_reason_is_reported(monkeypatch):
     torch.testing.assert_close(
         ops.rms_norm(x, torch.ones(8), 1e-6), native.rms_norm(x, torch.ones(8), 1e-6)
     )
+
+
+@needs_kernel
+def test_outputs_are_float32_whatever_torchs_default_dtype():
+    x = torch.randn(8, 256, generator=_gen(7))
+    w = torch.randn(256, generator=_gen(8))
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # empty() would otherwise give the kernel 8-byte slots
+    try:
+        normed, _ = fused_ops.rms_norm(x, w, 1e-6)
+        act = fused_ops.silu_and_mul(x)
+    finally:
+        torch.set_default_dtype(previous)
+    assert normed.dtype == act.dtype == torch.float32
+    torch.testing.assert_close(normed, native.rms_norm(x, w, 1e-6), **TOL)
+    torch.testing.assert_close(act, native.silu_and_mul(x), **TOL)
+
+
+@needs_kernel
+def test_arguments_the_native_definitions_reject_go_to_torch():
+    """Shapes torch refuses are never handed to the kernel (which would read or write past a row)."""
+    x = torch.randn(2, 64, generator=_gen(9))
+    assert fused_ops.rms_norm(x, torch.ones(32), 1e-6) is None  # weight of the wrong size
+    assert fused_ops.silu_and_mul(torch.randn(2, 7)) is None  # odd width
+    q, k = torch.randn(2, 64), torch.randn(2, 64)
+    q0 = q.clone()
+    pos = torch.tensor([0, 1])
+    assert not fused_ops.rotary_(pos, q, k, torch.randn(16, 96), 64, True)  # rot > head size
+    assert not fused_ops.rotary_(pos, q[:, :60], k, torch.randn(16, 64), 64, True)  # 60 % 64
+    assert not fused_ops.rotary_(pos, q, k, torch.randn(16, 7), 64, True)  # odd rotary dim
+    assert torch.equal(q, q0)
+    meta = torch.empty(2, 64, device="meta")
+    assert fused_ops.rms_norm(meta, torch.ones(64), 1e-6) is None
+    assert fused_ops.silu_and_mul(meta) is None

@@ -3,7 +3,8 @@
 Each function takes the op's arguments (see :mod:`llmhal.ops.native`) and returns the result, or
 None when the call is not one the kernel takes (another dtype, a layout it does not read, the
 library unavailable), so :mod:`llmhal_cpu.ops` falls back to its torch kernels. The library is
-built on first use by :mod:`llmhal_cpu.native_build`; ``LLMHAL_CPU_OPS_KERNEL=0`` turns it off.
+built on first use by :mod:`llmhal_cpu.native_build`; ``LLMHAL_CPU_OPS_KERNEL=0`` turns it off
+(read once, at that first use).
 """
 
 from __future__ import annotations
@@ -60,8 +61,13 @@ def status() -> str:
 
 
 def _rows(x: torch.Tensor) -> bool:
-    """2-D float32 with contiguous rows: the layout the kernels read."""
-    return x.dtype == _F32 and x.dim() == 2 and x.stride(1) == 1
+    """2-D float32 host memory with contiguous rows: the layout the kernels read."""
+    return x.dtype == _F32 and x.dim() == 2 and x.stride(1) == 1 and x.device.type == "cpu"
+
+
+def _vector(x: torch.Tensor, n: int) -> bool:
+    """A contiguous float32 host vector of n elements."""
+    return x.dtype == _F32 and x.numel() == n and x.is_contiguous() and x.device.type == "cpu"
 
 
 def rms_norm(
@@ -69,13 +75,14 @@ def rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(normed, x + residual or None), or None when the kernel does not take these arguments."""
     lib = _lib if _status is not None else load_library()
-    if lib is None or not _rows(x) or weight.dtype != _F32 or not weight.is_contiguous():
+    if lib is None or not _rows(x) or not _vector(weight, x.shape[1]):
         return None
     if residual is not None and (not _rows(residual) or residual.shape != x.shape):
         return None
     t, h = x.shape
-    out = torch.empty(t, h)
-    summed = None if residual is None else torch.empty(t, h)
+    # Explicit dtype and device: the kernel writes float32 host memory whatever torch's defaults.
+    out = torch.empty(t, h, dtype=_F32, device="cpu")
+    summed = None if residual is None else torch.empty(t, h, dtype=_F32, device="cpu")
     lib.llmhal_rms_norm(
         x.data_ptr(),
         x.stride(0),
@@ -107,8 +114,14 @@ def rotary_(
         return False
     if positions.dtype != torch.int64 or not positions.is_contiguous():
         return False
-    t = query.shape[0]
+    if positions.device.type != "cpu":
+        return False
+    t, rot = query.shape[0], cos_sin_cache.shape[1]
     if positions.numel() != t or key.shape[0] != t:
+        return False
+    # What the native definition would reject (or the kernel would read or write past a head):
+    # torch's path raises the error.
+    if rot % 2 or rot > head_size or query.shape[1] % head_size or key.shape[1] % head_size:
         return False
     # An out-of-range position makes the kernel return -1 before it writes anything; torch's path
     # then raises its IndexError.
@@ -124,7 +137,7 @@ def rotary_(
         cos_sin_cache.data_ptr(),
         cos_sin_cache.stride(0),
         cos_sin_cache.shape[0],
-        cos_sin_cache.shape[1],
+        rot,
         int(is_neox),
         t,
         torch.get_num_threads(),
@@ -135,10 +148,10 @@ def rotary_(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     """``silu(x[:, :d]) * x[:, d:]``, or None when the kernel does not take ``x``."""
     lib = _lib if _status is not None else load_library()
-    if lib is None or not _rows(x):
+    if lib is None or not _rows(x) or x.shape[1] % 2:
         return None
     t, d2 = x.shape
-    out = torch.empty(t, d2 // 2)
+    out = torch.empty(t, d2 // 2, dtype=_F32, device="cpu")
     lib.llmhal_silu_and_mul(
         x.data_ptr(), x.stride(0), out.data_ptr(), t, d2 // 2, torch.get_num_threads()
     )

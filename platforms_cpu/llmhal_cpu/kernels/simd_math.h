@@ -46,7 +46,7 @@ inline float fold_lanes(vf v, Op op) {
 inline float hsum(vf v) {
   return fold_lanes(v, [](vf a, vf b) { return a + b; });
 }
-// Largest lane (NaN lanes lose to numbers, as in std::max).
+// Largest lane (a NaN lane gives an unspecified result: callers pass none).
 inline float hmax(vf v) {
   return fold_lanes(v, [](vf a, vf b) { return b > a ? b : a; });
 }
