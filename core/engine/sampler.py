@@ -53,20 +53,21 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """
     n, vocab = logits.shape
     main = vocab // _ARGMAX_CHUNK * _ARGMAX_CHUNK
-    if main < 4 * _ARGMAX_CHUNK or not logits.is_contiguous():
+    if n == 0 or main < 4 * _ARGMAX_CHUNK or not logits.is_contiguous():
         return logits.argmax(-1)
     chunks = logits[:, :main].view(n, -1, _ARGMAX_CHUNK)
     chunk_max = chunks.amax(-1)  # [n, chunks]
     best, where = chunk_max.max(-1)  # ties: the first chunk
     rows = torch.arange(n, device=logits.device)
     tokens = chunks[rows, where].argmax(-1) + where * _ARGMAX_CHUNK
+    # NaN compares false everywhere here; argmax reports a NaN's position, so rows with one (a
+    # broken model, rare) take torch's answer.
+    bad = best.isnan()
     if main < vocab:
         tail = logits[:, main:]
         tail_max, tail_at = tail.max(-1)
         tokens = torch.where(tail_max > best, tail_at + main, tokens)
-    # NaN compares false everywhere above; argmax reports a NaN's position, so rows with one
-    # (a broken model, rare) take torch's answer.
-    bad = best.isnan()
+        bad |= tail_max.isnan()
     if bool(bad.any()):
         tokens[bad] = logits[bad].argmax(-1)
     return tokens
