@@ -157,6 +157,18 @@ def test_nan_and_inf_inputs_propagate(lib):
         assert y[0].isnan().all() and y[1].isfinite().all() and not y[2].isfinite().any(), mode
 
 
+def test_blocks_too_small_to_scale_quantize_to_zero(lib):
+    # 32767 / amax overflows for |x| < ~1e-34: those blocks count as zeros (not inf cast to int).
+    kernel = QuantGemm(make_weight(40, 96, 32, 4), lib)
+    x = torch.randn(2, 96, generator=torch.Generator().manual_seed(14))
+    x[0, :32] = 1e-36  # one subnormal-scale block among normal ones
+    ref = kernel(torch.cat([torch.zeros(1, 32), x[0:1, 32:]], dim=1), mode=MODE_INT16)
+    for mode in (MODE_INT16, MODE_INT8):
+        y = kernel(x, mode=mode)
+        assert y.isfinite().all(), mode
+    assert torch.equal(kernel(x, mode=MODE_INT16)[0], ref[0])
+
+
 def test_integer_modes_do_not_depend_on_the_batch(lib):
     # Each row is quantized on its own and its block sums are exact integers, so a row's result is
     # the same whether it runs alone (decode) or with others (prefill, batched decode).

@@ -48,6 +48,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -620,13 +621,21 @@ inline int32_t block_codes(const float* xb, int unit, float inv, int32_t* out) {
   return sum;
 }
 
+// qmax / amax: the factor from x to codes. 0 where that is not a finite number: amax 0 or NaN,
+// or a block so small (|x| < ~1e-34) that the quotient overflows; such a block quantizes to zeros
+// (converting x * inf to an integer is undefined).
+inline float code_factor(float qmax, float amax) {
+  const float inv = amax > 0.f ? qmax / amax : 0.f;
+  return inv <= std::numeric_limits<float>::max() ? inv : 0.f;
+}
+
 // Quantize one row (fp32, kpad wide) to int8 per U block: step d, codes q, sums of q.
 void quantize_row8(const float* x, int64_t kpad, int unit, int8_t* q, float* d, float* s,
                    int32_t* si) {
   alignas(64) int32_t codes[32];
   for (int64_t u = 0; u < kpad / unit; ++u) {
     const float amax = block_amax(x + u * unit, unit);
-    const int32_t sum = block_codes(x + u * unit, unit, amax > 0.f ? 127.f / amax : 0.f, codes);
+    const int32_t sum = block_codes(x + u * unit, unit, code_factor(127.f, amax), codes);
     for (int i = 0; i < unit; ++i) q[u * unit + i] = static_cast<int8_t>(codes[i]);
     d[u] = amax / 127.f;
     s[u] = d[u] * static_cast<float>(sum);
@@ -638,7 +647,7 @@ void quantize_row8(const float* x, int64_t kpad, int unit, int8_t* q, float* d, 
 // (the order tile_i16 broadcasts in). Whole vectors at a time: called for every row of every
 // call, the scalar form cost ~0.3 us a row (SmolLM2: ~9 us of a 32-row call). The codes are the
 // scalar ones bit for bit (rounding to nearest even by adding 1.5 * 2^23, |x * inv| <= 32767; no
-// FMA contraction), so results stay identical across builds.
+// FMA contraction) in every build, so results stay identical across builds.
 template <std::size_t... J>
 inline llmhal_cpu::vi order_0213(llmhal_cpu::vi c, std::index_sequence<J...>) {
   constexpr int kPerm[4] = {0, 2, 1, 3};
@@ -670,7 +679,7 @@ void quantize_row16(const float* x, int64_t kpad, int unit, int16_t* q, float* d
   }
   for (int64_t u = 0; u < nu; ++u) {
     const float amax = d[u];
-    s[u] = amax > 0.f ? 32767.f / amax : 0.f;  // the block's 1 / step for now
+    s[u] = code_factor(32767.f, amax);  // the block's 1 / step for now
     d[u] = amax / 32767.f;
   }
   for (int64_t u = 0; u < nu; ++u) {
