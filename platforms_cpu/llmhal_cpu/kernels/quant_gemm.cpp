@@ -56,9 +56,6 @@
 
 #include "float_bits.h"
 #include "simd_math.h"
-#ifndef PREP_SHIFT
-#define PREP_SHIFT 12
-#endif
 #ifndef QG_PF
 #define QG_PF 16384
 #endif
@@ -597,30 +594,6 @@ const Tiles& tiles(int bits, bool off, bool half) {
   return t[(bits == 8 ? 4 : 0) + (off ? 2 : 0) + (half ? 1 : 0)];
 }
 
-// Largest |x| of a U block and its codes rounded to nearest with the step amax / qmax; the loops
-// vectorize (omp simd) so that quantizing stays small next to the matmul for narrow weights.
-// A NaN or infinity in the block makes amax (and so the block's step and outputs) NaN, as a float
-// matmul would; a max reduction alone would skip NaNs.
-inline float block_amax(const float* xb, int unit) {
-  float amax = 0.f, poison = 0.f;
-#pragma omp simd reduction(max : amax) reduction(+ : poison)
-  for (int i = 0; i < unit; ++i) {
-    amax = std::max(amax, std::fabs(xb[i]));
-    poison += xb[i] * 0.f;
-  }
-  return amax + poison;
-}
-inline int32_t block_codes(const float* xb, int unit, float inv, int32_t* out) {
-  int32_t sum = 0;
-#pragma omp simd reduction(+ : sum)
-  for (int i = 0; i < unit; ++i) {
-    const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
-    out[i] = v;
-    sum += v;
-  }
-  return sum;
-}
-
 // qmax / amax: the factor from x to codes. 0 where that is not a finite number: amax 0 or NaN,
 // or a block so small (|x| < ~1e-34) that the quotient overflows; such a block quantizes to zeros
 // (converting x * inf to an integer is undefined).
@@ -629,45 +602,34 @@ inline float code_factor(float qmax, float amax) {
   return inv <= std::numeric_limits<float>::max() ? inv : 0.f;
 }
 
-// Quantize one row (fp32, kpad wide) to int8 per U block: step d, codes q, sums of q.
-void quantize_row8(const float* x, int64_t kpad, int unit, int8_t* q, float* d, float* s,
-                   int32_t* si) {
-  alignas(64) int32_t codes[32];
-  for (int64_t u = 0; u < kpad / unit; ++u) {
-    const float amax = block_amax(x + u * unit, unit);
-    const int32_t sum = block_codes(x + u * unit, unit, code_factor(127.f, amax), codes);
-    for (int i = 0; i < unit; ++i) q[u * unit + i] = static_cast<int8_t>(codes[i]);
-    d[u] = amax / 127.f;
-    s[u] = d[u] * static_cast<float>(sum);
-    si[u] = sum;
-  }
-}
-
-// Quantize one row (fp32, kpad wide) to int16 per U block, each group of 4 stored as 0, 2, 1, 3
-// (the order tile_i16 broadcasts in). Whole vectors at a time: called for every row of every
-// call, the scalar form cost ~0.3 us a row (SmolLM2: ~9 us of a 32-row call). The codes are the
-// scalar ones bit for bit (rounding to nearest even by adding 1.5 * 2^23, |x * inv| <= 32767; no
-// FMA contraction) in every build, so results stay identical across builds.
+// Each group of 4 codes as 0, 2, 1, 3: the order tile_int broadcasts int16 codes in.
 template <std::size_t... J>
 inline llmhal_cpu::vi order_0213(llmhal_cpu::vi c, std::index_sequence<J...>) {
   constexpr int kPerm[4] = {0, 2, 1, 3};
   return __builtin_shufflevector(c, c, (static_cast<int>(J) & ~3) | kPerm[J & 3]...);
 }
 
-LLMHAL_NO_FMA_CONTRACTION
-void quantize_row16(const float* x, int64_t kpad, int unit, int16_t* q, float* d, float* s) {
+// Quantize one row (fp32, kpad wide) per U block with the step amax / qmax: codes q (int8, or
+// int16 stored in the 0, 2, 1, 3 order), steps d, s = d * sum(codes), and the integer sums si
+// (int8 only). A NaN or infinity in a block makes its step (and so its outputs) NaN, as a float
+// matmul would; a max alone would skip NaNs. Whole vectors at a time, in three passes over the
+// blocks (steps, factors, codes) so that one block's lane folds and division do not stall the
+// next: called for every row of every call, the scalar form cost ~0.3 us a row (SmolLM2: ~9 us of
+// a 32-row call). Rounding is to nearest even by adding 1.5 * 2^23 (|x * factor| <= qmax), with no
+// FMA contraction: the codes of every build equal std::nearbyint's, so results are identical
+// across builds.
+template <typename Code>
+LLMHAL_NO_FMA_CONTRACTION void quantize_row(const float* x, int64_t kpad, int unit, float qmax,
+                                            Code* q, float* d, float* s, int32_t* si) {
   LLMHAL_NO_FMA_CONTRACTION_BODY
   using llmhal_cpu::vf;
   using llmhal_cpu::vi;
   using llmhal_cpu::W;
-  typedef int16_t vh __attribute__((vector_size(W * sizeof(int16_t))));
+  typedef Code vc __attribute__((vector_size(W * sizeof(Code))));
   const vf magic = vf{} + 12582912.f;
   const int64_t nu = kpad / unit;
-  // Three passes over the blocks (steps, then codes): each block's chain of lane folds and a
-  // division would otherwise stall the next block's work.
   for (int64_t u = 0; u < nu; ++u) {
     const float* xb = x + u * unit;
-    // block_amax's value: the largest |x|, made NaN by any NaN or infinity.
     vf mx = {}, poison = {};
     for (int i = 0; i < unit; i += W) {
       const vf v = llmhal_cpu::vload(xb + i);
@@ -679,23 +641,26 @@ void quantize_row16(const float* x, int64_t kpad, int unit, int16_t* q, float* d
   }
   for (int64_t u = 0; u < nu; ++u) {
     const float amax = d[u];
-    s[u] = code_factor(32767.f, amax);  // the block's 1 / step for now
-    d[u] = amax / 32767.f;
+    s[u] = code_factor(qmax, amax);  // the block's factor for now
+    d[u] = amax / qmax;
   }
   for (int64_t u = 0; u < nu; ++u) {
     const float* xb = x + u * unit;
     const float inv = s[u];
     vi sum = {};
-    int16_t* qb = q + u * unit;
+    Code* qb = q + u * unit;
     for (int i = 0; i < unit; i += W) {
       const vf p = llmhal_cpu::vload(xb + i) * inv;
-      const vi c = __builtin_convertvector((p + magic) - magic, vi);
+      vi c = __builtin_convertvector((p + magic) - magic, vi);
       sum += c;
-      const vh h = __builtin_convertvector(order_0213(c, std::make_index_sequence<W>{}), vh);
-      std::memcpy(qb + i, &h, sizeof h);
+      if constexpr (sizeof(Code) == 2) c = order_0213(c, std::make_index_sequence<W>{});
+      const vc narrow = __builtin_convertvector(c, vc);
+      std::memcpy(qb + i, &narrow, sizeof narrow);
     }
     // Code sums are exact in float (|sum| <= 32 * 32767 < 2^24).
-    s[u] = d[u] * llmhal_cpu::hsum(__builtin_convertvector(sum, vf));
+    const float total = llmhal_cpu::hsum(__builtin_convertvector(sum, vf));
+    s[u] = d[u] * total;
+    if (si) si[u] = static_cast<int32_t>(total);
   }
 }
 
@@ -789,15 +754,16 @@ int llmhal_qgemm(const Weight* w, const void* x, int64_t m, int64_t x_s, int32_t
     float* row = xrow + thread * (row_bytes / sizeof(float));
     load_row(src, x_dtype, w->k, w->kpad, row);
     if (mode == 1)
-      quantize_row8(row, w->kpad, w->unit, reinterpret_cast<int8_t*>(xq) + r * w->kpad,
-                    xd + r * nu, xs + r * nu, xi + r * nu);
+      quantize_row(row, w->kpad, w->unit, 127.f, reinterpret_cast<int8_t*>(xq) + r * w->kpad,
+                   xd + r * nu, xs + r * nu, xi + r * nu);
     else
-      quantize_row16(row, w->kpad, w->unit, reinterpret_cast<int16_t*>(xq) + r * w->kpad,
-                     xd + r * nu, xs + r * nu);
+      quantize_row(row, w->kpad, w->unit, 32767.f, reinterpret_cast<int16_t*>(xq) + r * w->kpad,
+                   xd + r * nu, xs + r * nu, nullptr);
   };
   // A few rows are prepared before the team starts: one synchronisation per call instead of two
-  // (on a busy machine each one can wait out a descheduled thread's time slice).
-  const bool prep_in_team = parallel && !direct && m * w->kpad >= (int64_t(1) << PREP_SHIFT);
+  // (on a busy machine each one can wait out a descheduled thread's time slice). From 4096
+  // elements (SmolLM2: 8 rows) the team shares the work: a 32x576 o_proj call 42.6 -> 39 us.
+  const bool prep_in_team = parallel && !direct && m * w->kpad >= (int64_t(1) << 12);
   if (!direct && !prep_in_team)
     for (int64_t r = 0; r < m; ++r) prepare(r, 0);
 #pragma omp parallel num_threads(team) if (parallel)
