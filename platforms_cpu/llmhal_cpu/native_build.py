@@ -27,6 +27,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -147,3 +148,49 @@ def load(
     except Exception as e:  # any failure means: use the torch fallbacks, and say why
         return None, f"{type(e).__name__}: {e}"
     return lib, "ok"
+
+
+class KernelLibrary:
+    """One native kernel: built and loaded on first use, once per process (thread-safe).
+
+    ``get()`` returns the loaded library, or None when it cannot (or may not) be used. ``status`` is
+    None before the first attempt, then ``"ok"`` or why the library cannot be used. A variable
+    named by ``disable_env`` set to ``0`` turns the kernel off (checked on every ``get``).
+    ``on_unavailable(status)`` runs once when loading fails. ``source`` and ``compiler`` are
+    attributes, and ``lib``/``status`` plain fields, so tests can swap or reset them.
+    """
+
+    def __init__(
+        self,
+        source: Path,
+        stem: str,
+        setup: Callable[[ctypes.CDLL], None],
+        *,
+        disable_env: str | None = None,
+        on_unavailable: Callable[[str], None] | None = None,
+    ) -> None:
+        self.source = source
+        self.stem = stem
+        self.setup = setup
+        self.disable_env = disable_env
+        self.on_unavailable = on_unavailable
+        self.compiler: Callable[[], str | None] = compiler
+        self.lib: ctypes.CDLL | None = None
+        self.status: str | None = None
+        self._lock = threading.Lock()
+
+    def disabled(self) -> bool:
+        return bool(self.disable_env) and os.environ.get(self.disable_env, "1").strip() == "0"
+
+    def get(self) -> ctypes.CDLL | None:
+        if self.disabled():
+            return None
+        if self.status is None:
+            with self._lock:
+                if self.status is None:
+                    lib, status = load(self.source, self.stem, self.compiler(), self.setup)
+                    self.lib = lib  # before status: readers test status, then take lib
+                    self.status = status
+                    if lib is None and self.on_unavailable is not None:
+                        self.on_unavailable(status)
+        return self.lib

@@ -36,8 +36,8 @@ def path(request, monkeypatch):
 @pytest.fixture
 def fresh_kernel_state(monkeypatch, tmp_path):
     """An empty kernel cache and a not-yet-loaded kernel; the process's kernel is restored after."""
-    monkeypatch.setattr(native, "_kernel", None)
-    monkeypatch.setattr(native, "_status", None)
+    monkeypatch.setattr(native.LIBRARY, "lib", None)
+    monkeypatch.setattr(native.LIBRARY, "status", None)
     monkeypatch.setenv("LLMHAL_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("LLMHAL_CPU_ATTN_KERNEL", raising=False)
     return tmp_path
@@ -176,7 +176,7 @@ def test_selected_by_default_on_the_cpu_platform(monkeypatch):
 
 # ------------------------------------------------------------------------------ the native build
 def test_missing_compiler_falls_back_to_torch_and_says_why(fresh_kernel_state, monkeypatch):
-    monkeypatch.setattr(native, "_compiler", lambda: None)
+    monkeypatch.setattr(native.LIBRARY, "compiler", lambda: None)
     assert native.load_kernel() is None
     assert "no C++ compiler" in native.kernel_status()
     case = conformance_cases(CpuAttentionBackend)[1]
@@ -186,8 +186,8 @@ def test_missing_compiler_falls_back_to_torch_and_says_why(fresh_kernel_state, m
 def test_failed_build_falls_back(fresh_kernel_state, monkeypatch, tmp_path):
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(native, "SOURCE", broken)
-    if native._compiler() is None:
+    monkeypatch.setattr(native.LIBRARY, "source", broken)
+    if native.LIBRARY.compiler() is None:
         pytest.skip("no compiler")
     assert native.load_kernel() is None
     assert "failed" in native.kernel_status()
@@ -199,7 +199,7 @@ def test_portable_builds_are_correct_and_cached(fresh_kernel_state, monkeypatch,
     # x86-64 one (4-wide vectors, integer fp16/fp8 conversions), and run the suite on each.
     import platform
 
-    if platform.machine().lower() not in ("x86_64", "amd64") or native._compiler() is None:
+    if platform.machine().lower() not in ("x86_64", "amd64") or native.LIBRARY.compiler() is None:
         pytest.skip("x86-64 with a C++ compiler only")
     monkeypatch.setenv("LLMHAL_CPU_KERNEL_ARCH", arch)
     assert native.load_kernel() is not None, native.kernel_status()
@@ -208,14 +208,14 @@ def test_portable_builds_are_correct_and_cached(fresh_kernel_state, monkeypatch,
     run_attention_conformance(CpuAttentionBackend, dtypes=ALL_DTYPES).raise_on_failure()
     # A second process (simulated) reuses the cached binary instead of compiling again.
     stamp = built[0].stat().st_mtime_ns
-    monkeypatch.setattr(native, "_kernel", None)
-    monkeypatch.setattr(native, "_status", None)
+    monkeypatch.setattr(native.LIBRARY, "lib", None)
+    monkeypatch.setattr(native.LIBRARY, "status", None)
     assert native.load_kernel() is not None
     assert [p.stat().st_mtime_ns for p in fresh_kernel_state.glob("kernels/*.so")] == [stamp]
 
 
 def test_unwritable_cache_dir_falls_back_to_temp(fresh_kernel_state, monkeypatch):
-    if native._compiler() is None:
+    if native.LIBRARY.compiler() is None:
         pytest.skip("no compiler")
     blocker = fresh_kernel_state / "a-file"
     blocker.write_text("not a folder")

@@ -111,9 +111,9 @@ def test_switched_off_by_the_environment(monkeypatch):
 
 
 def test_without_a_compiler_the_reason_is_reported(monkeypatch):
-    monkeypatch.setattr(fused_ops, "_compiler", lambda: None)
-    monkeypatch.setattr(fused_ops, "_lib", None)
-    monkeypatch.setattr(fused_ops, "_status", None)
+    monkeypatch.setattr(fused_ops.LIBRARY, "compiler", lambda: None)
+    monkeypatch.setattr(fused_ops.LIBRARY, "lib", None)
+    monkeypatch.setattr(fused_ops.LIBRARY, "status", None)
     assert fused_ops.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-6) is None
     assert "no C++ compiler" in fused_ops.status()
     x = torch.randn(2, 8, generator=_gen(6))

@@ -229,9 +229,9 @@ def test_small_groups_with_inexact_fp16_scales_keep_their_previous_paths(lib):
 
 
 def test_without_a_compiler_the_torch_paths_run_and_say_why(monkeypatch, caplog):
-    monkeypatch.setattr(quant_gemm, "_compiler", lambda: None)
-    monkeypatch.setattr(quant_gemm, "_lib", None)
-    monkeypatch.setattr(quant_gemm, "_status", None)
+    monkeypatch.setattr(quant_gemm.LIBRARY, "compiler", lambda: None)
+    monkeypatch.setattr(quant_gemm.LIBRARY, "lib", None)
+    monkeypatch.setattr(quant_gemm.LIBRARY, "status", None)
     monkeypatch.setattr(quant_linear, "_warned", type(quant_linear._warned)())
     w = make_weight(64, 128, 32, 4)
     with caplog.at_level(logging.WARNING, logger="llmhal"):

@@ -12,8 +12,6 @@ pure-torch paths. ``LLMHAL_CPU_ATTN_KERNEL=0`` disables the native kernel (pure 
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
 from pathlib import Path
 
 import torch
@@ -77,15 +75,6 @@ class KernelArgs(ctypes.Structure):
     ]
 
 
-_lock = threading.Lock()
-_kernel: ctypes.CDLL | None = None
-_status: str | None = None  # None: not tried yet
-
-
-# Module-level names so tests can swap the compiler or the source.
-_compiler = native_build.compiler
-
-
 def _setup(lib: ctypes.CDLL) -> None:
     lib.llmhal_paged_attention.argtypes = [ctypes.POINTER(KernelArgs), ctypes.c_int]
     lib.llmhal_paged_attention.restype = ctypes.c_int
@@ -97,31 +86,33 @@ def _setup(lib: ctypes.CDLL) -> None:
         )
 
 
+def _warn_unavailable(status: str) -> None:
+    logger.warning(
+        "cpu_attn: native paged-attention kernel unavailable (%s); using the slower pure-torch "
+        "paths",
+        status,
+    )
+
+
+LIBRARY = native_build.KernelLibrary(
+    SOURCE,
+    "paged_attention",
+    _setup,
+    disable_env="LLMHAL_CPU_ATTN_KERNEL",
+    on_unavailable=_warn_unavailable,
+)
+
+
 def load_kernel() -> ctypes.CDLL | None:
     """The loaded kernel library, building it on first use; ``None`` when it cannot be used."""
-    global _kernel, _status
-    if os.environ.get("LLMHAL_CPU_ATTN_KERNEL", "1").strip() == "0":
-        return None
-    if _status is not None:
-        return _kernel
-    with _lock:
-        if _status is not None:
-            return _kernel
-        _kernel, _status = native_build.load(SOURCE, "paged_attention", _compiler(), _setup)
-        if _kernel is None:
-            logger.warning(
-                "cpu_attn: native paged-attention kernel unavailable (%s); using the slower "
-                "pure-torch paths",
-                _status,
-            )
-        return _kernel
+    return LIBRARY.get()
 
 
 def kernel_status() -> str:
     """``"ok"``, ``"disabled"``, ``"not built yet"`` or why the kernel is unavailable."""
-    if os.environ.get("LLMHAL_CPU_ATTN_KERNEL", "1").strip() == "0":
+    if LIBRARY.disabled():
         return "disabled by LLMHAL_CPU_ATTN_KERNEL=0"
-    return _status or "not built yet"
+    return LIBRARY.status or "not built yet"
 
 
 def paged_attention(

@@ -10,8 +10,6 @@ built on first use by :mod:`llmhal_cpu.native_build`; ``LLMHAL_CPU_OPS_KERNEL=0`
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
 from pathlib import Path
 
 import torch
@@ -20,15 +18,6 @@ from llmhal_cpu import native_build
 
 SOURCE = Path(__file__).with_name("fused_ops.cpp")
 _F32 = torch.float32
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_status: str | None = None  # None: not tried yet
-_compiler = native_build.compiler  # module-level so tests can take the compiler away
-
-
-def _disabled() -> bool:
-    return os.environ.get("LLMHAL_CPU_OPS_KERNEL", "1").strip() == "0"
 
 
 def _setup(lib: ctypes.CDLL) -> None:
@@ -40,24 +29,29 @@ def _setup(lib: ctypes.CDLL) -> None:
         fn.restype = ctypes.c_int
 
 
+LIBRARY = native_build.KernelLibrary(
+    SOURCE, "fused_ops", _setup, disable_env="LLMHAL_CPU_OPS_KERNEL"
+)
+
+
 def load_library() -> ctypes.CDLL | None:
     """The kernel library, built on first use; None when it cannot or may not be used."""
-    global _lib, _status
-    if _disabled():
-        return None
-    if _status is None:
-        with _lock:
-            if _status is None:
-                _lib, _status = native_build.load(SOURCE, "fused_ops", _compiler(), _setup)
-    return _lib
+    return LIBRARY.get()
+
+
+def _loaded() -> ctypes.CDLL | None:
+    """The library for a call: once loading was tried, without re-reading the environment."""
+    return LIBRARY.lib if LIBRARY.status is not None else LIBRARY.get()
 
 
 def status() -> str:
     """``"native"``, or why the torch kernels run instead (for ``llmhal doctor``)."""
-    if _disabled():
+    if LIBRARY.disabled():
         return "torch (LLMHAL_CPU_OPS_KERNEL=0)"
-    load_library()
-    return "native fused_ops (float32; torch for other dtypes)" if _lib else f"torch ({_status})"
+    lib = LIBRARY.get()
+    return (
+        "native fused_ops (float32; torch for other dtypes)" if lib else f"torch ({LIBRARY.status})"
+    )
 
 
 def _rows(x: torch.Tensor) -> bool:
@@ -74,7 +68,7 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(normed, x + residual or None), or None when the kernel does not take these arguments."""
-    lib = _lib if _status is not None else load_library()
+    lib = _loaded()
     if lib is None or not _rows(x) or not _vector(weight, x.shape[1]):
         return None
     if residual is not None and (not _rows(residual) or residual.shape != x.shape):
@@ -109,7 +103,7 @@ def rotary_(
 ) -> bool:
     """Rotate ``query`` and ``key`` in place; False (nothing done) when the kernel does not take
     these arguments."""
-    lib = _lib if _status is not None else load_library()
+    lib = _loaded()
     if lib is None or not (_rows(query) and _rows(key) and _rows(cos_sin_cache)):
         return False
     if positions.dtype != torch.int64 or not positions.is_contiguous():
@@ -147,7 +141,7 @@ def rotary_(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     """``silu(x[:, :d]) * x[:, d:]``, or None when the kernel does not take ``x``."""
-    lib = _lib if _status is not None else load_library()
+    lib = _loaded()
     if lib is None or not _rows(x) or x.shape[1] % 2:
         return None
     t, d2 = x.shape

@@ -20,7 +20,6 @@ None when it cannot be (no compiler, a failed build) and :func:`kernel_status` s
 from __future__ import annotations
 
 import ctypes
-import threading
 from pathlib import Path
 
 import torch
@@ -60,12 +59,6 @@ class WeightDesc(ctypes.Structure):
     ]
 
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_status: str | None = None  # None: not tried yet
-_compiler = native_build.compiler  # module-level so tests can take the compiler away
-
-
 def _setup(lib: ctypes.CDLL) -> None:
     lib.llmhal_qgemm_isa.restype = ctypes.c_char_p
     lib.llmhal_qgemm_weight_size.restype = ctypes.c_int64
@@ -79,23 +72,20 @@ def _setup(lib: ctypes.CDLL) -> None:
         )
 
 
+LIBRARY = native_build.KernelLibrary(SOURCE, "quant_gemm", _setup)
+
+
 def load_library() -> ctypes.CDLL | None:
     """The kernel library, built on first use; None when it cannot be used (see kernel_status)."""
-    global _lib, _status
-    if _status is not None:
-        return _lib
-    with _lock:
-        if _status is None:
-            _lib, _status = native_build.load(SOURCE, "quant_gemm", _compiler(), _setup)
-        return _lib
+    return LIBRARY.get()
 
 
 def kernel_status() -> str:
     """``"ok (<isa>)"``, ``"not built yet"``, or why the kernel cannot be used."""
-    if _status is None:
+    if LIBRARY.status is None:
         return "not built yet"
-    if _lib is None:
-        return _status
+    if LIBRARY.lib is None:
+        return LIBRARY.status
     return f"ok ({isa()})"
 
 
