@@ -189,6 +189,22 @@ def _table(rows: list[tuple[str, Any, Any]]) -> str:
     return "\n".join(lines)
 
 
+def add_workload_args(
+    p: argparse.ArgumentParser, *, batch_sizes: str, new_tokens: int, prefill_len: int, repeat: int
+) -> None:
+    """The options of a :class:`WorkerSpec` workload, with this benchmark's defaults."""
+    p.add_argument("--batch-sizes", default=batch_sizes)
+    p.add_argument("--new-tokens", type=int, default=new_tokens)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--prefill-len", type=int, default=prefill_len)
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=repeat,
+        help="timed runs per measurement; the best is reported",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="llmhal bench engine", description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -196,13 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default=None)
-    p.add_argument("--batch-sizes", default="1,8,32")
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--prefill-len", type=int, default=512)
-    p.add_argument(
-        "--repeat", type=int, default=3, help="timed runs per measurement; the best is reported"
-    )
+    add_workload_args(p, batch_sizes="1,8,32", new_tokens=64, prefill_len=512, repeat=3)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument(
         "--exact", action="store_true", help="llmhal uses the reference (dequantize) GGUF kernel"

@@ -171,7 +171,7 @@ def prepare(variants: list[str], source: str, root: Path) -> dict[str, tuple[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    from llmhal.benchmarks.engine import WorkerSpec, run_worker
+    from llmhal.benchmarks.engine import WorkerSpec, add_workload_args, run_worker
 
     p = argparse.ArgumentParser(
         prog="llmhal bench quantization", description=__doc__.split("\n\n")[0]
@@ -181,13 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--dtype", default="auto", help="activation dtype for every variant (auto: per checkpoint)"
     )
-    p.add_argument("--batch-sizes", default="1,16")
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--prefill-len", type=int, default=256)
-    p.add_argument(
-        "--repeat", type=int, default=1, help="timed runs per measurement; the best is reported"
-    )
+    add_workload_args(p, batch_sizes="1,16", new_tokens=32, prefill_len=256, repeat=1)
     p.add_argument(
         "--workdir", type=Path, default=None, help="where derived checkpoints are cached"
     )
