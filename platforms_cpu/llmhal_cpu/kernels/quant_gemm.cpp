@@ -564,7 +564,7 @@ void tile_int(const Call& c, int64_t m0, int64_t b0) {
 #ifdef QG_HALF_TILES
 // int16 mode with 16 vector registers (AVX2). tile_int's 16-lane values are two ymm registers
 // each, so its MR x 16-channel tile keeps 4 * MR accumulators plus the weight operands and spills
-// (measured on Zen 3: a quarter of the pmaddwd peak). Here each 16-channel block is done as two
+// them (seen in the generated code). Here each 16-channel block is done as two
 // 8-channel halves (the low and high 32 bytes of every chunk), one ymm register per accumulator:
 // 2 * MR int32 block sums and two weight operands at a time. Same arithmetic, in the same order, as
 // tile_int: results are identical. Zen 3, one thread, SmolLM2 shapes: M=1 1.2-1.3x, M=32
