@@ -212,11 +212,12 @@ inline BI even_u16(BI x) {
   return {_mm256_and_si256(x.a, m), _mm256_and_si256(x.b, m)};
 }
 inline BI odd_u16(BI x) { return {_mm256_srli_epi16(x.a, 8), _mm256_srli_epi16(x.b, 8)}; }
-inline BI even_s16(BI x) {
-  return {_mm256_srai_epi16(_mm256_slli_epi16(x.a, 8), 8),
-          _mm256_srai_epi16(_mm256_slli_epi16(x.b, 8), 8)};
-}
-inline BI odd_s16(BI x) { return {_mm256_srai_epi16(x.a, 8), _mm256_srai_epi16(x.b, 8)}; }
+// One register's signed bytes 0 and 2 (even) or 1 and 3 (odd) of each lane as int16 (also used
+// on their own by tile_i16_halves).
+inline __m256i even_s16_1(__m256i x) { return _mm256_srai_epi16(_mm256_slli_epi16(x, 8), 8); }
+inline __m256i odd_s16_1(__m256i x) { return _mm256_srai_epi16(x, 8); }
+inline BI even_s16(BI x) { return {even_s16_1(x.a), even_s16_1(x.b)}; }
+inline BI odd_s16(BI x) { return {odd_s16_1(x.a), odd_s16_1(x.b)}; }
 #ifdef __AVXVNNI__
 inline __m256i dot16_1(__m256i acc, __m256i w, __m256i x) { return _mm256_dpwssd_avx_epi32(acc, w, x); }
 #else
@@ -581,7 +582,7 @@ inline __m256i half_op(__m256i raw, int h) {
     const __m256i v = shift ? _mm256_srli_epi16(raw, shift) : raw;
     return shift == 12 ? v : _mm256_and_si256(v, _mm256_set1_epi32(0x000f000f));
   } else {
-    return h == 0 ? _mm256_srai_epi16(_mm256_slli_epi16(raw, 8), 8) : _mm256_srai_epi16(raw, 8);
+    return h == 0 ? even_s16_1(raw) : odd_s16_1(raw);
   }
 }
 
