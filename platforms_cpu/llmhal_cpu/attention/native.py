@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from llmhal.logger import init_logger
-from llmhal_cpu import native_build
+from llmhal_cpu import native_build, step_graph
 
 logger = init_logger(__name__)
 
@@ -75,9 +75,17 @@ class KernelArgs(ctypes.Structure):
     ]
 
 
+class CallArgs(ctypes.Structure):
+    """Mirror of ``CallArgs`` in paged_attention.cpp: the struct form of a call (step_graph.py)."""
+
+    _fields_ = [("args", ctypes.POINTER(KernelArgs)), ("cache_type", ctypes.c_int32)]
+
+
 def _setup(lib: ctypes.CDLL) -> None:
     lib.llmhal_paged_attention.argtypes = [ctypes.POINTER(KernelArgs), ctypes.c_int]
     lib.llmhal_paged_attention.restype = ctypes.c_int
+    lib.llmhal_paged_attention_call.argtypes = [ctypes.c_void_p]
+    lib.llmhal_paged_attention_call.restype = ctypes.c_int
     lib.llmhal_paged_attention_args_size.restype = ctypes.c_int64
     size = lib.llmhal_paged_attention_args_size()
     if size != ctypes.sizeof(KernelArgs):
@@ -184,7 +192,9 @@ def paged_attention(
         args.nk_s_tok, args.nk_s_head = key.stride(0), key.stride(1)
         args.nv_s_tok, args.nv_s_head = value.stride(0), value.stride(1)
         args.slot_mapping, args.num_new = slots.data_ptr(), slots.shape[0]
-    if lib.llmhal_paged_attention(ctypes.byref(args), CACHE_TYPE_CODES[k_cache.dtype]) != 0:
+    # ctypes.pointer keeps `args` alive as long as `call` (a recorded step holds `call`).
+    call = CallArgs(ctypes.pointer(args), CACHE_TYPE_CODES[k_cache.dtype])
+    if step_graph.launch(lib.llmhal_paged_attention_call, call) != 0:
         raise RuntimeError(f"the paged-attention kernel does not take cache dtype {k_cache.dtype}")
     if num_reqs and o is not out:
         out.copy_(o)

@@ -646,4 +646,15 @@ int llmhal_paged_attention(const Args* args, int cache_type) {
 // The layout of Args, so the Python side can check it matches its ctypes mirror.
 int64_t llmhal_paged_attention_args_size() { return static_cast<int64_t>(sizeof(Args)); }
 
+// The struct form for recorded steps (see kernels/fused_ops.cpp's *_call functions): the
+// arguments and the cache type, mirrored by CallArgs in native.py.
+struct CallArgs {
+  const Args* args;
+  int32_t cache_type;
+};
+int llmhal_paged_attention_call(const void* p) {
+  const auto& a = *static_cast<const CallArgs*>(p);
+  return llmhal_paged_attention(a.args, a.cache_type);
+}
+
 }  // extern "C"

@@ -152,4 +152,63 @@ int llmhal_silu_and_mul(const float* x, int64_t x_s, float* out, int64_t t, int6
   return 0;
 }
 
+// Struct forms of the calls above, `int name_call(const void* args)`: the one signature a recorded
+// step (llmhal_cpu/step_graph.py) can replay from C. Python calls these forms too, so eager and
+// replayed steps run the same code; each struct mirrors a ctypes Structure in fused_ops.py.
+struct RmsNormArgs {
+  const float* x;
+  int64_t x_s;
+  const float* residual;
+  int64_t r_s;
+  float* sum;
+  float* out;
+  const float* w;
+  int64_t t, h;
+  float eps;
+  int32_t threads;
+};
+int llmhal_rms_norm_call(const void* p) {
+  const auto& a = *static_cast<const RmsNormArgs*>(p);
+  return llmhal_rms_norm(a.x, a.x_s, a.residual, a.r_s, a.sum, a.out, a.w, a.t, a.h, a.eps,
+                         a.threads);
+}
+
+struct RotaryArgs {
+  const int64_t* positions;
+  float* q;
+  int64_t q_s;
+  float* k;
+  int64_t k_s;
+  const float* cache;
+  int64_t cache_s, max_pos, t;
+  int32_t q_heads, k_heads, head_size, rot, neox, threads;
+};
+int llmhal_rotary_call(const void* p) {
+  const auto& a = *static_cast<const RotaryArgs*>(p);
+  return llmhal_rotary(a.positions, a.q, a.q_s, a.q_heads, a.k, a.k_s, a.k_heads, a.head_size,
+                       a.cache, a.cache_s, a.max_pos, a.rot, a.neox, a.t, a.threads);
+}
+
+struct SiluAndMulArgs {
+  const float* x;
+  int64_t x_s;
+  float* out;
+  int64_t t, d;
+  int32_t threads;
+};
+int llmhal_silu_and_mul_call(const void* p) {
+  const auto& a = *static_cast<const SiluAndMulArgs*>(p);
+  return llmhal_silu_and_mul(a.x, a.x_s, a.out, a.t, a.d, a.threads);
+}
+
+// Sizes of the structs, so fused_ops.py can check its ctypes mirrors match.
+int64_t llmhal_fused_ops_args_size(int which) {
+  switch (which) {
+    case 0: return sizeof(RmsNormArgs);
+    case 1: return sizeof(RotaryArgs);
+    case 2: return sizeof(SiluAndMulArgs);
+    default: return -1;
+  }
+}
+
 }  // extern "C"

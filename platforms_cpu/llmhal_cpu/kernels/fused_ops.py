@@ -14,18 +14,46 @@ from pathlib import Path
 
 import torch
 
-from llmhal_cpu import native_build
+from llmhal_cpu import native_build, step_graph
 
 SOURCE = Path(__file__).with_name("fused_ops.cpp")
 _F32 = torch.float32
 
 
+_p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+
+
+class RmsNormArgs(ctypes.Structure):  # mirrors fused_ops.cpp
+    _fields_ = [
+        ("x", _p), ("x_s", _i64), ("residual", _p), ("r_s", _i64), ("sum", _p), ("out", _p),
+        ("w", _p), ("t", _i64), ("h", _i64), ("eps", _f32), ("threads", _i32),
+    ]  # fmt: skip
+
+
+class RotaryArgs(ctypes.Structure):
+    _fields_ = [
+        ("positions", _p), ("q", _p), ("q_s", _i64), ("k", _p), ("k_s", _i64), ("cache", _p),
+        ("cache_s", _i64), ("max_pos", _i64), ("t", _i64), ("q_heads", _i32),
+        ("k_heads", _i32), ("head_size", _i32), ("rot", _i32), ("neox", _i32),
+        ("threads", _i32),
+    ]  # fmt: skip
+
+
+class SiluAndMulArgs(ctypes.Structure):
+    _fields_ = [("x", _p), ("x_s", _i64), ("out", _p), ("t", _i64), ("d", _i64), ("threads", _i32)]
+
+
 def _setup(lib: ctypes.CDLL) -> None:
-    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
-    lib.llmhal_rms_norm.argtypes = [p, i64, p, i64, p, p, p, i64, i64, f32, i32]
-    lib.llmhal_rotary.argtypes = [p, p, i64, i32, p, i64, i32, i32, p, i64, i64, i32, i32, i64, i32]
-    lib.llmhal_silu_and_mul.argtypes = [p, i64, p, i64, i64, i32]
-    for fn in (lib.llmhal_rms_norm, lib.llmhal_rotary, lib.llmhal_silu_and_mul):
+    lib.llmhal_fused_ops_args_size.argtypes = [ctypes.c_int]
+    lib.llmhal_fused_ops_args_size.restype = ctypes.c_int64
+    for which, struct in enumerate((RmsNormArgs, RotaryArgs, SiluAndMulArgs)):
+        size = lib.llmhal_fused_ops_args_size(which)
+        if size != ctypes.sizeof(struct):
+            raise RuntimeError(
+                f"{struct.__name__} layout mismatch ({size} vs {ctypes.sizeof(struct)} bytes)"
+            )
+    for fn in (lib.llmhal_rms_norm_call, lib.llmhal_rotary_call, lib.llmhal_silu_and_mul_call):
+        fn.argtypes = [ctypes.c_void_p]
         fn.restype = ctypes.c_int
 
 
@@ -78,7 +106,7 @@ def rms_norm(
     # Explicit dtype and device: the kernel writes float32 host memory whatever torch's defaults.
     out = torch.empty(t, h, dtype=_F32, device="cpu")
     summed = None if residual is None else torch.empty(t, h, dtype=_F32, device="cpu")
-    lib.llmhal_rms_norm(
+    args = RmsNormArgs(
         x.data_ptr(),
         x.stride(0),
         None if residual is None else residual.data_ptr(),
@@ -91,6 +119,7 @@ def rms_norm(
         eps,
         torch.get_num_threads(),
     )
+    step_graph.launch(lib.llmhal_rms_norm_call, args)
     return out, summed
 
 
@@ -120,24 +149,24 @@ def rotary_(
         return False
     # An out-of-range position makes the kernel return -1 before it writes anything; torch's path
     # then raises its IndexError.
-    rc = lib.llmhal_rotary(
-        positions.data_ptr(),
-        query.data_ptr(),
-        query.stride(0),
-        query.shape[1] // head_size,
-        key.data_ptr(),
-        key.stride(0),
-        key.shape[1] // head_size,
-        head_size,
-        cos_sin_cache.data_ptr(),
-        cos_sin_cache.stride(0),
-        cos_sin_cache.shape[0],
-        rot,
-        int(is_neox),
-        t,
-        torch.get_num_threads(),
+    args = RotaryArgs(
+        positions=positions.data_ptr(),
+        q=query.data_ptr(),
+        q_s=query.stride(0),
+        k=key.data_ptr(),
+        k_s=key.stride(0),
+        cache=cos_sin_cache.data_ptr(),
+        cache_s=cos_sin_cache.stride(0),
+        max_pos=cos_sin_cache.shape[0],
+        t=t,
+        q_heads=query.shape[1] // head_size,
+        k_heads=key.shape[1] // head_size,
+        head_size=head_size,
+        rot=rot,
+        neox=int(is_neox),
+        threads=torch.get_num_threads(),
     )
-    return rc == 0
+    return step_graph.launch(lib.llmhal_rotary_call, args) == 0
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
@@ -147,7 +176,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
         return None
     t, d2 = x.shape
     out = torch.empty(t, d2 // 2, dtype=_F32, device="cpu")
-    lib.llmhal_silu_and_mul(
+    args = SiluAndMulArgs(
         x.data_ptr(), x.stride(0), out.data_ptr(), t, d2 // 2, torch.get_num_threads()
     )
+    step_graph.launch(lib.llmhal_silu_and_mul_call, args)
     return out

@@ -902,4 +902,23 @@ int llmhal_qgemm(const Weight* w, const void* x, int64_t m, int64_t x_s, int32_t
   return 0;
 }
 
+// The struct form of llmhal_qgemm for recorded steps (see fused_ops.cpp's *_call functions);
+// mirrored by QgemmArgs in quant_gemm.py.
+struct QgemmArgs {
+  const Weight* w;
+  const void* x;
+  int64_t m, x_s;
+  void* y;
+  int64_t y_s;
+  const float* bias;
+  int64_t min_parallel;
+  int32_t x_dtype, y_dtype, mode, threads;
+};
+int llmhal_qgemm_call(const void* p) {
+  const auto& a = *static_cast<const QgemmArgs*>(p);
+  return llmhal_qgemm(a.w, a.x, a.m, a.x_s, a.x_dtype, a.y, a.y_s, a.y_dtype, a.bias, a.mode,
+                      a.threads, a.min_parallel);
+}
+int64_t llmhal_qgemm_args_size() { return sizeof(QgemmArgs); }
+
 }  // extern "C"

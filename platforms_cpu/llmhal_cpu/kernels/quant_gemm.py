@@ -26,7 +26,7 @@ import torch
 
 from llmhal.ops.quant_linear import GroupedQuantWeight
 from llmhal.utils.openmp import threads_park_quickly
-from llmhal_cpu import native_build
+from llmhal_cpu import native_build, step_graph
 
 SOURCE = Path(__file__).with_name("quant_gemm.cpp")
 MODE_FP32, MODE_INT8, MODE_INT16 = 0, 1, 2
@@ -59,17 +59,42 @@ class WeightDesc(ctypes.Structure):
     ]
 
 
+class QgemmArgs(ctypes.Structure):
+    """Mirror of ``QgemmArgs`` in quant_gemm.cpp: one call's arguments (see step_graph.py)."""
+
+    _fields_ = [
+        ("w", ctypes.c_void_p),
+        ("x", ctypes.c_void_p),
+        ("m", ctypes.c_int64),
+        ("x_s", ctypes.c_int64),
+        ("y", ctypes.c_void_p),
+        ("y_s", ctypes.c_int64),
+        ("bias", ctypes.c_void_p),
+        ("min_parallel", ctypes.c_int64),
+        ("x_dtype", ctypes.c_int32),
+        ("y_dtype", ctypes.c_int32),
+        ("mode", ctypes.c_int32),
+        ("threads", ctypes.c_int32),
+    ]
+
+
 def _setup(lib: ctypes.CDLL) -> None:
     lib.llmhal_qgemm_isa.restype = ctypes.c_char_p
     lib.llmhal_qgemm_weight_size.restype = ctypes.c_int64
     lib.llmhal_qgemm.restype = ctypes.c_int
     v, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
     lib.llmhal_qgemm.argtypes = [v, v, i64, i64, i32, v, i64, i32, v, i32, i32, i64]
-    size = lib.llmhal_qgemm_weight_size()
-    if size != ctypes.sizeof(WeightDesc):
-        raise RuntimeError(
-            f"argument layout mismatch ({size} vs {ctypes.sizeof(WeightDesc)} bytes)"
-        )
+    lib.llmhal_qgemm_call.argtypes = [v]
+    lib.llmhal_qgemm_call.restype = ctypes.c_int
+    lib.llmhal_qgemm_args_size.restype = ctypes.c_int64
+    for struct, size in (
+        (WeightDesc, lib.llmhal_qgemm_weight_size()),
+        (QgemmArgs, lib.llmhal_qgemm_args_size()),
+    ):
+        if size != ctypes.sizeof(struct):
+            raise RuntimeError(
+                f"{struct.__name__} layout mismatch ({size} vs {ctypes.sizeof(struct)} bytes)"
+            )
 
 
 LIBRARY = native_build.KernelLibrary(SOURCE, "quant_gemm", _setup)
@@ -210,20 +235,21 @@ class QuantGemm:
         y = torch.empty(m, n, dtype=y_dtype)
         if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
             bias = bias.to(torch.float32).contiguous()
-        rc = self.lib.llmhal_qgemm(
+        args = QgemmArgs(
             self._desc_ptr,
             x2.data_ptr(),
             m,
             x2.stride(0),
-            _X_DTYPES[x2.dtype],
             y.data_ptr(),
             n,
-            _Y_DTYPES[y_dtype],
             None if bias is None else bias.data_ptr(),
+            MIN_PARALLEL_WORK,
+            _X_DTYPES[x2.dtype],
+            _Y_DTYPES[y_dtype],
             mode,
             torch.get_num_threads(),
-            MIN_PARALLEL_WORK,
         )
+        rc = step_graph.launch(self.lib.llmhal_qgemm_call, args)
         if rc != 0:
             raise RuntimeError(f"quant_gemm rejected its arguments (mode {mode}, x {x2.dtype})")
         if y_dtype != x.dtype:
