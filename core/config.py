@@ -30,6 +30,8 @@ class ModelConfig:
     gguf_file: str | None = None
     tokenizer: str | None = None
     seed: int = 0
+    # Run every step eagerly: no step graphs (see llmhal.engine.decode_graphs).
+    enforce_eager: bool = False
 
 
 @dataclass

@@ -24,6 +24,7 @@ from llmhal.platforms.interface import (
     PlatformCapabilities,
     PlatformNotUsableError,
     PlatformUnavailable,
+    StepGraph,
     UnspecifiedPlatform,
     platform_probe,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "PlatformNotUsableError",
     "PlatformResolutionError",
     "PlatformUnavailable",
+    "StepGraph",
     "UnspecifiedPlatform",
     "called_by_llmhal",
     "current_platform",

@@ -17,9 +17,9 @@ from __future__ import annotations
 import contextlib
 import os
 import platform as _pyplatform
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, TypeVar
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -51,6 +51,15 @@ class DeviceCapability(NamedTuple):
         if not 0 <= self.minor < 10:
             raise ValueError(f"minor version {self.minor} does not fit the 'major*10+minor' form")
         return self.major * 10 + self.minor
+
+
+T = TypeVar("T")
+
+
+class StepGraph(Protocol):
+    """A recorded model step (see :meth:`Platform.capture_step_graph`)."""
+
+    def replay(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -235,6 +244,16 @@ class Platform:
 
     def is_pin_memory_available(self) -> bool:
         return self.capabilities.pinned_memory
+
+    def capture_step_graph(self, run: Callable[[], T]) -> tuple[T, StepGraph | None, str | None]:
+        """Run ``run()`` once (a model step on static buffers) and, where the platform can, record it.
+
+        Returns ``(run's result, graph, reason)``: ``graph.replay()`` redoes the same work on the
+        same buffers (the caller refills the inputs first; the result tensor is overwritten), or
+        is None with ``reason`` saying why not. The result is the step's real one either way. The
+        default records nothing; CUDA-graph or native-call recorders override this.
+        """
+        return run(), None, f"the {self.name} platform does not record step graphs"
 
     # ---------------------------------------------------------------------- contributions
     def attention_backend_priority(self, requirements: Any) -> list[str]:

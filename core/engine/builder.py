@@ -44,6 +44,7 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     seed: int = 0
+    enforce_eager: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -173,6 +174,7 @@ def build_engine(args: EngineArgs) -> tuple[Any, LoadReport]:
         model=ModelConfig(
             model=str(source.path), hf_config=hf_config, dtype=dtype, architecture=arch, max_model_len=max_len,
             quantization=quant_name, gguf_file=source.gguf_file, tokenizer=args.tokenizer, seed=args.seed,
+            enforce_eager=args.enforce_eager,
         ),
         cache=CacheConfig(block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory_bytes=args.kv_cache_memory_bytes),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched),

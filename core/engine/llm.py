@@ -17,7 +17,8 @@ class LLM:
 
     ``model`` is a local folder (config.json + safetensors) or a .gguf file; None uses the default
     model (SmolLM2-135M-Instruct). ``kv_cache_memory_bytes`` sizes the KV cache explicitly; otherwise
-    the platform's memory budget does.
+    the platform's memory budget does. ``enforce_eager=True`` runs every step through Python, never
+    replaying a recorded decode step (see :mod:`llmhal.engine.decode_graphs`).
     """
 
     def __init__(
@@ -35,13 +36,15 @@ class LLM:
         block_size: int = 16,
         kv_cache_memory_bytes: int | None = None,
         seed: int = 0,
+        enforce_eager: bool = False,
         **extra: Any,
     ) -> None:
         args = EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, attention_backend=attention_backend,
             quantization=quantization, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-            kv_cache_memory_bytes=kv_cache_memory_bytes, seed=seed, extra=extra,
+            kv_cache_memory_bytes=kv_cache_memory_bytes, seed=seed, enforce_eager=enforce_eager,
+            extra=extra,
         )  # fmt: skip
         self.engine, self.load_report = build_engine(args)
 

@@ -17,9 +17,11 @@ from llmhal.attention.backend import AttentionMetadataBuilder
 from llmhal.attention.batch import build_common_metadata
 from llmhal.attention.layer import Attention
 from llmhal.config import EngineConfig
+from llmhal.engine.decode_graphs import DecodeGraphs
 from llmhal.engine.request import Request
 from llmhal.engine.scheduler import ScheduledBatch
 from llmhal.forward_context import ForwardContext, set_forward_context
+from llmhal.platforms import get_current_platform
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -51,6 +53,21 @@ class ModelRunner:
             if name not in self.builders:
                 self.builders[name] = layer.backend.get_builder_cls()(layer.requirements, device)
         self.num_blocks = 0
+        self.decode_graphs = self._decode_graphs()
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """Graphs for pure-decode steps where the platform records them and the model can start
+        from embeddings (see :mod:`llmhal.engine.decode_graphs`); None: every step runs eagerly."""
+        platform = get_current_platform()
+        if self.config.model.enforce_eager or not platform.capabilities.graphs:
+            return None
+        if not hasattr(self.model, "embed_input_ids"):
+            return None
+        hf = self.config.model.hf_config
+        return DecodeGraphs(
+            self.model, platform, self.builders, self.device, self.block_size,
+            self.config.model.max_model_len, hf.hidden_size, self.config.model.dtype,
+        )  # fmt: skip
 
     @property
     def attention_backends(self) -> list[str]:
@@ -81,10 +98,17 @@ class ModelRunner:
             layer.kv_cache = _zeros(shape, dtype, self.device)
             total += layer.kv_cache.numel() * layer.kv_cache.element_size()
         self.num_blocks = num_blocks
+        if self.decode_graphs is not None:
+            self.decode_graphs.clear()  # recorded steps point into the old caches
         return total
 
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[Request]]:
         """Run the step; returns (logits for the sampled rows, the requests they belong to)."""
+        if self.decode_graphs is not None:
+            hidden = self.decode_graphs.run(batch)
+            if hidden is not None:  # a pure decode: every row is sampled
+                logits = self.model.compute_logits(hidden)
+                return logits.float(), [req for req, _ in batch.items]
         ids: list[int] = []
         query_lens, computed, tables = [], [], []
         sample_rows: list[int] = []

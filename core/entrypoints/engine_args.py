@@ -21,6 +21,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--max-model-len", type=int)
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run every step eagerly (no recorded decode-step graphs)",
+    )
 
 
 def build_llm(prog: str, args: argparse.Namespace, **extra: Any) -> LLM | None:
@@ -35,7 +40,7 @@ def build_llm(prog: str, args: argparse.Namespace, **extra: Any) -> LLM | None:
         return LLM(
             args.model, dtype=args.dtype, attention_backend=args.attention_backend,
             quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-            max_model_len=args.max_model_len, **extra,
+            max_model_len=args.max_model_len, enforce_eager=getattr(args, "enforce_eager", False), **extra,
         )  # fmt: skip
     except (ValueError, FileNotFoundError, ImportError, RuntimeError) as e:
         print(f"{prog}: {e}", file=sys.stderr)

@@ -7,8 +7,10 @@ layers and added by the following norm).
 
 Interface the engine relies on: ``Model(hf_config, prefix="")`` built inside
 :func:`llmhal.config.set_current_config`; ``forward(input_ids [T], positions [T]) -> [T, hidden]``
-for a flattened varlen step (attention metadata from the forward context); ``compute_logits(hidden)
--> float32 [N, vocab]``; ``load_weights(iterable of (hf_name, tensor)) -> set of loaded names``.
+for a flattened varlen step (attention metadata from the forward context); optionally
+``embed_input_ids(input_ids)`` and ``forward(None, positions, inputs_embeds)``, which let the
+engine replay recorded decode steps; ``compute_logits(hidden) -> float32 [N, vocab]``;
+``load_weights(iterable of (hf_name, tensor)) -> set of loaded names``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from llmhal.attention.layer import Attention
 from llmhal.config import get_current_config
@@ -161,8 +163,11 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+    def forward(
+        self, ids: Tensor | None, positions: Tensor, embeds: Tensor | None = None
+    ) -> Tensor:
+        """``embeds`` (the step's input embeddings) replaces the lookup of ``ids`` when given."""
+        hidden = self.embed_tokens(ids) if embeds is None else embeds
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
@@ -214,8 +219,14 @@ class LlamaForCausalLM(nn.Module):
             "sliding_window": window,
         }
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of ``input_ids`` (what ``forward`` starts from)."""
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self, input_ids: Tensor | None, positions: Tensor, inputs_embeds: Tensor | None = None
+    ) -> Tensor:
+        return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.logits(hidden)

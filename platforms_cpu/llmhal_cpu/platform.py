@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
 
 from llmhal.logger import init_logger
-from llmhal.platforms import Platform, PlatformCapabilities
+from llmhal.platforms import Platform, PlatformCapabilities, StepGraph
 from llmhal_cpu import cpuinfo
 
 logger = init_logger(__name__)
+T = TypeVar("T")
 
 GiB = 1 << 30
 
@@ -51,7 +53,7 @@ class CpuPlatform(Platform):
             fp8_storage=True,
             fp8_compute=False,
             paged_kv=True,
-            graphs=False,
+            graphs=True,  # native-call step graphs (step_graph.py)
             torch_compile=True,
             triton=False,
             pinned_memory=False,
@@ -105,6 +107,12 @@ class CpuPlatform(Platform):
 
     def attention_backend_priority(self, requirements: Any) -> list[str]:
         return ["cpu_attn", "flex_attention", "reference"]
+
+    def capture_step_graph(self, run: Callable[[], T]) -> tuple[T, StepGraph | None, str | None]:
+        """Records the step's native kernel calls (see :mod:`llmhal_cpu.step_graph`)."""
+        from llmhal_cpu import step_graph
+
+        return step_graph.capture(run)
 
     def check_and_update_config(self, config: Any) -> None:
         threads = os.environ.get("LLMHAL_NUM_THREADS")

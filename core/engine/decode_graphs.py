@@ -1,0 +1,216 @@
+"""Decode-step graphs: record a pure-decode step once per batch size, then replay it.
+
+A decode step of a small model is mostly fixed per-op cost: SmolLM2-135M's 30 layers make ~270
+kernel calls, and on a CPU the Python around them (module calls, argument checks, building the
+calls) took as long as the kernels at batch 1. Between two decode steps of the same batch size
+only values change (the new tokens, positions, sequence lengths, block tables), never the work,
+so where the platform can record a step (:meth:`Platform.capture_step_graph`: CUDA graphs, or the
+CPU platform's recorded native calls) the runner keeps one graph per batch size:
+
+* **Capture** (the first decode step of a batch size): static input buffers are filled with the
+  step's values, the attention builders build their metadata from them once, and the model runs
+  ``forward(None, positions, inputs_embeds)`` on them under the platform's recorder. That run is
+  the step's real result. The graph is refused (and the engine runs eagerly from then on, with the
+  reason logged once) when the platform cannot record the step, or when a backend's metadata holds
+  tensors of its own rather than views of the static buffers (a replay would not see new values).
+* **Replay**: the token embeddings are looked up eagerly (a gather, outside the graph), the
+  buffers refilled (a handful of copies), and ``graph.replay()`` recomputes the output in place.
+
+Graphs are keyed by (batch size, thread count); at most :data:`MAX_GRAPHS` are kept (least
+recently used dropped). A step that is not a pure decode (a prefill or a prefill chunk, draft
+verification), or whose block table does not fit the static one, runs eagerly as before.
+``LLM(enforce_eager=True)`` (``--enforce-eager``) turns graphs off.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmhal.attention.backend import AttentionMetadataBuilder, CommonAttentionMetadata
+from llmhal.engine.request import Request
+from llmhal.engine.scheduler import ScheduledBatch
+from llmhal.forward_context import ForwardContext, set_forward_context
+from llmhal.logger import init_logger
+from llmhal.platforms import Platform, StepGraph
+
+logger = init_logger(__name__)
+
+MAX_GRAPHS = 8
+
+
+@dataclass
+class _Graph:
+    embeds: torch.Tensor  # [B, hidden]
+    positions: torch.Tensor  # int64 [B]
+    seq_lens: torch.Tensor  # int32 [B]
+    computed: torch.Tensor  # int32 [B]
+    block_table: torch.Tensor  # int32 [B, max_blocks]
+    slots: torch.Tensor  # int64 [B]
+    output: Any = None
+    graph: StepGraph | None = None
+    # The metadata the recorded calls point into (query_start_loc, the backends' views): kept
+    # alive with the graph, or a replay would read freed memory.
+    context: ForwardContext | None = None
+
+
+def _tensors(obj: Any, depth: int = 0) -> list[torch.Tensor]:
+    """The tensors held by a metadata object (dataclass fields, tuples, lists, dicts)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if depth > 3:
+        return []
+    if isinstance(obj, tuple | list):
+        items: Any = obj
+    elif isinstance(obj, dict):
+        items = obj.values()
+    elif is_dataclass(obj) and not isinstance(obj, type):
+        items = [getattr(obj, f.name) for f in fields(obj)]
+    else:
+        return []
+    return [t for item in items for t in _tensors(item, depth + 1)]
+
+
+class DecodeGraphs:
+    """The runner's decode-step graphs (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        platform: Platform,
+        builders: dict[str, AttentionMetadataBuilder],
+        device: torch.device,
+        block_size: int,
+        max_model_len: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model = model
+        self.platform = platform
+        self.builders = builders
+        self.device = device
+        self.block_size = block_size
+        self.max_blocks = -(-max_model_len // block_size)
+        self.max_model_len = max_model_len
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self._graphs: OrderedDict[tuple[int, int], _Graph] = OrderedDict()
+        self.refused: str | None = None  # why steps run eagerly, once a capture was refused
+        self.replays = 0
+
+    def clear(self) -> None:
+        """Forget every graph (their buffers, e.g. the KV cache, are about to be replaced)."""
+        self._graphs.clear()
+
+    @staticmethod
+    def _is_decode(batch: ScheduledBatch) -> bool:
+        return all(
+            n == 1 and req.num_computed_tokens + 1 == req.num_tokens for req, n in batch.items
+        )
+
+    def run(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """The step's final hidden states [B, hidden] through a graph, or None: run it eagerly."""
+        if self.refused is not None or not batch.items or not self._is_decode(batch):
+            return None
+        reqs = [req for req, _ in batch.items]
+        if any(len(req.block_ids) > self.max_blocks for req in reqs):
+            return None
+        key = (len(reqs), torch.get_num_threads())
+        g = self._graphs.get(key)
+        if g is not None:
+            self._graphs.move_to_end(key)
+            self._fill(g, reqs)
+            assert g.graph is not None
+            g.graph.replay()
+            self.replays += 1
+            return g.output
+        return self._capture(key, reqs)
+
+    def _buffers(self, b: int) -> _Graph:
+        dev = self.device
+        return _Graph(
+            embeds=torch.zeros(b, self.hidden_size, dtype=self.dtype, device=dev),
+            positions=torch.zeros(b, dtype=torch.int64, device=dev),
+            seq_lens=torch.zeros(b, dtype=torch.int32, device=dev),
+            computed=torch.zeros(b, dtype=torch.int32),
+            block_table=torch.zeros(b, self.max_blocks, dtype=torch.int32, device=dev),
+            slots=torch.zeros(b, dtype=torch.int64, device=dev),
+        )
+
+    def _fill(self, g: _Graph, reqs: list[Request]) -> None:
+        bs = self.block_size
+        pos = [req.num_computed_tokens for req in reqs]
+        ids = [req.token_slice(p, p + 1)[0] for req, p in zip(reqs, pos, strict=True)]
+        slots = [req.block_ids[p // bs] * bs + p % bs for req, p in zip(reqs, pos, strict=True)]
+        width = max(len(req.block_ids) for req in reqs)
+        table = [req.block_ids + [0] * (width - len(req.block_ids)) for req in reqs]
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        g.embeds.copy_(self.model.embed_input_ids(input_ids))
+        p = torch.tensor(pos, dtype=torch.int64)
+        g.positions.copy_(p)
+        g.computed.copy_(p)
+        g.seq_lens.copy_(p + 1)
+        g.slots.copy_(torch.tensor(slots, dtype=torch.int64))
+        # Columns past a request's blocks keep stale ids: kernels read ceil(seq_len / bs) of them.
+        g.block_table[:, :width].copy_(torch.tensor(table, dtype=torch.int32))
+
+    def _common(self, g: _Graph, b: int) -> CommonAttentionMetadata:
+        qsl = torch.arange(b + 1, dtype=torch.int32, device=self.device)
+        return CommonAttentionMetadata(
+            query_start_loc=qsl,
+            query_start_loc_cpu=qsl.cpu(),
+            seq_lens=g.seq_lens,
+            seq_lens_cpu=g.seq_lens.cpu(),
+            num_computed_tokens_cpu=g.computed,
+            block_table=g.block_table,
+            slot_mapping=g.slots,
+            positions=g.positions,
+            num_reqs=b,
+            num_actual_tokens=b,
+            max_query_len=1,
+            max_seq_len=self.max_model_len,  # an upper bound that holds for every replay
+            num_decodes=b,
+            num_decode_tokens=b,
+        )
+
+    def _capture(self, key: tuple[int, int], reqs: list[Request]) -> torch.Tensor:
+        b = key[0]
+        g = self._buffers(b)
+        self._fill(g, reqs)
+        common = self._common(g, b)
+        attn = {name: builder.build(common) for name, builder in self.builders.items()}
+        # Replays change the values in the static buffers only: a backend that copied them into
+        # tensors of its own (a dtype change, a derived index) would not see the next step's.
+        static = {t.untyped_storage().data_ptr() for t in _tensors(common)}
+        private = [
+            name
+            for name, meta in attn.items()
+            if any(t.untyped_storage().data_ptr() not in static for t in _tensors(meta))
+        ]
+        ctx = ForwardContext(common, attn)
+
+        def step() -> Any:
+            with set_forward_context(ctx):
+                return self.model(None, g.positions, inputs_embeds=g.embeds)
+
+        if private:
+            out, graph = step(), None
+            reason: str | None = (
+                f"the {', '.join(private)} metadata holds per-step tensors of its own"
+            )
+        else:
+            out, graph, reason = self.platform.capture_step_graph(step)
+        if graph is None:
+            self.refused = reason or "the platform recorded no graph"
+            logger.info("Decode steps run eagerly: %s.", self.refused)
+            return out
+        g.output, g.graph, g.context = out, graph, ctx
+        self._graphs[key] = g
+        while len(self._graphs) > MAX_GRAPHS:
+            self._graphs.popitem(last=False)
+        logger.debug("Recorded the decode step for batch size %d (%s).", b, graph)
+        return out

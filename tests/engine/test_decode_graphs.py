@@ -1,0 +1,77 @@
+"""Decode-step graphs (``llmhal.engine.decode_graphs``): replayed steps give exactly the eager
+engine's tokens and log-probabilities, through batch-size changes and preemption; steps a platform
+cannot record run eagerly, with the reason kept; ``enforce_eager`` turns graphs off."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmhal import LLM, SamplingParams
+from llmhal.platforms import Platform, get_current_platform
+
+# Lengths and budgets chosen so the batch shrinks 3 -> 2 -> 1 (a graph per size) and, with the
+# small cache, requests are preempted and recomputed mid-generation.
+PROMPTS = [list(range(100, 105)), list(range(300, 337)), list(range(700, 719))]
+MAX_TOKENS = [40, 9, 24]
+
+
+def _run(llm: LLM) -> list[tuple[list[int], list[dict[int, float]]]]:
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3) for n in MAX_TOKENS
+    ]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def default_model_path():
+    from llmhal.default_model import default_model_path
+
+    try:
+        return str(default_model_path())
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.parametrize(
+    "kv_bytes", [None, 5 * 16 * 30 * 2 * 3 * 64 * 4], ids=["roomy", "preempting"]
+)
+def test_replayed_decode_equals_eager_on_the_default_model(default_model_path, kv_bytes):
+    kw = {"max_num_seqs": 4, "kv_cache_memory_bytes": kv_bytes or (64 << 20)}
+    graphs = LLM(default_model_path, **kw)
+    got = _run(graphs)
+    dg = graphs.engine.runner.decode_graphs
+    if dg is None or dg.refused is not None:
+        pytest.skip(f"this host records no decode graphs ({dg and dg.refused})")
+    assert dg.replays > 0
+    assert {b for b, _ in dg._graphs} >= {1, 2}
+    eager = LLM(default_model_path, enforce_eager=True, **kw)
+    assert eager.engine.runner.decode_graphs is None
+    want = _run(eager)
+    assert got == want  # bit for bit: the same kernels on the same values
+    if kv_bytes:
+        assert graphs.engine.stats.preemptions > 0
+
+
+def test_unrecordable_steps_run_eagerly_and_say_why(tiny_models):
+    folder, _ = tiny_models("llama")
+    llm = LLM(folder, kv_cache_memory_bytes=4 << 20)
+    out = llm.generate(
+        [{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=4)
+    )
+    assert len(out[0].outputs[0].token_ids) == 4
+    dg = llm.engine.runner.decode_graphs
+    if get_current_platform().capabilities.graphs:
+        # An unquantized model's matmuls are torch's: the recorder names the op it cannot replay.
+        assert dg is not None and dg.refused is not None and "aten" in dg.refused
+        assert dg.replays == 0
+    else:
+        assert dg is None
+
+
+def test_the_default_platform_records_nothing():
+    class NoGraphs(Platform):
+        name = "nographs"
+
+    result, graph, reason = NoGraphs().capture_step_graph(lambda: 42)
+    assert (result, graph) == (42, None) and "nographs" in reason
