@@ -11,9 +11,9 @@ ctypes call that makes every kernel call in order (``kernels/step_replay.cpp``).
 What makes a step capturable, checked while it is captured:
 
 * every native kernel call goes through :func:`launch` (all of this package's do);
-* torch only allocates and takes views (a ``TorchDispatchMode`` watches every op): any op that
-  computes or reads values (a torch matmul, a fallback kernel, an fp8 cast, ``tensor.item()``)
-  would not be replayed, so the capture is refused with that op's name as the reason, and the
+* torch only allocates and takes views (a ``TorchFunctionMode`` watches every torch call): a call
+  that computes or reads values (a torch matmul, a fallback kernel, an fp8 cast, ``tensor.item()``)
+  would not be replayed, so the capture is refused with that call's name as the reason, and the
   step's eager result is still used;
 * the buffers the calls touch stay alive: the graph keeps every tensor allocated during capture.
 
@@ -31,41 +31,35 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
 
 from llmhal_cpu import native_build
 
 SOURCE = Path(__file__).with_name("kernels") / "step_replay.cpp"
 T = TypeVar("T")
 
-_aten = torch.ops.aten
-# Ops that only allocate or make views: the replayed kernels write the allocated memory, and views
-# keep pointing where they did.
-_ALLOCATING = {
-    _aten.empty.memory_format,
-    _aten.empty_like.default,
-    _aten.empty_strided.default,
-    _aten.new_empty.default,
-    _aten.new_empty_strided.default,
+# Calls that only allocate memory (the replayed kernels write it).
+_ALLOCATORS = {
+    torch.empty,
+    torch.empty_like,
+    torch.empty_strided,
+    torch.Tensor.new_empty,
+    torch.Tensor.new_empty_strided,
 }
-_VIEWS = {
-    _aten.view.default,
-    _aten._unsafe_view.default,
-    _aten.alias.default,
-    _aten.as_strided.default,
-    _aten.slice.Tensor,
-    _aten.select.int,
-    _aten.split.Tensor,
-    _aten.split_with_sizes.default,
-    _aten.t.default,
-    _aten.transpose.int,
-    _aten.permute.default,
-    _aten.unsqueeze.default,
-    _aten.squeeze.dim,
-    _aten.squeeze.default,
-    _aten.expand.default,
-    _aten.detach.default,
-}
+# Calls that read a tensor's metadata, not its values (``__get__``: properties such as .shape).
+_METADATA = {
+    "__get__", "data_ptr", "stride", "size", "dim", "ndimension", "numel", "nelement",
+    "is_contiguous", "element_size", "storage_offset", "untyped_storage", "get_device",
+    "is_floating_point", "__len__",
+}  # fmt: skip
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, tuple | list):
+        return [t for item in x for t in _tensors(item)]
+    return []
 
 
 def _setup(lib: ctypes.CDLL) -> None:
@@ -85,30 +79,42 @@ def launch(fn: Any, args: ctypes.Structure) -> int:
     return int(fn(ctypes.byref(args)))
 
 
-class _CaptureGuard(TorchDispatchMode):
-    """Keeps what torch allocates during a capture and names the first op that does more."""
+class _CaptureGuard(TorchFunctionMode):
+    """Keeps what torch allocates during a capture and names the first call that does more.
+
+    A function mode (torch's Python API level) rather than a dispatch mode: entering a
+    ``TorchDispatchMode`` imports ``torch._dynamo`` (~1.7 s, once per process), which would land on
+    the first decode step of every ``llmhal generate``. At this level a call is accepted when it
+    allocates, reads metadata, or returns views of its inputs (``view``, ``split``, a ``reshape``
+    or ``contiguous`` that needs no copy, basic slicing); anything that computes, copies, writes in
+    place or reads values (``.item()``) refuses the capture.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.allocated: list[torch.Tensor] = []
         self.refused: str | None = None
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        if func in _ALLOCATING:
+        if func in _ALLOCATORS:
             self.allocated.append(out)
-        elif func not in _VIEWS and not _returns_view(func, args, out) and self.refused is None:
-            self.refused = f"the step runs torch op {func} (only native kernels are replayed)"
+        elif self.refused is None and not _passive(func, args, kwargs, out):
+            name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+            self.refused = f"the step calls torch's {name} (only native kernels are replayed)"
         return out
 
 
-def _returns_view(func: Any, args: tuple[Any, ...], out: Any) -> bool:
-    """A non-mutating op whose result shares its input's memory (``reshape`` or ``contiguous``
-    of a tensor that needs no copy): nothing computed, nothing to replay."""
-    if func._schema.is_mutable or not isinstance(out, torch.Tensor):
-        return False
-    ptr = out.untyped_storage().data_ptr()
-    return any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == ptr for a in args)
+def _passive(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None, out: Any) -> bool:
+    """True when ``func`` computed nothing: a metadata read, or views of its inputs."""
+    name = getattr(func, "__name__", "")
+    results = _tensors(out)
+    if not results:
+        return name in _METADATA
+    if (name.endswith("_") and not name.endswith("__")) or name == "__setitem__":
+        return False  # in place: the result is its input, but its values changed
+    inputs = {t.untyped_storage().data_ptr() for t in _tensors([*args, *(kwargs or {}).values()])}
+    return all(t.untyped_storage().data_ptr() in inputs for t in results)
 
 
 class CpuStepGraph:

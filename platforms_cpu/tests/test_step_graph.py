@@ -78,7 +78,7 @@ def test_a_torch_op_refuses_the_capture_and_keeps_the_result():
         return ops.rms_norm(x, w, 1e-6) * 2  # the multiply would not be replayed
 
     out, graph, reason = step_graph.capture(step)
-    assert graph is None and "aten.mul" in reason
+    assert graph is None and "mul" in reason
     torch.testing.assert_close(out, native.rms_norm(x, w, 1e-6) * 2, atol=1e-6, rtol=1e-6)
 
 
@@ -90,7 +90,7 @@ def test_views_and_reshapes_are_allowed_but_copies_are_not():
     assert reason is None and graph is not None
     t = x.transpose(0, 1)  # reshaping this one copies
     out, graph, reason = step_graph.capture(lambda: ops.rms_norm(t.reshape(6, 8), w, 1e-6))
-    assert graph is None and "aten" in reason
+    assert graph is None and "reshape" in reason
 
 
 def test_nothing_recorded_and_no_nesting():
