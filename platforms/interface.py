@@ -59,6 +59,8 @@ T = TypeVar("T")
 class StepGraph(Protocol):
     """A recorded model step (see :meth:`Platform.capture_step_graph`)."""
 
+    pool: Any  # memory another capture may share (Platform.capture_step_graph's pool=)
+
     def replay(self) -> None: ...
 
 
@@ -245,13 +247,18 @@ class Platform:
     def is_pin_memory_available(self) -> bool:
         return self.capabilities.pinned_memory
 
-    def capture_step_graph(self, run: Callable[[], T]) -> tuple[T, StepGraph | None, str | None]:
+    def capture_step_graph(
+        self, run: Callable[[], T], pool: Any = None
+    ) -> tuple[T, StepGraph | None, str | None]:
         """Run ``run()`` once (a model step on static buffers) and, where the platform can, record it.
 
         Returns ``(run's result, graph, reason)``: ``graph.replay()`` redoes the same work on the
         same buffers (the caller refills the inputs first; the result tensor is overwritten), or
-        is None with ``reason`` saying why not. The result is the step's real one either way. The
-        default records nothing; CUDA-graph or native-call recorders override this.
+        is None with ``reason`` saying why not. The result is the step's real one either way.
+        ``pool`` is an earlier graph's ``graph.pool``: the new graph may share its memory (graphs
+        sharing a pool never replay at once, as with CUDA graphs' ``pool=``). The default records
+        nothing; CUDA-graph or native-call recorders override this (and set
+        ``capabilities.graphs``).
         """
         return run(), None, f"the {self.name} platform does not record step graphs"
 

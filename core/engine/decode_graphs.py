@@ -17,7 +17,13 @@ CPU platform's recorded native calls) the runner keeps one graph per batch size:
   buffers refilled (a handful of copies), and ``graph.replay()`` recomputes the output in place.
 
 Graphs are keyed by (batch size, thread count); at most :data:`MAX_GRAPHS` are kept (least
-recently used dropped). A step that is not a pure decode (a prefill or a prefill chunk, draft
+recently used dropped), all sharing one memory pool (they never replay at once): on the CPU that is
+about one layer's intermediates at the largest batch, not a whole step's per graph.
+
+A builder whose metadata is used by graphs must read the step from the tensors it is given, not
+bake values into Python scalars or trimmed shapes (``cpu_attn`` keeps the full block table and
+derives nothing from sequence lengths at build time for decodes); tensors that are not views of the
+static buffers are detected and refuse the graph, scalars cannot be. A step that is not a pure decode (a prefill or a prefill chunk, draft
 verification), or whose block table does not fit the static one, runs eagerly as before.
 ``LLM(enforce_eager=True)`` (``--enforce-eager``) turns graphs off.
 """
@@ -100,6 +106,7 @@ class DecodeGraphs:
         self.dtype = dtype
         self._graphs: OrderedDict[tuple[int, int], _Graph] = OrderedDict()
         self.refused: str | None = None  # why steps run eagerly, once a capture was refused
+        self.pool: Any = None  # the graphs' shared memory (after the first capture)
         self.replays = 0
 
     def clear(self) -> None:
@@ -203,12 +210,13 @@ class DecodeGraphs:
                 f"the {', '.join(private)} metadata holds per-step tensors of its own"
             )
         else:
-            out, graph, reason = self.platform.capture_step_graph(step)
+            out, graph, reason = self.platform.capture_step_graph(step, self.pool)
         if graph is None:
             self.refused = reason or "the platform recorded no graph"
             logger.info("Decode steps run eagerly: %s.", self.refused)
             return out
         g.output, g.graph, g.context = out, graph, ctx
+        self.pool = graph.pool
         self._graphs[key] = g
         while len(self._graphs) > MAX_GRAPHS:
             self._graphs.popitem(last=False)

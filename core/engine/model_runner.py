@@ -21,7 +21,7 @@ from llmhal.engine.decode_graphs import DecodeGraphs
 from llmhal.engine.request import Request
 from llmhal.engine.scheduler import ScheduledBatch
 from llmhal.forward_context import ForwardContext, set_forward_context
-from llmhal.platforms import get_current_platform
+from llmhal.platforms import Platform, get_current_platform
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -61,6 +61,8 @@ class ModelRunner:
         platform = get_current_platform()
         if self.config.model.enforce_eager or not platform.capabilities.graphs:
             return None
+        if type(platform).capture_step_graph is Platform.capture_step_graph:
+            return None  # the capability is declared, the recorder not (yet) implemented
         if not hasattr(self.model, "embed_input_ids"):
             return None
         hf = self.config.model.hf_config

@@ -108,11 +108,13 @@ class CpuPlatform(Platform):
     def attention_backend_priority(self, requirements: Any) -> list[str]:
         return ["cpu_attn", "flex_attention", "reference"]
 
-    def capture_step_graph(self, run: Callable[[], T]) -> tuple[T, StepGraph | None, str | None]:
+    def capture_step_graph(
+        self, run: Callable[[], T], pool: Any = None
+    ) -> tuple[T, StepGraph | None, str | None]:
         """Records the step's native kernel calls (see :mod:`llmhal_cpu.step_graph`)."""
         from llmhal_cpu import step_graph
 
-        return step_graph.capture(run)
+        return step_graph.capture(run, pool)
 
     def check_and_update_config(self, config: Any) -> None:
         threads = os.environ.get("LLMHAL_NUM_THREADS")

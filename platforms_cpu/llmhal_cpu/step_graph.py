@@ -15,7 +15,11 @@ What makes a step capturable, checked while it is captured:
   that computes or reads values (a torch matmul, a fallback kernel, an fp8 cast, ``tensor.item()``)
   would not be replayed, so the capture is refused with that call's name as the reason, and the
   step's eager result is still used;
-* the buffers the calls touch stay alive: the graph keeps every tensor allocated during capture.
+* the buffers the calls touch stay alive: what torch allocates during a capture comes from a
+  :class:`StoragePool` that the graph keeps. The pool reuses memory the way an eager step does (a
+  buffer no tensor refers to any more serves the next allocation that fits), and graphs recorded
+  with the same pool share it (they never replay at once), so a graph costs about one layer's
+  intermediates, not the whole step's.
 
 This is the CPU analogue of a CUDA graph, with the same rules for the caller: inputs live in
 static buffers, outputs are overwritten by the next replay, and the graph is invalid once any
@@ -79,6 +83,37 @@ def launch(fn: Any, args: ctypes.Structure) -> int:
     return int(fn(ctypes.byref(args)))
 
 
+class StoragePool:
+    """The memory of recorded steps' buffers (see the module docstring).
+
+    A pooled storage is free when nothing but the pool refers to it (its use count is 1): the
+    tensors of an earlier layer, or of an earlier capture, that Python has dropped. Graphs that
+    share a pool must not replay concurrently; each replay rewrites every buffer it reads.
+    """
+
+    def __init__(self) -> None:
+        self._storages: list[torch.UntypedStorage] = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self._storages)
+
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (freshly allocated) moved to the smallest free pooled storage that holds it, or
+        kept, its storage joining the pool."""
+        need = t.untyped_storage().nbytes()
+        free = [
+            s
+            for s in self._storages
+            if s.nbytes() >= need and torch._C._storage_Use_Count(s._cdata) == 1
+        ]
+        if not free:
+            self._storages.append(t.untyped_storage())
+            return t
+        best = min(free, key=lambda s: s.nbytes())
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(best, 0, t.shape, t.stride())
+
+
 class _CaptureGuard(TorchFunctionMode):
     """Keeps what torch allocates during a capture and names the first call that does more.
 
@@ -90,15 +125,15 @@ class _CaptureGuard(TorchFunctionMode):
     place or reads values (``.item()``) refuses the capture.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pool: StoragePool) -> None:
         super().__init__()
-        self.allocated: list[torch.Tensor] = []
+        self.pool = pool
         self.refused: str | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         if func in _ALLOCATORS:
-            self.allocated.append(out)
+            out = self.pool.place(out)
         elif self.refused is None and not _passive(func, args, kwargs, out):
             name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
             self.refused = f"the step calls torch's {name} (only native kernels are replayed)"
@@ -121,11 +156,16 @@ class CpuStepGraph:
     """A recorded list of native kernel calls (see the module docstring)."""
 
     def __init__(
-        self, lib: ctypes.CDLL, calls: list[tuple[Any, ctypes.Structure]], keep: list[Any]
+        self,
+        lib: ctypes.CDLL,
+        calls: list[tuple[Any, ctypes.Structure]],
+        pool: StoragePool,
+        output: Any,
     ) -> None:
         self._lib = lib
         self._calls = calls  # holds the argument structs the pointers below point into
-        self._keep = keep  # and the buffers those structs point to
+        self.pool = pool  # and the buffers those structs point to
+        self._output = output
         n = len(calls)
         self._fns = (ctypes.c_void_p * n)(
             *(ctypes.cast(f, ctypes.c_void_p).value for f, _ in calls)
@@ -138,15 +178,18 @@ class CpuStepGraph:
         if rc:
             fn = self._calls[rc - 1][0]
             raise RuntimeError(
-                f"replayed kernel call {rc - 1} ({getattr(fn, '__name__', fn)}) failed: an input "
-                "is out of range (e.g. a position past the rotary table)"
+                f"replayed kernel call {rc - 1} ({getattr(fn, '__name__', fn)}) returned an error; "
+                "the eager call would have raised too (e.g. rotary: a position past its table)"
             )
 
 
-def capture(run: Callable[[], T]) -> tuple[T, CpuStepGraph | None, str | None]:
+def capture(
+    run: Callable[[], T], pool: StoragePool | None = None
+) -> tuple[T, CpuStepGraph | None, str | None]:
     """Run ``run()`` once, recording its native calls: ``(its result, the graph or None, why not)``.
 
     The result is the real one either way (the step ran); the graph replays the same calls.
+    ``pool``: an earlier graph's :attr:`CpuStepGraph.pool` to share (default: a new one).
     """
     lib = LIBRARY.get()
     if lib is None:
@@ -154,7 +197,7 @@ def capture(run: Callable[[], T]) -> tuple[T, CpuStepGraph | None, str | None]:
     if getattr(_state, "record", None) is not None:
         raise RuntimeError("a step graph is already being captured on this thread")
     calls: list[tuple[Any, ctypes.Structure]] = []
-    guard = _CaptureGuard()
+    guard = _CaptureGuard(pool or StoragePool())
     _state.record = calls
     try:
         with guard:
@@ -165,4 +208,4 @@ def capture(run: Callable[[], T]) -> tuple[T, CpuStepGraph | None, str | None]:
         return out, None, guard.refused
     if not calls:
         return out, None, "the step made no native kernel calls"
-    return out, CpuStepGraph(lib, calls, [guard.allocated, out]), None
+    return out, CpuStepGraph(lib, calls, guard.pool, out), None

@@ -45,6 +45,8 @@ def test_replayed_decode_equals_eager_on_the_default_model(default_model_path, k
         pytest.skip(f"this host records no decode graphs ({dg and dg.refused})")
     assert dg.replays > 0
     assert {b for b, _ in dg._graphs} >= {1, 2}
+    # The graphs share one pool: about a layer's buffers at the largest batch, not a step's each.
+    assert 0 < dg.pool.nbytes < 1 << 20
     eager = LLM(default_model_path, enforce_eager=True, **kw)
     assert eager.engine.runner.decode_graphs is None
     want = _run(eager)
