@@ -40,37 +40,21 @@ def _filter_logits(
     return logits
 
 
-# Chunk width for greedy_tokens: a chunk's maximum is a vectorised reduction; torch's argmax over
-# a whole row is not (about 3.5 GB/s: 0.44 ms for batch 32 x 49152 logits on 2 cores, against
-# 0.05 ms this way).
-_ARGMAX_CHUNK = 1024
-
-
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(-1)`` (the first maximal index of each row) for a 2-D float tensor.
+    """``logits.argmax(-1)`` (the first maximal index of each row; a NaN counts as the maximum)
+    for a 2-D float tensor.
 
-    The row maximum is found per chunk, then only the first chunk holding it is searched.
+    On the CPU through numpy: its argmax is vectorised and runs on the calling thread, 7 us for
+    one 49152-entry row and 0.14 ms for 32 on this project's 2-core host, where torch's argmax
+    took 0.055 and 1.7 ms (a chunked torch reduction 0.05 ms alone, but ~0.35 ms inside a decode
+    step: a reduction over more than 32768 elements wakes torch's thread pool).
     """
-    n, vocab = logits.shape
-    main = vocab // _ARGMAX_CHUNK * _ARGMAX_CHUNK
-    if n == 0 or main < 4 * _ARGMAX_CHUNK or not logits.is_contiguous():
-        return logits.argmax(-1)
-    chunks = logits[:, :main].view(n, -1, _ARGMAX_CHUNK)
-    chunk_max = chunks.amax(-1)  # [n, chunks]
-    best, where = chunk_max.max(-1)  # ties: the first chunk
-    rows = torch.arange(n, device=logits.device)
-    tokens = chunks[rows, where].argmax(-1) + where * _ARGMAX_CHUNK
-    # NaN compares false everywhere here; argmax reports a NaN's position, so rows with one (a
-    # broken model, rare) take torch's answer.
-    bad = best.isnan()
-    if main < vocab:
-        tail = logits[:, main:]
-        tail_max, tail_at = tail.max(-1)
-        tokens = torch.where(tail_max > best, tail_at + main, tokens)
-        bad |= tail_max.isnan()
-    if bool(bad.any()):
-        tokens[bad] = logits[bad].argmax(-1)
-    return tokens
+    if logits.shape[0] and logits.device.type == "cpu" and logits.dtype in _NUMPY_FLOATS:
+        return torch.from_numpy(logits.detach().numpy().argmax(-1))
+    return logits.argmax(-1)
+
+
+_NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
 
 
 class Sampler:

@@ -338,3 +338,11 @@ def test_default_model_answers_like_the_exact_path(monkeypatch):
         return [list(o.outputs[0].token_ids) for o in outs]
 
     assert answers("auto") == answers("dequant")
+
+
+def test_row_lookups_reject_ids_out_of_range(lib):
+    kernel = QuantGemm(make_weight(48, 64, 32, 4), lib)
+    for bad in ([48], [0, -1]):
+        with pytest.raises(IndexError, match=r"\[0, 48\)"):
+            kernel.rows(torch.tensor(bad))
+    assert kernel.rows(torch.tensor([], dtype=torch.int64)).shape == (0, 64)

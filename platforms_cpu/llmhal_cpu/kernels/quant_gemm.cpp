@@ -921,4 +921,44 @@ int llmhal_qgemm_call(const void* p) {
 }
 int64_t llmhal_qgemm_args_size() { return sizeof(QgemmArgs); }
 
+// Exact fp32 rows of the weight: out[i][0..k) = q * scale (+ offset) for row ids[i], rounded as
+// the reference dequantization rounds (a product, then a sum: no FMA contraction). For the
+// embedding lookups of a tied or quantized table. Returns -1, writing nothing, if an id is not
+// in [0, n).
+struct RowsArgs {
+  const Weight* w;
+  const int64_t* ids;
+  int64_t count;
+  float* out;
+};
+int llmhal_qgemm_rows_call(const void* p) {
+  const auto& a = *static_cast<const RowsArgs*>(p);
+  const Weight& w = *a.w;
+  for (int64_t i = 0; i < a.count; ++i)
+    if (a.ids[i] < 0 || a.ids[i] >= w.n) return -1;
+  const int parts = 1 + (w.has_offset != 0);
+  const int per_chunk = w.bits == 4 ? 8 : 4;  // codes of one lane in a 64-byte chunk
+  const int64_t chunks = w.kpad / per_chunk;
+  for (int64_t i = 0; i < a.count; ++i) {
+    const int64_t r = a.ids[i], b = r / 16, lane = r % 16;
+    const uint8_t* lane_bytes = w.packed + (b * chunks * 16 + lane) * 4;
+    float* o = a.out + i * w.k;
+    for (int64_t k = 0; k < w.k; ++k) {
+      const int64_t c = k / per_chunk, within = k % per_chunk;
+      const uint8_t byte = lane_bytes[c * 64 + within % 4];
+      const float q = w.bits == 4 ? static_cast<float>(within < 4 ? byte & 15 : byte >> 4)
+                                  : static_cast<float>(static_cast<int8_t>(byte));
+      const int64_t at = ((b * w.groups + k / w.group_size) * parts) * 16 + lane;
+      auto scale = [&](int64_t idx) {
+        return w.half_scales ? half_to_f32(static_cast<const uint16_t*>(w.scales)[idx])
+                             : static_cast<const float*>(w.scales)[idx];
+      };
+      volatile float v = q * scale(at);  // stored: the product keeps its rounding (no FMA)
+      o[k] = parts == 2 ? v + scale(at + 16) : v;
+    }
+  }
+  return 0;
+}
+int64_t llmhal_qgemm_rows_args_size() { return sizeof(RowsArgs); }
+
 }  // extern "C"
