@@ -117,3 +117,32 @@ def assert_greedy_parity(
                 if tok in ge:
                     assert abs(ge[tok] - lp) < logprob_atol, (prompt, step, tok, ge[tok], lp)
     return q_llm.load_report, ref_llm.load_report
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column each nibble of an AWQ word holds
+
+
+def awq_pack(values: torch.Tensor) -> torch.Tensor:
+    """[R, C] values in [0, 15] -> [R, C/8] int32 words, AWQ's interleaved nibble order."""
+    v = values.to(torch.int64).reshape(values.shape[0], -1, 8)
+    word = torch.zeros(v.shape[:2], dtype=torch.int64)
+    for i, col in enumerate(AWQ_ORDER):
+        word |= v[:, :, col] << (4 * i)
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+def awq_rtn(w: torch.Tensor, g: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Asymmetric round-to-nearest in AWQ's stored form (AWQ's scale search left out)."""
+    n, k = w.shape
+    v = w.view(n, k // g, g)
+    lo, hi = v.amin(-1).clamp(max=0), v.amax(-1).clamp(min=0)
+    scales = ((hi - lo) / 15).clamp(min=1e-8).to(torch.float16)  # [N, K/g]
+    zeros = torch.round(-lo / scales.float()).long()
+    q = torch.clamp(torch.round(v / scales.float()[..., None]) + zeros[..., None], 0, 15).long()
+    deq = ((q - zeros[..., None]).double() * scales.double()[..., None]).view(n, k)
+    tensors = {
+        "qweight": awq_pack(q.view(n, k).T),
+        "qzeros": awq_pack(zeros.T),
+        "scales": scales.T.contiguous(),
+    }
+    return tensors, deq

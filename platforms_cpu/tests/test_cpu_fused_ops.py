@@ -97,8 +97,9 @@ def test_other_dtypes_and_layouts_go_to_torch():
     x16 = torch.randn(4, 32).bfloat16()
     assert fused_ops.rms_norm(x16, torch.ones(32).bfloat16(), 1e-6) is None
     assert fused_ops.silu_and_mul(x16) is None
-    x3 = torch.randn(2, 3, 32)
+    x3 = torch.randn(2, 32, 3).transpose(1, 2)  # rows with a stride: not contiguous
     assert fused_ops.rms_norm(x3, torch.ones(32), 1e-6) is None
+    assert fused_ops.rms_norm(torch.randn(2, 3, 4, 32), torch.ones(32), 1e-6) is None
     xt = torch.randn(32, 4).t()  # columns, not rows
     assert fused_ops.silu_and_mul(xt) is None
     torch.testing.assert_close(ops.silu_and_mul(xt), native.silu_and_mul(xt), **TOL)
@@ -154,3 +155,17 @@ def test_arguments_the_native_definitions_reject_go_to_torch():
     meta = torch.empty(2, 64, device="meta")
     assert fused_ops.rms_norm(meta, torch.ones(64), 1e-6) is None
     assert fused_ops.silu_and_mul(meta) is None
+
+
+@needs_kernel
+def test_per_head_norms_on_a_slice_of_the_fused_projection():
+    # Qwen3's q/k norms: [tokens, heads, head_size] views of the q/k/v output's first columns.
+    qkv = torch.randn(5, 4 * 64 + 2 * 2 * 64, generator=_gen(21))
+    q = qkv[:, : 4 * 64].reshape(5, 4, 64)
+    w = torch.randn(64, generator=_gen(22))
+    assert fused_ops.rms_norm(q, w, 1e-6) is not None  # the kernel takes the view as it is
+    got = ops.rms_norm(q, w, 1e-6)
+    assert got.shape == (5, 4, 64) and got.is_contiguous()
+    torch.testing.assert_close(got, native.rms_norm(q, w, 1e-6), **TOL)
+    # a fused add needs whole rows: 3-D inputs with a residual go to torch
+    assert fused_ops.rms_norm(q, w, 1e-6, torch.zeros_like(q)) is None

@@ -15,11 +15,11 @@ PROMPTS = [list(range(100, 105)), list(range(300, 337)), list(range(700, 719))]
 MAX_TOKENS = [40, 9, 24]
 
 
-def _run(llm: LLM) -> list[tuple[list[int], list[dict[int, float]]]]:
+def _run(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[tuple[list[int], list[dict]]]:
     params = [
         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3) for n in MAX_TOKENS
     ]
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
@@ -77,3 +77,27 @@ def test_the_default_platform_records_nothing():
 
     result, graph, reason = NoGraphs().capture_step_graph(lambda: 42)
     assert (result, graph) == (42, None) and "nographs" in reason
+
+
+def test_qwen3_per_head_norms_are_recorded_too(tmp_path):
+    """A quantized Qwen3 (q/k norms on per-head views of the fused projection) replays its decode
+    steps and matches its eager run exactly."""
+    from llmhal.testing.quant_models import PROMPTS as TINY_PROMPTS
+    from llmhal.testing.quant_models import awq_rtn, write_pair
+    from llmhal.testing.tiny_models import make_tiny_model
+
+    base = tmp_path / "base"
+    shape = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 32}  # fmt: skip
+    make_tiny_model(base, "qwen3", **shape)
+    qcfg = {"quant_method": "awq", "w_bit": 4, "q_group_size": 64, "zero_point": True,
+            "version": "gemm"}  # fmt: skip
+    quant, _ = write_pair(tmp_path, lambda name, w: awq_rtn(w, 64), qcfg, base=base)
+    kw = {"kv_cache_memory_bytes": 4 << 20, "max_num_seqs": 4}
+    graphs = LLM(str(quant), **kw)
+    got = _run(graphs, TINY_PROMPTS)
+    dg = graphs.engine.runner.decode_graphs
+    if dg is None or not get_current_platform().capabilities.graphs:
+        pytest.skip("this platform records no decode graphs")
+    assert dg.refused is None and dg.replays > 0
+    assert got == _run(LLM(str(quant), enforce_eager=True, **kw), TINY_PROMPTS)

@@ -23,17 +23,8 @@ from llmhal.testing.quant_layers import (
     relative_error,
     weight_bytes,
 )
-
-ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-
-
-def awq_pack(values: torch.Tensor) -> torch.Tensor:
-    """[R, C] values in [0, 15] -> [R, C/8] int32 words, AWQ's interleaved nibble order."""
-    v = values.to(torch.int64).reshape(values.shape[0], -1, 8)
-    word = torch.zeros(v.shape[:2], dtype=torch.int64)
-    for i, col in enumerate(ORDER):
-        word |= v[:, :, col] << (4 * i)
-    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+from llmhal.testing.quant_models import AWQ_ORDER as ORDER
+from llmhal.testing.quant_models import awq_pack, awq_rtn
 
 
 def make_awq(k, n, g, seed=0):
@@ -149,23 +140,6 @@ def test_platform_kernel():
     finish(layer)
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(9))
     assert relative_error(layer_output(layer, x), x.double() @ w.T) < 1e-2
-
-
-def awq_rtn(w: torch.Tensor, g: int):
-    """Asymmetric round-to-nearest in AWQ's stored form (AWQ's scale search left out)."""
-    n, k = w.shape
-    v = w.view(n, k // g, g)
-    lo, hi = v.amin(-1).clamp(max=0), v.amax(-1).clamp(min=0)
-    scales = ((hi - lo) / 15).clamp(min=1e-8).to(torch.float16)  # [N, K/g]
-    zeros = torch.round(-lo / scales.float()).long()
-    q = torch.clamp(torch.round(v / scales.float()[..., None]) + zeros[..., None], 0, 15).long()
-    deq = ((q - zeros[..., None]).double() * scales.double()[..., None]).view(n, k)
-    tensors = {
-        "qweight": awq_pack(q.view(n, k).T),
-        "qzeros": awq_pack(zeros.T),
-        "scales": scales.T.contiguous(),
-    }
-    return tensors, deq
 
 
 def test_model_level_greedy_parity(tmp_path):

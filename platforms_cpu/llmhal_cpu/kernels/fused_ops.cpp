@@ -102,15 +102,20 @@ LLMHAL_NO_FMA_CONTRACTION void rotate_row(float* x, int heads, int head_size, co
 
 extern "C" {
 
-// x, residual: [t, h] with row strides x_s, r_s (residual may be null); sum: [t, h] contiguous,
-// required (and written) when residual is given; out: [t, h] contiguous; w: [h].
-int llmhal_rms_norm(const float* x, int64_t x_s, const float* residual, int64_t r_s, float* sum,
-                    float* out, const float* w, int64_t t, int64_t h, float eps, int threads) {
+// t rows of h elements: row i of x starts at x + (i / inner) * x_s + (i % inner) * x_s2 (inner 1:
+// a [t, h] matrix with row stride x_s; inner = heads: a [tokens, heads, h] view, e.g. per-head q/k
+// norms on a slice of a fused projection). residual: [t, h] with row stride r_s, or null (then
+// inner must be 1 to give it); sum: [t, h] contiguous, required (and written) when residual is
+// given; out: [t, h] contiguous; w: [h].
+int llmhal_rms_norm(const float* x, int64_t x_s, int64_t inner, int64_t x_s2,
+                    const float* residual, int64_t r_s, float* sum, float* out, const float* w,
+                    int64_t t, int64_t h, float eps, int threads) {
+  if (inner < 1 || (residual && inner != 1)) return -1;
 #pragma omp parallel for num_threads(threads > 1 ? threads : 1) if (parallel(t * h, threads)) \
     schedule(static)
   for (int64_t i = 0; i < t; ++i)
-    norm_row(x + i * x_s, residual ? residual + i * r_s : nullptr, sum ? sum + i * h : nullptr,
-             out + i * h, w, h, eps);
+    norm_row(x + (i / inner) * x_s + (i % inner) * x_s2, residual ? residual + i * r_s : nullptr,
+             sum ? sum + i * h : nullptr, out + i * h, w, h, eps);
   return 0;
 }
 
@@ -163,14 +168,14 @@ struct RmsNormArgs {
   float* sum;
   float* out;
   const float* w;
-  int64_t t, h;
+  int64_t t, h, inner, x_s2;
   float eps;
   int32_t threads;
 };
 int llmhal_rms_norm_call(const void* p) {
   const auto& a = *static_cast<const RmsNormArgs*>(p);
-  return llmhal_rms_norm(a.x, a.x_s, a.residual, a.r_s, a.sum, a.out, a.w, a.t, a.h, a.eps,
-                         a.threads);
+  return llmhal_rms_norm(a.x, a.x_s, a.inner, a.x_s2, a.residual, a.r_s, a.sum, a.out, a.w, a.t,
+                         a.h, a.eps, a.threads);
 }
 
 struct RotaryArgs {

@@ -26,7 +26,8 @@ _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c
 class RmsNormArgs(ctypes.Structure):  # mirrors fused_ops.cpp
     _fields_ = [
         ("x", _p), ("x_s", _i64), ("residual", _p), ("r_s", _i64), ("sum", _p), ("out", _p),
-        ("w", _p), ("t", _i64), ("h", _i64), ("eps", _f32), ("threads", _i32),
+        ("w", _p), ("t", _i64), ("h", _i64), ("inner", _i64), ("x_s2", _i64), ("eps", _f32),
+        ("threads", _i32),
     ]  # fmt: skip
 
 
@@ -96,15 +97,27 @@ def _vector(x: torch.Tensor, n: int) -> bool:
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(normed, x + residual or None), or None when the kernel does not take these arguments."""
+    """(normed, x + residual or None), or None when the kernel does not take these arguments.
+
+    ``x`` is [t, h] with contiguous rows, or (without ``residual``) a [t, heads, h] view with
+    contiguous rows such as the per-head q/k norms of Qwen3 on a slice of the fused q/k/v output;
+    ``normed`` is contiguous in ``x``'s shape.
+    """
     lib = _loaded()
-    if lib is None or not _rows(x) or not _vector(weight, x.shape[1]):
+    if lib is None or not _vector(weight, x.shape[-1]):
+        return None
+    if x.dim() == 3 and residual is None and x.dtype == _F32 and x.stride(2) == 1 and x.is_cpu:
+        inner, x_s2 = x.shape[1], x.stride(1)
+    elif _rows(x):
+        inner, x_s2 = 1, 0
+    else:
         return None
     if residual is not None and (not _rows(residual) or residual.shape != x.shape):
         return None
-    t, h = x.shape
+    h = x.shape[-1]
+    t = x.numel() // h if h else 0
     # Explicit dtype and device: the kernel writes float32 host memory whatever torch's defaults.
-    out = torch.empty(t, h, dtype=_F32, device="cpu")
+    out = torch.empty(x.shape, dtype=_F32, device="cpu")
     summed = None if residual is None else torch.empty(t, h, dtype=_F32, device="cpu")
     args = RmsNormArgs(
         x.data_ptr(),
@@ -116,6 +129,8 @@ def rms_norm(
         weight.data_ptr(),
         t,
         h,
+        inner,
+        x_s2,
         eps,
         torch.get_num_threads(),
     )
