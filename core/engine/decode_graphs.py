@@ -23,15 +23,17 @@ about one layer's intermediates at the largest batch, not a whole step's per gra
 A builder whose metadata is used by graphs must read the step from the tensors it is given, not
 bake values into Python scalars or trimmed shapes (``cpu_attn`` keeps the full block table and
 derives nothing from sequence lengths at build time for decodes); tensors that are not views of the
-static buffers are detected and refuse the graph, scalars cannot be. A step that is not a pure decode (a prefill or a prefill chunk, draft
-verification), or whose block table does not fit the static one, runs eagerly as before.
+static buffers are detected and refuse the graph, scalars cannot be.
+
+A step that is not a pure decode (a prefill or a prefill chunk, draft verification), or whose block
+table does not fit the static one, runs eagerly as before.
 ``LLM(enforce_eager=True)`` (``--enforce-eager``) turns graphs off.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,6 +45,7 @@ from llmhal.engine.scheduler import ScheduledBatch
 from llmhal.forward_context import ForwardContext, set_forward_context
 from llmhal.logger import init_logger
 from llmhal.platforms import Platform, StepGraph
+from llmhal.utils.tensors import tensors_in
 
 logger = init_logger(__name__)
 
@@ -62,23 +65,6 @@ class _Graph:
     # The metadata the recorded calls point into (query_start_loc, the backends' views): kept
     # alive with the graph, or a replay would read freed memory.
     context: ForwardContext | None = None
-
-
-def _tensors(obj: Any, depth: int = 0) -> list[torch.Tensor]:
-    """The tensors held by a metadata object (dataclass fields, tuples, lists, dicts)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if depth > 3:
-        return []
-    if isinstance(obj, tuple | list):
-        items: Any = obj
-    elif isinstance(obj, dict):
-        items = obj.values()
-    elif is_dataclass(obj) and not isinstance(obj, type):
-        items = [getattr(obj, f.name) for f in fields(obj)]
-    else:
-        return []
-    return [t for item in items for t in _tensors(item, depth + 1)]
 
 
 class DecodeGraphs:
@@ -192,11 +178,11 @@ class DecodeGraphs:
         attn = {name: builder.build(common) for name, builder in self.builders.items()}
         # Replays change the values in the static buffers only: a backend that copied them into
         # tensors of its own (a dtype change, a derived index) would not see the next step's.
-        static = {t.untyped_storage().data_ptr() for t in _tensors(common)}
+        static = {t.untyped_storage().data_ptr() for t in tensors_in(common)}
         private = [
             name
             for name, meta in attn.items()
-            if any(t.untyped_storage().data_ptr() not in static for t in _tensors(meta))
+            if any(t.untyped_storage().data_ptr() not in static for t in tensors_in(meta))
         ]
         ctx = ForwardContext(common, attn)
 

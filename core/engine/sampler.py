@@ -40,6 +40,9 @@ def _filter_logits(
     return logits
 
 
+_NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(-1)`` (the first maximal index of each row; a NaN counts as the maximum)
     for a 2-D float tensor.
@@ -52,9 +55,6 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     if logits.shape[0] and logits.device.type == "cpu" and logits.dtype in _NUMPY_FLOATS:
         return torch.from_numpy(logits.detach().numpy().argmax(-1))
     return logits.argmax(-1)
-
-
-_NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
 
 
 class Sampler:

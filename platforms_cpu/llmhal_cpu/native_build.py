@@ -28,7 +28,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from llmhal.logger import init_logger
@@ -148,6 +148,22 @@ def load(
     except Exception as e:  # any failure means: use the torch fallbacks, and say why
         return None, f"{type(e).__name__}: {e}"
     return lib, "ok"
+
+
+def declare_struct_calls(lib: ctypes.CDLL, names: Iterable[str], sizes: dict[type, int]) -> None:
+    """Declare ``int name(const void* args)`` for each of ``names`` (the struct forms that
+    ``step_graph.launch`` calls) and check that every ctypes mirror in ``sizes`` has the size the
+    library reports for its C struct; a mismatch raises (``load`` then reports the library as
+    unusable instead of letting a call read the wrong fields)."""
+    for name in names:
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+    for struct, size in sizes.items():
+        if size != ctypes.sizeof(struct):
+            raise RuntimeError(
+                f"{struct.__name__} layout mismatch ({size} vs {ctypes.sizeof(struct)} bytes)"
+            )
 
 
 class KernelLibrary:

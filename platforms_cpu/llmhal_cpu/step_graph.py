@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 import torch
 from torch.overrides import TorchFunctionMode
 
+from llmhal.utils.tensors import tensors_in
 from llmhal_cpu import native_build
 
 SOURCE = Path(__file__).with_name("kernels") / "step_replay.cpp"
@@ -56,14 +57,6 @@ _METADATA = {
     "is_contiguous", "element_size", "storage_offset", "untyped_storage", "get_device",
     "is_floating_point", "__len__",
 }  # fmt: skip
-
-
-def _tensors(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, tuple | list):
-        return [t for item in x for t in _tensors(item)]
-    return []
 
 
 def _setup(lib: ctypes.CDLL) -> None:
@@ -143,12 +136,12 @@ class _CaptureGuard(TorchFunctionMode):
 def _passive(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None, out: Any) -> bool:
     """True when ``func`` computed nothing: a metadata read, or views of its inputs."""
     name = getattr(func, "__name__", "")
-    results = _tensors(out)
+    results = tensors_in(out)
     if not results:
         return name in _METADATA
     if (name.endswith("_") and not name.endswith("__")) or name == "__setitem__":
         return False  # in place: the result is its input, but its values changed
-    inputs = {t.untyped_storage().data_ptr() for t in _tensors([*args, *(kwargs or {}).values()])}
+    inputs = {t.untyped_storage().data_ptr() for t in tensors_in([*args, *(kwargs or {}).values()])}
     return all(t.untyped_storage().data_ptr() in inputs for t in results)
 
 

@@ -82,16 +82,12 @@ class CallArgs(ctypes.Structure):
 
 
 def _setup(lib: ctypes.CDLL) -> None:
-    lib.llmhal_paged_attention.argtypes = [ctypes.POINTER(KernelArgs), ctypes.c_int]
-    lib.llmhal_paged_attention.restype = ctypes.c_int
-    lib.llmhal_paged_attention_call.argtypes = [ctypes.c_void_p]
-    lib.llmhal_paged_attention_call.restype = ctypes.c_int
     lib.llmhal_paged_attention_args_size.restype = ctypes.c_int64
-    size = lib.llmhal_paged_attention_args_size()
-    if size != ctypes.sizeof(KernelArgs):
-        raise RuntimeError(
-            f"argument layout mismatch ({size} vs {ctypes.sizeof(KernelArgs)} bytes)"
-        )
+    native_build.declare_struct_calls(
+        lib,
+        ("llmhal_paged_attention_call",),
+        {KernelArgs: lib.llmhal_paged_attention_args_size()},
+    )
 
 
 def _warn_unavailable(status: str) -> None:

@@ -47,15 +47,12 @@ class SiluAndMulArgs(ctypes.Structure):
 def _setup(lib: ctypes.CDLL) -> None:
     lib.llmhal_fused_ops_args_size.argtypes = [ctypes.c_int]
     lib.llmhal_fused_ops_args_size.restype = ctypes.c_int64
-    for which, struct in enumerate((RmsNormArgs, RotaryArgs, SiluAndMulArgs)):
-        size = lib.llmhal_fused_ops_args_size(which)
-        if size != ctypes.sizeof(struct):
-            raise RuntimeError(
-                f"{struct.__name__} layout mismatch ({size} vs {ctypes.sizeof(struct)} bytes)"
-            )
-    for fn in (lib.llmhal_rms_norm_call, lib.llmhal_rotary_call, lib.llmhal_silu_and_mul_call):
-        fn.argtypes = [ctypes.c_void_p]
-        fn.restype = ctypes.c_int
+    structs = (RmsNormArgs, RotaryArgs, SiluAndMulArgs)  # llmhal_fused_ops_args_size's order
+    native_build.declare_struct_calls(
+        lib,
+        ("llmhal_rms_norm_call", "llmhal_rotary_call", "llmhal_silu_and_mul_call"),
+        {s: lib.llmhal_fused_ops_args_size(i) for i, s in enumerate(structs)},
+    )
 
 
 LIBRARY = native_build.KernelLibrary(
@@ -83,10 +80,10 @@ def status() -> str:
     )
 
 
-def _rows(x: torch.Tensor) -> bool:
-    """2-D float32 host memory with contiguous rows: the layout the kernels read."""
+def _rows(x: torch.Tensor, dim: int = 2) -> bool:
+    """``dim``-D float32 host memory with contiguous rows: the layout the kernels read."""
     # is_cpu, not device.type: building the device object costs ~1 us, ~10 checks a layer.
-    return x.dtype == _F32 and x.dim() == 2 and x.stride(1) == 1 and x.is_cpu
+    return x.dtype == _F32 and x.dim() == dim and x.stride(-1) == 1 and x.is_cpu
 
 
 def _vector(x: torch.Tensor, n: int) -> bool:
@@ -106,7 +103,7 @@ def rms_norm(
     lib = _loaded()
     if lib is None or not _vector(weight, x.shape[-1]):
         return None
-    if x.dim() == 3 and residual is None and x.dtype == _F32 and x.stride(2) == 1 and x.is_cpu:
+    if residual is None and _rows(x, 3):
         inner, x_s2 = x.shape[1], x.stride(1)
     elif _rows(x):
         inner, x_s2 = 1, 0

@@ -91,24 +91,21 @@ class RowsArgs(ctypes.Structure):
 
 def _setup(lib: ctypes.CDLL) -> None:
     lib.llmhal_qgemm_isa.restype = ctypes.c_char_p
-    lib.llmhal_qgemm_weight_size.restype = ctypes.c_int64
-    lib.llmhal_qgemm.restype = ctypes.c_int
-    v, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-    lib.llmhal_qgemm.argtypes = [v, v, i64, i64, i32, v, i64, i32, v, i32, i32, i64]
-    for fn in (lib.llmhal_qgemm_call, lib.llmhal_qgemm_rows_call):
-        fn.argtypes = [v]
-        fn.restype = ctypes.c_int
-    lib.llmhal_qgemm_args_size.restype = ctypes.c_int64
-    lib.llmhal_qgemm_rows_args_size.restype = ctypes.c_int64
-    for struct, size in (
-        (WeightDesc, lib.llmhal_qgemm_weight_size()),
-        (QgemmArgs, lib.llmhal_qgemm_args_size()),
-        (RowsArgs, lib.llmhal_qgemm_rows_args_size()),
+    for size_fn in (
+        lib.llmhal_qgemm_weight_size,
+        lib.llmhal_qgemm_args_size,
+        lib.llmhal_qgemm_rows_args_size,
     ):
-        if size != ctypes.sizeof(struct):
-            raise RuntimeError(
-                f"{struct.__name__} layout mismatch ({size} vs {ctypes.sizeof(struct)} bytes)"
-            )
+        size_fn.restype = ctypes.c_int64
+    native_build.declare_struct_calls(
+        lib,
+        ("llmhal_qgemm_call", "llmhal_qgemm_rows_call"),
+        {
+            WeightDesc: lib.llmhal_qgemm_weight_size(),
+            QgemmArgs: lib.llmhal_qgemm_args_size(),
+            RowsArgs: lib.llmhal_qgemm_rows_args_size(),
+        },
+    )
 
 
 LIBRARY = native_build.KernelLibrary(SOURCE, "quant_gemm", _setup)

@@ -64,8 +64,9 @@ def choose_mode(bits: int, m: int) -> int:
     shapes, M = 1..512, AVX-512-VNNI and AVX2 builds, 1 and 2 threads) it is the fastest of the
     accurate options everywhere (fp32 ties it only where M=1 is memory-bound, and is 1.3-3x slower
     from M=16 on AVX-512-VNNI, 1.3-1.7x on an AVX2-only Zen 3); int8 activations and torch's
-    int4pack (bf16) are faster in places but change SmolLM2's answers (see the module docstring). Using one mode for every M also keeps results
-    independent of the batch: a row gives the same output alone or in a prefill.
+    int4pack (bf16) are faster in places but change SmolLM2's answers (see the module docstring).
+    Using one mode for every M also keeps results independent of the batch: a row gives the same
+    output alone or in a prefill.
     """
     return quant_gemm.MODE_INT16
 
