@@ -100,6 +100,45 @@ def test_long_decodes_split_across_threads(path, monkeypatch, window):
     check_attention_case(CpuAttentionBackend, case)
 
 
+@pytest.mark.parametrize("layout", ["heads_outer", "padded_rows"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cache_strides_other_than_contiguous_token_rows(layout, dtype):
+    # The kernel reads a tile as one span of memory when each token's rows for all KV heads are
+    # contiguous (the engine's layout) and head by head otherwise; both give the same numbers.
+    lib = native.load_kernel()
+    if lib is None:
+        pytest.skip(f"native kernel unavailable here: {native.kernel_status()}")
+    blocks, bs, hkv, d, heads = 12, 16, 3, 64, 9
+    g = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(blocks, bs, hkv, d, generator=g).to(dtype) for _ in range(2))
+    if layout == "heads_outer":  # [blocks, heads, tokens, d] in memory
+        k2, v2 = (t.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for t in (k, v))
+    else:  # each token row padded to 4 heads
+        k2, v2 = (torch.zeros(blocks, bs, hkv + 1, d, dtype=dtype)[:, :, :hkv] for _ in range(2))
+        k2.copy_(k), v2.copy_(v)
+    assert k2.equal(k) and k2.stride() != k.stride()
+    seq_lens = torch.tensor([70, 5, 33, 48], dtype=torch.int32)
+    table = torch.randperm(blocks, generator=g).to(torch.int32)[:12].view(4, 3)
+    q = torch.randn(4, heads, d, generator=g)
+    outs = []
+    for kc, vc in ((k, v), (k2, v2)):
+        out = torch.empty_like(q)
+        native.paged_attention(
+            lib, query=q, k_cache=kc, v_cache=vc, block_table=table, seq_lens=seq_lens,
+            query_start_loc=torch.arange(5, dtype=torch.int32), num_reqs=4, out=out,
+            num_kv_heads=hkv, scale=d**-0.5, soft_cap=None, k_scale=1.0, v_scale=1.0,
+            window=None, min_split_tokens=1 << 20,
+        )  # fmt: skip
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    # and both are attention: request 2 (33 keys) against a direct computation
+    keys = torch.cat([k[b] for b in table[2].tolist()])[:33].float()
+    vals = torch.cat([v[b] for b in table[2].tolist()])[:33].float()
+    kk, vv = (t.repeat_interleave(heads // hkv, dim=1) for t in (keys, vals))
+    w = torch.softmax(torch.einsum("hd,thd->ht", q[2], kk) * d**-0.5, dim=-1)
+    torch.testing.assert_close(outs[0][2], torch.einsum("ht,thd->hd", w, vv), rtol=1e-4, atol=1e-5)
+
+
 def test_short_query_chunks_use_the_kernel_route(path):
     # Query lengths up to KERNEL_MAX_QUERY_LEN (draft verification) share the decode call.
     n = cpu_attn.KERNEL_MAX_QUERY_LEN
