@@ -27,6 +27,7 @@ import torch
 from llmhal.ops.quant_linear import GroupedQuantWeight
 from llmhal.utils.openmp import threads_park_quickly
 from llmhal_cpu import native_build, step_graph
+from llmhal_cpu.hugepages import HugePageArena
 
 SOURCE = Path(__file__).with_name("quant_gemm.cpp")
 MODE_FP32, MODE_INT8, MODE_INT16 = 0, 1, 2
@@ -37,6 +38,8 @@ MODE_FP32, MODE_INT8, MODE_INT16 = 0, 1, 2
 # and batched calls split: with a busy core 101 instead of 48 tok/s, quiet 102 instead of 117
 # (2 cores; see llmhal.utils.openmp).
 MIN_PARALLEL_WORK = (1 << 22) if threads_park_quickly() else (1 << 16)
+# Where packed weights and scales live (see llmhal_cpu.hugepages).
+WEIGHT_ARENA = HugePageArena()
 _X_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _Y_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -188,14 +191,16 @@ class QuantGemm:
             q = v[:, :, :, 0, :] | (v[:, :, :, 1, :] << 4)
         else:
             q = q.view(blocks, 16, self.kpad // 4, 4)
-        self.packed = q.permute(0, 2, 1, 3).contiguous()  # [blocks, chunks, 16 lanes, 4 bytes]
+        # [blocks, chunks, 16 lanes, 4 bytes], on huge pages (streamed whole by every call)
+        self.packed = WEIGHT_ARENA.place(q.permute(0, 2, 1, 3))
         parts = [weight.scale] + ([] if weight.offset is None else [weight.offset])
         sc = torch.zeros(blocks * 16, self.groups, len(parts), dtype=torch.float32)
         sc[:n] = torch.stack([p.to(torch.float32) for p in parts], dim=-1)
         # fp16 where that loses nothing (GGUF stores fp16 scales): less memory to stream per call
         half = half_scales_exact(weight)
         sc = sc.half() if half else sc
-        self.scales = sc.view(blocks, 16, self.groups, len(parts)).permute(0, 2, 3, 1).contiguous()
+        sc = sc.view(blocks, 16, self.groups, len(parts)).permute(0, 2, 3, 1)
+        self.scales = WEIGHT_ARENA.place(sc)
         self.has_offset = weight.offset is not None
         self.desc = WeightDesc(
             packed=self.packed.data_ptr(),
