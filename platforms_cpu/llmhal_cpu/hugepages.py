@@ -16,9 +16,10 @@ THP off) the slabs are ordinary memory.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import sys
 import threading
+from typing import Any
 
 import torch
 
@@ -28,16 +29,23 @@ MADV_HUGEPAGE = 14
 _ALIGN = 64
 
 
+@functools.cache
+def _madvise() -> Any:
+    """libc's ``madvise``, looked up once (the process has libc loaded); None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return fn
+
+
 def _madvise_hugepage(addr: int, nbytes: int) -> bool:
     """Ask Linux for huge pages on [addr, addr + nbytes) (2 MiB aligned); False where unavailable."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return libc.madvise(addr, nbytes, MADV_HUGEPAGE) == 0
-    except (OSError, AttributeError):
-        return False
+    fn = _madvise()
+    return fn is not None and fn(addr, nbytes, MADV_HUGEPAGE) == 0
 
 
 class HugePageArena:
