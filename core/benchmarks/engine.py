@@ -4,7 +4,10 @@ Each system runs in its own worker process (clean memory figures, no shared cach
 token-id prompts: decode tokens/s at each batch size, prefill tokens/s for a long prompt, and peak
 resident memory. The table reports llmhal/transformers ratios measured in this run.
 
-Each figure is the best of ``--repeat`` timed runs (default 3) for both systems. Both measure
+Each figure is the best of ``--repeat`` timed runs (default 3) for both systems. On a shared host
+whose speed drifts between minutes, one pair of workers can still be caught at different speeds:
+``--rounds N`` runs N pairs, alternating which system goes first, and reports the median of each
+figure and of the per-round ratios, with their range. Both measure
 steady state: before the timed runs each system runs the largest batch once, untimed,
 so that first-use costs (allocator growth, the page faults of KV-cache memory touched for the first
 time: ~5% of llmhal's first batch-32 run on this VM) fall outside the table.
@@ -21,6 +24,7 @@ import functools
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -180,13 +184,41 @@ def run_worker(system: str, spec: WorkerSpec) -> dict[str, Any]:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def _table(rows: list[tuple[str, Any, Any]]) -> str:
-    lines = [f"{'metric':<28}{'llmhal':>12}{'transformers':>14}{'ratio':>8}"]
+def _table(rows: list[tuple[str, list[float], list[float] | None]]) -> str:
+    """One line per metric: llmhal's and transformers' medians over the rounds, the median of the
+    per-round ratios and, with several rounds, their range."""
+    several = any(len(ours) > 1 for _, ours, _ in rows)
+    lines = [f"{'metric':<28}{'llmhal':>12}{'transformers':>14}{'ratio':>8}"
+             + (f"{'range':>14}" if several else "")]  # fmt: skip
     for name, ours, theirs in rows:
-        ratio = f"{ours / theirs:.2f}x" if isinstance(theirs, float) and theirs else "-"
-        t = f"{theirs:.1f}" if isinstance(theirs, float) else "-"
-        lines.append(f"{name:<28}{ours:>12.1f}{t:>14}{ratio:>8}")
+        line = f"{name:<28}{statistics.median(ours):>12.1f}"
+        if theirs and all(theirs):
+            ratios = [o / t for o, t in zip(ours, theirs, strict=True)]
+            line += f"{statistics.median(theirs):>14.1f}{statistics.median(ratios):>7.2f}x"
+            if several:
+                line += f"{f'{min(ratios):.2f}-{max(ratios):.2f}x':>14}"
+        else:
+            line += f"{'-':>14}{'-':>8}"
+        lines.append(line)
     return "\n".join(lines)
+
+
+def _metrics(result: dict[str, Any], a: argparse.Namespace) -> dict[str, float]:
+    """A worker's figures by table row name."""
+    m = {f"decode tok/s, batch {b}": result["decode"][str(b)] for b in a.batch_sizes}
+    m[f"prefill tok/s, {a.prefill_len} tok"] = result["prefill_tps"]
+    m["peak RSS MB"] = result["peak_rss_mb"]
+    return m
+
+
+def _median_result(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first round's result with each figure replaced by its median over the rounds."""
+    out = json.loads(json.dumps(results[0]))
+    for b in out["decode"]:
+        out["decode"][b] = statistics.median(r["decode"][b] for r in results)
+    for key in ("prefill_tps", "peak_rss_mb"):
+        out[key] = statistics.median(r[key] for r in results)
+    return out
 
 
 def add_workload_args(
@@ -217,9 +249,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--exact", action="store_true", help="llmhal uses the reference (dequantize) GGUF kernel"
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="pairs of worker runs (alternating which goes first); medians are reported",
+    )
     p.add_argument("--json", dest="json_path", help="also write the results here")
     p.add_argument("--worker", choices=["llmhal", "hf"], help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.rounds < 1:
+        p.error("--rounds must be at least 1")
     a.batch_sizes = [int(x) for x in str(a.batch_sizes).split(",")]
     if a.model is None:
         from llmhal.default_model import default_model_path
@@ -241,27 +281,23 @@ def main(argv: list[str] | None = None) -> int:
         a.prefill_len,
         a.repeat,
     )
-    ours = run_worker(
-        "llmhal", replace(spec, env={"LLMHAL_GGUF_KERNEL": "dequant"} if a.exact else {})
-    )
-    theirs = None if a.no_hf else run_worker("hf", spec)
-    rows = []
-    for b in a.batch_sizes:
-        rows.append(
-            (
-                f"decode tok/s, batch {b}",
-                ours["decode"][str(b)],
-                theirs["decode"][str(b)] if theirs else None,
-            )
-        )
-    rows.append(
-        (
-            f"prefill tok/s, {a.prefill_len} tok",
-            ours["prefill_tps"],
-            theirs["prefill_tps"] if theirs else None,
-        )
-    )
-    rows.append(("peak RSS MB", ours["peak_rss_mb"], theirs["peak_rss_mb"] if theirs else None))
+    llmhal_spec = replace(spec, env={"LLMHAL_GGUF_KERNEL": "dequant"} if a.exact else {})
+    systems = {"llmhal": ("llmhal", llmhal_spec)}
+    if not a.no_hf:
+        systems["transformers"] = ("hf", spec)
+    runs: list[dict[str, Any]] = []
+    for r in range(a.rounds):
+        # Alternating the order keeps a drift in the host's speed from favouring one system.
+        names = list(systems) if r % 2 == 0 else list(reversed(systems))
+        runs.append({name: run_worker(*systems[name]) for name in names})
+    ours = _median_result([r["llmhal"] for r in runs])
+    theirs = None if a.no_hf else _median_result([r["transformers"] for r in runs])
+    ours_m = [_metrics(r["llmhal"], a) for r in runs]
+    theirs_m = None if a.no_hf else [_metrics(r["transformers"], a) for r in runs]
+    rows = [
+        (name, [m[name] for m in ours_m], [m[name] for m in theirs_m] if theirs_m else None)
+        for name in ours_m[0]
+    ]
     print(f"model: {a.model}\nthreads: {torch.get_num_threads()} (OpenMP wait policy: {openmp_wait_policy()})  llmhal attention: {ours['attention']}  "
           f"quantization: {ours['quantization']}  weights: {ours['weight_bytes'] / 2**20:.1f} MiB")  # fmt: skip
     print(_table(rows))
@@ -271,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "llmhal": ours,
                     "transformers": theirs,
+                    "rounds": runs,
                     "args": {k: v for k, v in vars(a).items()},
                 },
                 f,
