@@ -183,6 +183,8 @@ def build_engine(args: EngineArgs) -> tuple[Any, LoadReport]:
         device=None,
         extra=dict(args.extra),
     )  # fmt: skip
+    # The platform may adjust the config (block size, cache dtype, ...): from here on every value
+    # comes from `config`, not `args`, so the KV cache, its manager and the runner agree.
     platform.check_and_update_config(config)
     device = config.device = config.device or platform.torch_device()
     platform.seed(args.seed)
@@ -202,18 +204,23 @@ def build_engine(args: EngineArgs) -> tuple[Any, LoadReport]:
 
     runner = ModelRunner(config, model, device)
     weight_bytes = model_weight_bytes(model)
-    budget = args.kv_cache_memory_bytes or platform.kv_cache_memory_budget(weight_bytes)
+    budget = config.cache.kv_cache_memory_bytes or platform.kv_cache_memory_budget(weight_bytes)
     per_block = runner.kv_cache_bytes_per_block()
     num_blocks = budget // per_block
     if num_blocks < 1:
         raise ValueError(
             f"The KV-cache budget ({budget} bytes) is smaller than one block ({per_block} bytes for "
-            f"block_size={args.block_size}); raise kv_cache_memory_bytes."
+            f"block_size={config.cache.block_size}); raise kv_cache_memory_bytes."
         )
     config.cache.num_blocks = int(num_blocks)
     kv_bytes = runner.allocate_kv_cache(int(num_blocks))
     engine = LLMEngine(
-        config, model, tokenizer, platform, runner, KVCacheManager(int(num_blocks), args.block_size)
+        config,
+        model,
+        tokenizer,
+        platform,
+        runner,
+        KVCacheManager(int(num_blocks), config.cache.block_size),
     )
     report = LoadReport(
         str(source.path), arch, dtype, quant_name, runner.attention_backends, weight_bytes, kv_bytes, int(num_blocks),

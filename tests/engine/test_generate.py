@@ -170,3 +170,26 @@ def test_kv_cache_too_small_for_one_request_is_a_clear_error(tiny_models):
         )
         == 4
     )
+
+
+def test_platform_may_change_the_block_size(tiny_models, monkeypatch):
+    # check_and_update_config may adjust the config in place (Platform's contract): a platform
+    # whose attention needs other pages sets the block size there. The KV cache, its manager and
+    # the runner must all follow it (the manager once kept the user's value and ran out of blocks).
+    from llmhal.platforms import get_current_platform
+
+    platform = get_current_platform()
+    original = type(platform).check_and_update_config
+
+    def with_block_8(self, config):
+        original(self, config)
+        config.cache.block_size = 8
+
+    folder, _ = tiny_models("llama")
+    p = {"prompt_token_ids": list(range(3, 34))}  # 31 tokens: 4 blocks of 8, 2 of 16
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = LLM(folder, dtype="float32", max_model_len=128).generate(p, params)[0]
+    monkeypatch.setattr(type(platform), "check_and_update_config", with_block_8)
+    llm = LLM(folder, dtype="float32", max_model_len=128)
+    assert llm.engine.config.cache.block_size == 8
+    assert _ids(llm.generate(p, params)[0]) == _ids(want)
