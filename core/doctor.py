@@ -57,7 +57,9 @@ def _platform_section(errors: list[str]) -> tuple[Any, dict[str, Any]]:
     except Exception as e:
         errors.append(f"platform resolution failed: {_error(e)}")
         section = {"name": None, "class": None, "selected_by": "error", "reason": _error(e)}
-        return None, section | {"usable": False, "device": None, "probes": []}
+        # What each probe said still explains the failure (a tie, a platform that failed to start).
+        probes = [_probe_entry(p) for p in getattr(e, "probes", ())]
+        return None, section | {"usable": False, "device": None, "probes": probes}
     try:
         device = platform.describe()
     except Exception as e:
@@ -69,20 +71,22 @@ def _platform_section(errors: list[str]) -> tuple[Any, dict[str, Any]]:
         "reason": sel.reason,
         "usable": not isinstance(platform, UnspecifiedPlatform),
         "device": device,
-        "probes": [
-            {
-                "name": p.name,
-                "distribution": p.distribution,
-                "version": p.version,
-                "status": p.status,
-                "class": p.class_path,
-                "priority": p.priority,
-                "reason": p.reason,
-            }
-            for p in sel.probes
-        ],
+        "probes": [_probe_entry(p) for p in sel.probes],
     }
     return platform, section
+
+
+def _probe_entry(p: Any) -> dict[str, Any]:
+    """One ProbeResult as the report's JSON."""
+    return {
+        "name": p.name,
+        "distribution": p.distribution,
+        "version": p.version,
+        "status": p.status,
+        "class": p.class_path,
+        "priority": p.priority,
+        "reason": p.reason,
+    }
 
 
 def _plugins_section(probes: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -112,11 +116,12 @@ def _plugins_section(probes: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _inactive_reason(provider: str, probes: list[dict[str, Any]]) -> str:
     """Why a contribution of another platform cannot be used here (the selector's wording)."""
+    from llmhal.attention.selector import inactive_provider_message
+
     probe = next((p for p in probes if p["name"] == provider), None)
-    why = "not installed"
-    if probe is not None:
-        why = f"{probe['status']}: {probe['reason']}" if probe["reason"] else probe["status"]
-    return f"provided by the {provider} platform, which is not active here ({why})"
+    if probe is None:
+        return inactive_provider_message(provider, None, "")
+    return inactive_provider_message(provider, probe["status"], probe["reason"])
 
 
 def _backend_reasons(entry: Any, platform: Any, probes: list[dict[str, Any]]) -> list[str]:

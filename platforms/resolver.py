@@ -42,7 +42,12 @@ NOT_LOADED = "not loaded"  # import failed, not allowed, or skipped; see reason
 
 
 class PlatformResolutionError(RuntimeError):
-    """The installed platforms cannot be resolved to exactly one (the message names the remedy)."""
+    """The installed platforms cannot be resolved to exactly one (the message names the remedy).
+
+    ``probes`` holds what every probe said when resolution got that far (``llmhal doctor`` shows it).
+    """
+
+    probes: tuple[ProbeResult, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -155,7 +160,7 @@ def _probe(name: str, probe: Any, record: Any) -> tuple[ProbeResult, type[Platfo
         raise
     except PlatformUnavailable as e:
         return result(UNAVAILABLE, str(e) or "probe reported unavailable"), None
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # a probe calling sys.exit must not end the process
         logger.info(
             "Platform probe %r raised %s: %s (treated as unavailable)", name, type(e).__name__, e
         )
@@ -173,9 +178,27 @@ def _probe(name: str, probe: Any, record: Any) -> tuple[ProbeResult, type[Platfo
     finally:
         _state.step = None
     if cls is None:
+        if why.startswith("could not import") and _explicitly_allowed(name):
+            raise PlatformResolutionError(
+                f"Platform plugin {name!r} ({_dist(dist, version)}) is listed in VLLM_PLUGINS, "
+                f"but its platform class cannot be used: {why}. Fix or reinstall that package, or "
+                f"remove {name!r} from VLLM_PLUGINS."
+            )
         logger.warning("Platform plugin %r skipped: %s", name, why)
         return result(REJECTED, why, path), None
     return result(AVAILABLE, "probe found a device", path, cls.priority), cls
+
+
+def _explicitly_allowed(name: str) -> bool:
+    """Whether VLLM_PLUGINS names this plugin (a failure of such a plugin is an error)."""
+    from llmhal.plugins import allowed_plugins
+
+    allowed = allowed_plugins()
+    return allowed is not None and name in allowed
+
+
+def _dist(dist: str | None, version: str | None) -> str:
+    return f"{dist} {version}" if dist else "distribution unknown"
 
 
 def _no_platform_reason(results: list[ProbeResult]) -> str:
@@ -198,13 +221,21 @@ def _no_platform_reason(results: list[ProbeResult]) -> str:
 
 def resolve() -> tuple[Platform, PlatformSelection]:
     """Run the resolution rules and instantiate the winner. Callers hold the module lock."""
+    results: list[ProbeResult] = []
+    try:
+        return _resolve(results)
+    except PlatformResolutionError as e:
+        e.probes = tuple(results)
+        raise
+
+
+def _resolve(results: list[ProbeResult]) -> tuple[Platform, PlatformSelection]:
     from llmhal.plugins import FAILED, NOT_ALLOWED, PLATFORM_PLUGINS_GROUP, plugin_records
 
     requested = _requested_platform()
     probes = _load_probes()
     records = {r.name: r for r in plugin_records() if r.group == PLATFORM_PLUGINS_GROUP}
 
-    results: list[ProbeResult] = []
     classes: dict[str, type[Platform]] = {}
     for name, rec in records.items():
         if name not in probes:
@@ -266,7 +297,7 @@ def resolve() -> tuple[Platform, PlatformSelection]:
         f"; also available: {', '.join(others)}" if others else ""
     )
     res = next(r for r in results if r.name == name)
-    return _finish(classes[name], name, res, "probe", why, results)
+    return _finish(classes[name], name, res, "probe", why, results, others=list(classes))
 
 
 def _finish(
@@ -276,10 +307,25 @@ def _finish(
     by: str,
     why: str,
     results: list[ProbeResult],
+    others: list[str] | None = None,
 ):
     from dataclasses import replace
 
-    platform = cls()
+    try:
+        platform = cls()
+    except Exception as e:
+        alternatives = [n for n in others or [] if n != name]
+        if by == "VLLM_PLATFORM":
+            remedy = "unset VLLM_PLATFORM to choose automatically"
+        elif alternatives:
+            remedy = f"choose another platform with VLLM_PLATFORM={alternatives[0]}"
+        else:
+            remedy = "exclude it with VLLM_PLUGINS"
+        origin = _dist(res.distribution, res.version) if res else "distribution unknown"
+        raise PlatformResolutionError(
+            f"Platform {name!r} ({origin}) was selected by {by}, but creating it failed: "
+            f"{type(e).__name__}: {e}. Fix its set-up, or {remedy}."
+        ) from e
     final = [replace(r, status=SELECTED) if r.name == name else r for r in results]
     path = res.class_path if res and res.class_path else f"{cls.__module__}:{cls.__qualname__}"
     logger.info("Platform %r selected by %s: %s", name, by, why)

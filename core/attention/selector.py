@@ -62,8 +62,7 @@ def backend_reasons(
 ) -> list[str]:
     """Why ``entry`` cannot serve ``requirements`` on ``platform`` (empty = usable)."""
     if not is_usable_provider(entry):
-        why = _inactive_platform_reason(entry.provider)
-        return [f"provided by the {entry.provider} platform, which is not active here ({why})"]
+        return [_inactive_platform_reason(entry.provider)]
     try:
         cls = load_backend_class(entry)
     except Exception as e:
@@ -76,8 +75,18 @@ def _inactive_platform_reason(provider: str) -> str:
 
     for p in get_platform_selection().probes:
         if p.name == provider:
-            return f"{p.status}: {p.reason}" if p.reason else p.status
-    return "not installed"
+            return inactive_provider_message(provider, p.status, p.reason)
+    return inactive_provider_message(provider, None, "")
+
+
+def inactive_provider_message(provider: str, status: str | None, reason: str) -> str:
+    """Why a contribution of a platform other than the active one cannot be used; when that
+    platform's probe found its device, how to select it (status None: not installed)."""
+    why = "not installed" if status is None else f"{status}: {reason}" if reason else status
+    message = f"provided by the {provider} platform, which is not active here ({why})"
+    if status == "available":
+        message += f"; VLLM_PLATFORM={provider} selects that platform"
+    return message
 
 
 def _with_capability(

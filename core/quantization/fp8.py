@@ -201,9 +201,26 @@ class Fp8Config(QuantizationConfig):
 
 def fp8_availability(platform: Any) -> list[str]:
     if not platform.capabilities.fp8_storage:
+        # Suggest only methods the platform's allow-list accepts (None: every method).
+        allowed = platform.supported_quantization
+        options = [
+            label
+            for name, label in (
+                ("gptq", "gptq"),
+                ("awq", "awq"),
+                ("compressed-tensors", "compressed-tensors W8A16"),
+            )
+            if allowed is None or name in allowed
+        ]
+        remedy = (
+            f"use an int8/int4 method ({', '.join(options)}) instead"
+            if options
+            else f"this platform supports no int8/int4 method either (supported here: "
+            f"{', '.join(allowed)})"
+        )
         return [
             f"the {platform.name} platform cannot store fp8 tensors (capabilities.fp8_storage is "
-            "False); use an int8/int4 method (gptq, awq, compressed-tensors W8A16) instead"
+            f"False); {remedy}"
         ]
     return []
 

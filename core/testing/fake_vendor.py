@@ -60,13 +60,15 @@ def accelerator_distribution(
     probe_body: str | None = None,
     probe_prelude: str = "",
     platform_prelude: str = "",
+    platform_body: str = "",
     version: str = "1.0.0",
 ) -> FakeDistribution:
     """A distribution ``<name>-fake`` with platform entry point ``<name> = <name>:probe``.
 
     ``probe_body`` replaces the probe's body (indented four spaces); by default the probe returns the
     class path when llmhal calls it. ``probe_prelude`` and ``platform_prelude`` are module-level code
-    run at import of the probe module and of the platform module.
+    run at import of the probe module and of the platform module; ``platform_body`` is added to the
+    platform class (methods indented four spaces).
     """
     path = f"{name}.platform:{class_name(name)}"
     body = probe_body or f"    return {path!r}\n"
@@ -83,7 +85,9 @@ def accelerator_distribution(
     platform_module = (
         marker_code(f"{name}.platform")
         + platform_prelude
-        + platform_class_source(name, priority=priority, api_version=api_version, base=base)
+        + platform_class_source(
+            name, priority=priority, api_version=api_version, base=base, body=platform_body
+        )
     )
     return FakeDistribution(
         f"{name}-fake",

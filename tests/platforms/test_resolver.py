@@ -117,6 +117,39 @@ def test_an_incompatible_api_version_is_rejected_naming_both(install_dists):
     assert "version 99" in res.reason and f"version {platforms.PLATFORM_API_VERSION}" in res.reason
 
 
+def test_a_platform_that_fails_to_start_is_an_error_naming_it_and_the_remedy(install_dists):
+    body = "\n    def __init__(self):\n        raise RuntimeError('cannot open /dev/acc0')\n"
+    install_dists(accelerator_distribution("acc_a", platform_body=body))
+    with pytest.raises(PlatformResolutionError) as err:
+        platforms.get_current_platform()
+    msg = str(err.value)
+    assert "'acc_a' (acc_a-fake 1.0.0)" in msg and "RuntimeError: cannot open /dev/acc0" in msg
+    assert "VLLM_PLATFORM=cpu" in msg
+    # What each probe said travels with the error (llmhal doctor shows it).
+    said = {p.name: p.status for p in err.value.probes}
+    assert said["acc_a"] == "available" and said["cpu"] == "available"
+
+
+def test_a_probe_calling_sys_exit_counts_as_unavailable(install_dists):
+    install_dists(accelerator_distribution("acc_a", probe_body="    raise SystemExit(3)\n"))
+    assert platforms.current_platform.name == "cpu"
+    res = _probe("acc_a")
+    assert res.status == "unavailable" and "SystemExit" in res.reason
+
+
+def test_a_broken_class_path_is_an_error_only_for_a_plugin_the_user_listed(
+    install_dists, monkeypatch
+):
+    body = "    return 'acc_a.no_such_module:AccA'\n"
+    install_dists(accelerator_distribution("acc_a", probe_body=body))
+    assert platforms.current_platform.name == "cpu"  # installed, not asked for: a warning
+    assert "could not import acc_a.no_such_module" in _probe("acc_a").reason
+    platforms.set_current_platform(None)
+    monkeypatch.setenv("VLLM_PLUGINS", "acc_a,cpu")
+    with pytest.raises(PlatformResolutionError, match="listed in VLLM_PLUGINS.*no_such_module"):
+        platforms.get_current_platform()
+
+
 def test_no_platform_installed_gives_unspecified_naming_the_package(install_dists, monkeypatch):
     install_dists()
     monkeypatch.setattr(plugins, "discover", lambda group: [])
@@ -185,3 +218,29 @@ def test_set_current_platform_swaps_and_forgets(install_dists):
 def test_unknown_attribute_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
         platforms.nonsense  # noqa: B018
+
+
+def test_doctor_shows_what_each_probe_said_when_resolution_fails(install_dists):
+    from llmhal import doctor
+
+    install_dists(accelerator_distribution("acc_a"), accelerator_distribution("acc_b"))
+    report = doctor.collect()
+    assert report["platform"]["selected_by"] == "error"
+    said = {p["name"]: p["status"] for p in report["platform"]["probes"]}
+    assert said["acc_a"] == said["acc_b"] == "available"
+    rows = {p["name"]: p for p in report["plugins"] if p["name"] in ("acc_a", "acc_b")}
+    assert all("probe found a device" in str(row) for row in rows.values())
+
+
+def test_a_backend_of_another_available_platform_says_how_to_select_it(install_dists):
+    from llmhal import doctor
+
+    install_dists(accelerator_distribution("acc_a", priority=50))
+    report = doctor.collect()
+    assert report["platform"]["name"] == "acc_a"
+    cpu_attn = next(b for b in report["attention_backends"] if b["name"] == "cpu_attn")
+    assert cpu_attn["available"] is False
+    assert "VLLM_PLATFORM=cpu selects that platform" in cpu_attn["reasons"][0]
+    # A platform whose probe found nothing gets no such advice.
+    cuda = [b for b in report["attention_backends"] if b.get("provider") == "cuda"]
+    assert cuda and all("VLLM_PLATFORM" not in b["reasons"][0] for b in cuda)

@@ -276,3 +276,21 @@ def test_model_level_online_quantization(tmp_path):
     q_report, ref_report = assert_greedy_parity(plain, ref, logprob_atol=1e-3, quantization="fp8")
     assert q_report.quantization == "fp8"
     assert q_report.weight_bytes < ref_report.weight_bytes / 2
+
+
+def test_without_fp8_storage_the_advice_respects_the_platforms_allow_list():
+    from types import SimpleNamespace
+
+    from llmhal.quantization.fp8 import fp8_availability
+
+    def platform(allowed):
+        caps = SimpleNamespace(fp8_storage=False)
+        return SimpleNamespace(name="acme", capabilities=caps, supported_quantization=allowed)
+
+    (every,) = fp8_availability(platform(None))
+    assert "(gptq, awq, compressed-tensors W8A16)" in every
+    (some,) = fp8_availability(platform(("gguf", "gptq", "fp8")))
+    assert "use an int8/int4 method (gptq) instead" in some
+    (none,) = fp8_availability(platform(("gguf", "fp8")))
+    assert "supports no int8/int4 method either (supported here: gguf, fp8)" in none
+    assert fp8_availability(SimpleNamespace(capabilities=SimpleNamespace(fp8_storage=True))) == []
