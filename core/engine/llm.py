@@ -110,6 +110,16 @@ class LLM:
         tok = self.engine.tokenizer
         prompts = []
         for conv in convs:
+            for i, m in enumerate(conv):
+                if not (
+                    isinstance(m, dict)
+                    and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)
+                ):
+                    raise ValueError(
+                        f"chat message {i} must be a dict with a string 'role' and a string "
+                        f"'content', got {m!r}"
+                    )
             text = self.apply_chat_template(conv, add_generation_prompt)  # type: ignore[arg-type]
             # The template already holds the special tokens; do not let encode() add a second BOS.
             prompts.append(

@@ -112,10 +112,15 @@ class LLMEngine:
         if n == 0:
             raise ValueError("The prompt is empty (0 tokens); give at least one token.")
         if n >= limit:
+            own = getattr(self.config.model.hf_config, "max_position_embeddings", None)
+            remedy = (
+                "Shorten the prompt"
+                if own is None or limit >= own
+                else f"Shorten the prompt or raise max_model_len (up to the model's own {own})"
+            )
             raise ValueError(
                 f"The prompt is {n} tokens long, but the model's context is {limit} tokens "
-                f"(max_model_len) and at least one must be left to generate. Shorten the prompt"
-                f" or raise max_model_len (up to the model's own limit)."
+                f"(max_model_len) and at least one must be left to generate. {remedy}."
             )
         vocab = getattr(self.config.model.hf_config, "vocab_size", None)
         if vocab is not None and any(t < 0 or t >= vocab for t in token_ids):

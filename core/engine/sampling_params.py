@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 
 
 @dataclass
@@ -39,12 +41,49 @@ class SamplingParams:
             self.stop = [self.stop]
         elif self.stop is None:
             self.stop = []
+        elif isinstance(self.stop, list | tuple):
+            self.stop = list(self.stop)
+        else:
+            raise _bad(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if isinstance(self.stop_token_ids, str | bytes) or not isinstance(
+            self.stop_token_ids, list | tuple | None
+        ):
+            raise _bad(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self._check_types()
         self._validate()
 
+    def _check_types(self) -> None:
+        """Types and finiteness first: a NaN temperature or a string seed would otherwise pass the
+        range checks below and fail inside a batch, taking its batch-mates down with it."""
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, Real):
+                raise _bad(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise _bad(f"{name} must be finite, got {value!r}")
+        for name in ("top_k", "min_tokens", "n", "max_tokens", "seed", "logprobs"):
+            value = getattr(self, name)
+            optional = name in ("max_tokens", "seed", "logprobs")
+            if (value is None and optional) or (
+                isinstance(value, Integral) and not isinstance(value, bool)
+            ):
+                continue
+            raise _bad(f"{name} must be an integer{' or None' if optional else ''}, got {value!r}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise _bad(f"seed must fit in 64 bits, got {self.seed}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not all(isinstance(s, str) for s in self.stop):  # type: ignore[union-attr]
+            raise _bad(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not all(
+            isinstance(t, Integral) and not isinstance(t, bool) for t in self.stop_token_ids
+        ):
+            raise _bad(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+
     def _validate(self) -> None:
-        def bad(what: str) -> ValueError:
-            return ValueError(f"Invalid SamplingParams: {what}")
+        bad = _bad
 
         if self.n != 1:
             raise bad(
@@ -72,3 +111,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _bad(what: str) -> ValueError:
+    return ValueError(f"Invalid SamplingParams: {what}")

@@ -18,9 +18,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--attention-backend", help="attention backend (default: the platform's choice)")
     p.add_argument("--quantization", help="quantization method (default: from the checkpoint)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--max-model-len", type=int)
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="float32, bfloat16 or float16 (default auto: the checkpoint's where the platform runs "
+        "it well)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="auto (the model dtype, default), fp8_e4m3 or fp8_e5m2 where the backend supports it",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        help="context length in tokens (default: the model's max_position_embeddings)",
+    )
     p.add_argument(
         "--enforce-eager",
         action="store_true",

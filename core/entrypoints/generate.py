@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prompt",
         action="append",
-        help="a prompt (repeat for several); default: read stdin when piped",
+        help="a prompt (repeat for several); default: read stdin when piped, one prompt per line",
     )
     chat = p.add_mutually_exclusive_group()
     chat.add_argument(
@@ -34,11 +34,18 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument(
         "--no-chat", dest="chat", action="store_false", help="send the prompt as plain text"
     )
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument(
+        "--max-tokens", type=int, default=128, help="new tokens per prompt at most (default 128)"
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k sampling (default 0: off)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="sampling seed (default 0, so sampled runs repeat; another seed gives other text)",
+    )
     p.add_argument(
         "--json", action="store_true", help="print one JSON object per prompt and a summary object"
     )
@@ -78,19 +85,34 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from llmhal.engine.sampling_params import SamplingParams
 
+    # Bad input is one line and exit status 2, and sampling options are checked before the model
+    # loads (seconds) rather than after.
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+        )
+    except ValueError as e:
+        print(f"llmhal generate: {e}", file=sys.stderr)
+        return 2
     prompts = _prompts(args)
     llm = build_llm("llmhal generate", args, seed=args.seed)
     if llm is None:
         return 2
+    try:
+        _run(llm, args, prompts, params)
+    except ValueError as e:  # a prompt the model cannot take (too long, empty, ...)
+        print(f"\nllmhal generate: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _run(llm: Any, args: argparse.Namespace, prompts: list[str], params: Any) -> None:
     tok = llm.get_tokenizer()
     use_chat = args.chat if args.chat is not None else bool(getattr(tok, "chat_template", None))
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-    )
     inputs: list[Any] = []
     for p in prompts:
         if use_chat:
@@ -114,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
         print(json.dumps({"summary": _summary(llm)}))
-        return 0
+        return
     engine = llm.engine
     for p, inp in zip(prompts, inputs, strict=True):
         if len(prompts) > 1:
@@ -136,7 +158,6 @@ def main(argv: list[str] | None = None) -> int:
         f"({s['prefill_tokens']} prompt + {s['decode_tokens']} decode tokens; load {s['load_seconds']} s)",
         file=sys.stderr,
     )
-    return 0
 
 
 if __name__ == "__main__":

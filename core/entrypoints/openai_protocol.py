@@ -47,6 +47,8 @@ def sampling_params(body: dict[str, Any], *, chat: bool) -> SamplingParams:
     for penalty in ("presence_penalty", "frequency_penalty"):
         if body.get(penalty):
             raise BadRequest(f"{penalty} is not supported (send 0 or leave it out)")
+    if body.get("echo"):
+        raise BadRequest("echo is not supported (send false or leave it out)")
     if body.get("n", 1) != 1:
         raise BadRequest("n must be 1")
     kwargs: dict[str, Any] = {"max_tokens": None if chat else 16}
@@ -55,9 +57,9 @@ def sampling_params(body: dict[str, Any], *, chat: bool) -> SamplingParams:
             kwargs[name] = body[field]
     if chat:
         if body.get("logprobs"):
-            kwargs["logprobs"] = int(body.get("top_logprobs") or 0)
+            kwargs["logprobs"] = body.get("top_logprobs") or 0
     elif body.get("logprobs") is not None:
-        kwargs["logprobs"] = int(body["logprobs"])
+        kwargs["logprobs"] = body["logprobs"]
     try:
         return SamplingParams(**kwargs)
     except (TypeError, ValueError) as e:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -166,6 +167,24 @@ def build_server(
     return server
 
 
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0-65535, got {port}")
+    return port
+
+
+def _cannot_listen(host: str, port: int) -> str | None:
+    """Why the server could not listen on (host, port), trying it as the server will; None if it can."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as HTTPServer does
+            probe.bind((host, port))
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="llmhal serve", description="OpenAI-compatible HTTP server (completions and chat)."
@@ -174,14 +193,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--served-model-name", help="the model id clients send and see (default: the model path)"
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000; 0: any free)")
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=64,
+        help="requests batched together at most (default 64)",
+    )
     a = p.parse_args(argv)
+    # A taken port or a bad address is reported before the model loads (seconds), not after.
+    why = _cannot_listen(a.host, a.port)
+    if why:
+        print(f"llmhal serve: cannot listen on {a.host}:{a.port}: {why}", file=sys.stderr)
+        return 2
     llm = build_llm("llmhal serve", a, max_num_seqs=a.max_num_seqs)
     if llm is None:
         return 2
-    server = build_server(llm, a.host, a.port, a.served_model_name)
+    try:
+        server = build_server(llm, a.host, a.port, a.served_model_name)
+    except OSError as e:  # taken between the check and now
+        print(f"llmhal serve: cannot listen on {a.host}:{a.port}: {e}", file=sys.stderr)
+        return 2
     print(
         f"llmhal serve: http://{a.host}:{server.server_address[1]}/v1 ({server.state.model_name})",
         file=sys.stderr,

@@ -144,15 +144,43 @@ def test_string_prompts_and_chat(llm):
     assert len(_ids(chat)) == 3
 
 
+def test_malformed_chat_messages_are_a_clear_error(llm):
+    for messages, match in [
+        ([{"role": "user"}], r"message 0 .*'content'"),
+        ([{"role": "user", "content": "hi"}, "hello"], r"message 1 .*dict"),
+        ([{"content": "hi"}], r"message 0 .*'role'"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            llm.chat(messages, SamplingParams(max_tokens=2))
+    assert llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2))
+
+
 def test_invalid_sampling_params_are_rejected():
     for kwargs, match in [
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"n": 2}, "n=2"),
+        ({"temperature": float("nan")}, "temperature must be finite"),
+        ({"top_p": float("inf")}, "top_p must be finite"),
+        ({"seed": "abc"}, "seed must be an integer"),
+        ({"seed": 2**64}, "seed must fit in 64 bits"),
+        ({"top_k": 2.5}, "top_k must be an integer"),
+        ({"max_tokens": 2.5}, "max_tokens must be an integer"),
+        ({"logprobs": True}, "logprobs must be an integer"),
+        ({"stop": 5}, "stop must be a string or a list"),
+        ({"stop": ["ok", 3]}, "stop must be a string or a list"),
+        ({"stop_token_ids": "abc"}, "stop_token_ids must be a list"),
+        ({"stop_token_ids": [1, 2.0]}, "stop_token_ids must be a list"),
+        ({"ignore_eos": 1}, "ignore_eos must be true or false"),
     ]:
         with pytest.raises(ValueError, match=match):
             SamplingParams(**kwargs)
+    # Integer and real types other than int and float (numpy's) are numbers too.
+    import numpy as np
+
+    p = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3), stop_token_ids=(1, 2))
+    assert p.stop_token_ids == [1, 2]
 
 
 def test_kv_cache_too_small_for_one_request_is_a_clear_error(tiny_models):

@@ -107,3 +107,30 @@ def test_enforce_eager_reaches_the_engine(tiny, monkeypatch, capsys):
     assert generate.main(argv) == 0
     assert seen["enforce_eager"] is True
     capsys.readouterr()
+
+
+def test_bad_sampling_options_fail_in_one_line_before_the_model_loads(capsys, monkeypatch):
+    from llmhal.entrypoints import engine_args
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(generate, "build_llm", no_load)
+    for opts, why in [
+        (["--max-tokens", "0"], "max_tokens must be at least 1, got 0"),
+        (["--top-p", "2"], "top_p must be in (0, 1]"),
+        (["--temperature", "nan"], "temperature must be finite"),
+    ]:
+        assert generate.main(["--prompt", "hi", *opts]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("llmhal generate: Invalid SamplingParams") and why in err
+        assert "Traceback" not in err
+    assert engine_args.build_llm is not no_load  # only generate's reference was replaced
+
+
+def test_a_prompt_too_long_for_the_model_is_one_line_and_status_2(tiny, capsys):
+    long = " ".join(["word"] * 400)  # the tiny model's context is shorter
+    args = ["--model", tiny, "--no-chat", "--max-tokens", "2", "--prompt", long]
+    assert generate.main(args) == 2
+    err = capsys.readouterr().err
+    assert "llmhal generate: The prompt is" in err and "Shorten the prompt" in err

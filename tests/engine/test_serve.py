@@ -118,6 +118,15 @@ def test_concurrent_requests_are_each_answered_correctly(server):
         ({"prompt": "x", "best_of": 2}, "unsupported field(s): best_of"),
         ({"prompt": ["a", "b"]}, "one prompt per request"),
         ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        # Wrong types and non-finite numbers are refused up front: inside a batch they used to
+        # fail its other requests too (NaN), or the server never answered (a string seed).
+        ({"prompt": "x", "temperature": float("nan")}, "temperature must be finite"),
+        ({"prompt": "x", "seed": "abc"}, "seed must be an integer"),
+        ({"prompt": "x", "max_tokens": "5"}, "max_tokens must be an integer"),
+        ({"prompt": "x", "stop": 5}, "stop must be a string or a list of strings"),
+        ({"prompt": "x", "stop_token_ids": "abc"}, "stop_token_ids must be a list"),
+        ({"prompt": "x", "logprobs": "abc"}, "logprobs must be an integer"),
+        ({"prompt": "x", "echo": True}, "echo is not supported"),
     ],
 )
 def test_bad_requests_are_400_with_the_reason_and_the_server_keeps_going(server, body, message):
@@ -132,3 +141,19 @@ def test_unknown_route_is_404(server):
     base, _ = server
     status, resp = post(base + "/v1/embeddings", {"input": "x"})
     assert status == 404 and "no route" in resp["error"]["message"]
+
+
+def test_a_taken_or_impossible_port_is_one_line_before_the_model_loads(server, capsys, monkeypatch):
+    from llmhal.entrypoints import serve
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr(serve, "build_llm", no_load)
+    taken = server[0].rsplit(":", 1)[1]  # the running test server's port
+    assert serve.main(["--port", taken]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"llmhal serve: cannot listen on 127.0.0.1:{taken}: ") and "in use" in err
+    with pytest.raises(SystemExit) as exit_:
+        serve.main(["--port", "99999"])
+    assert exit_.value.code == 2 and "a TCP port is 0-65535, got 99999" in capsys.readouterr().err
