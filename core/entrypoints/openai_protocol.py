@@ -7,6 +7,7 @@ vLLM's extensions ``top_k``, ``min_p``, ``ignore_eos`` and ``stop_token_ids`` ar
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from llmhal.engine.outputs import RequestOutput
@@ -91,15 +92,37 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def _logprobs(out: RequestOutput, chat: bool) -> Any:
+def _logprobs(out: RequestOutput, chat: bool, token_text: Callable[[int], str]) -> Any:
+    """OpenAI's log-probability shapes; ``token_id`` (and the completions' ``token_ids``) are
+    llmhal's additions, since a token's text alone can be ambiguous."""
     c = out.outputs[0]
     if c.logprobs is None:
         return None
+    chosen = list(zip(c.token_ids, c.logprobs, strict=True))
+
+    def entry(t: int, lp: float) -> dict[str, Any]:
+        text = token_text(t)
+        return {"token": text, "token_id": t, "logprob": lp, "bytes": list(text.encode())}
+
     if chat:
-        return {"content": [{"token_id": t, "logprob": lp[t], "top_logprobs": [{"token_id": k, "logprob": v} for k, v in lp.items()]}
-                            for t, lp in zip(c.token_ids, c.logprobs, strict=True)]}  # fmt: skip
-    return {"token_ids": c.token_ids, "token_logprobs": [lp[t] for t, lp in zip(c.token_ids, c.logprobs, strict=True)],
-            "top_logprobs": [{str(k): v for k, v in lp.items()} for lp in c.logprobs]}  # fmt: skip
+        return {
+            "content": [
+                {**entry(t, lps[t]), "top_logprobs": [entry(k, v) for k, v in lps.items()]}
+                for t, lps in chosen
+            ]
+        }
+    tokens = [token_text(t) for t in c.token_ids]
+    offsets, at = [], 0  # vLLM's convention: offsets into the returned text
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {
+        "tokens": tokens,
+        "token_ids": c.token_ids,
+        "token_logprobs": [lps[t] for t, lps in chosen],
+        "top_logprobs": [{token_text(k): v for k, v in lps.items()} for lps in c.logprobs],
+        "text_offset": offsets,
+    }
 
 
 def usage(out: RequestOutput) -> dict[str, int]:
@@ -118,21 +141,28 @@ def _envelope(rid: str, kind: str, model: str, choice: dict[str, Any]) -> dict[s
     }
 
 
-def full_response(rid: str, model: str, out: RequestOutput, *, chat: bool) -> dict[str, Any]:
+def full_response(
+    rid: str,
+    model: str,
+    out: RequestOutput,
+    *,
+    chat: bool,
+    token_text: Callable[[int], str] = str,
+) -> dict[str, Any]:
     c = out.outputs[0]
     if chat:
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": c.text},
             "finish_reason": c.finish_reason,
-            "logprobs": _logprobs(out, True),
+            "logprobs": _logprobs(out, True, token_text),
         }
     else:
         choice = {
             "index": 0,
             "text": c.text,
             "finish_reason": c.finish_reason,
-            "logprobs": _logprobs(out, False),
+            "logprobs": _logprobs(out, False, token_text),
         }
     kind = "chat.completion" if chat else "text_completion"
     return {**_envelope(rid, kind, model, choice), "usage": usage(out)}

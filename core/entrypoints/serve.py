@@ -8,6 +8,7 @@ by the engine loop. Bad input is a 400 whose message says what to change; the se
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import socket
 import sys
@@ -32,6 +33,11 @@ class ServerState:
         self.model_name = model_name
         self.loop = EngineLoop(llm.engine)
         self.started = int(time.time())
+        tokenizer = llm.get_tokenizer()
+        # A token's own text for log-probability entries (OpenAI's `token`); one decode per id.
+        self.token_text = functools.lru_cache(maxsize=65536)(
+            lambda t: tokenizer.decode([t], skip_special_tokens=False)
+        )
 
 
 def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
@@ -120,7 +126,12 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                 self._error(500, f"generation failed: {e}", "server_error")
                 return
             assert last is not None
-            self._json(200, api.full_response(rid, state.model_name, last, chat=chat))
+            self._json(
+                200,
+                api.full_response(
+                    rid, state.model_name, last, chat=chat, token_text=state.token_text
+                ),
+            )
 
         def _stream(self, rid: str, q: Any, chat: bool) -> None:
             self.send_response(200)

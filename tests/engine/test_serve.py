@@ -66,6 +66,38 @@ def test_completion_matches_the_offline_api(server):
     assert resp["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
 
 
+def test_logprobs_have_openais_shapes(server):
+    base, llm = server
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
+    offline = llm.generate({"prompt_token_ids": [5, 6, 7]}, params)[0].outputs[0]
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    status, resp = post(base + "/v1/completions", {**body, "logprobs": 2})
+    assert status == 200, resp
+    lp = resp["choices"][0]["logprobs"]
+    texts = [tok.decode([t], skip_special_tokens=False) for t in offline.token_ids]
+    assert lp["tokens"] == texts and lp["token_ids"] == offline.token_ids
+    assert lp["token_logprobs"] == [
+        d[t] for t, d in zip(offline.token_ids, offline.logprobs, strict=True)
+    ]
+    assert lp["text_offset"] == [sum(len(x) for x in texts[:i]) for i in range(len(texts))]
+    assert all(len(top) <= 3 and all(isinstance(k, str) for k in top) for top in lp["top_logprobs"])
+
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+    status, resp = post(
+        base + "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 2}
+    )
+    assert status == 200, resp
+    content = resp["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3
+    for e in content:
+        assert e["token"] == tok.decode([e["token_id"]], skip_special_tokens=False)
+        assert e["bytes"] == list(e["token"].encode()) and isinstance(e["logprob"], float)
+        assert e["top_logprobs"] and all(
+            {"token", "logprob", "bytes"} <= set(t) for t in e["top_logprobs"]
+        )
+
+
 def test_chat_and_its_stream_agree(server):
     base, _ = server
     body = {
