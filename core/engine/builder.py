@@ -139,6 +139,7 @@ def process_weights_after_loading(model: torch.nn.Module) -> None:
 
 def build_engine(args: EngineArgs) -> tuple[Any, LoadReport]:
     """Build an :class:`~llmhal.engine.llm_engine.LLMEngine` (and a report of what was built)."""
+    from llmhal.attention.backend import KV_CACHE_DTYPES
     from llmhal.default_model import default_model_path
     from llmhal.engine.kv_cache_manager import KVCacheManager
     from llmhal.engine.llm_engine import LLMEngine
@@ -150,6 +151,10 @@ def build_engine(args: EngineArgs) -> tuple[Any, LoadReport]:
     from llmhal.plugins import load_general_plugins
     from llmhal.quantization.resolve import resolve_quantization
 
+    if args.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype={args.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}"
+        )
     t0 = time.perf_counter()
     load_general_plugins()
     platform = get_current_platform()

@@ -221,3 +221,9 @@ def test_platform_may_change_the_block_size(tiny_models, monkeypatch):
     llm = LLM(folder, dtype="float32", max_model_len=128)
     assert llm.engine.config.cache.block_size == 8
     assert _ids(llm.generate(p, params)[0]) == _ids(want)
+
+
+def test_an_unknown_kv_cache_dtype_is_named_before_loading(tiny_models):
+    folder, _ = tiny_models("llama")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='NOPE' is not one of auto, fp8_e4m3"):
+        LLM(folder, kv_cache_dtype="NOPE")
