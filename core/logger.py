@@ -29,6 +29,8 @@ def _configure_root() -> None:
 def init_logger(name: str) -> logging.Logger:
     """Return a logger under the ``llmhal`` tree (``name`` is usually ``__name__``)."""
     _configure_root()
-    if not name.startswith("llmhal"):
+    # Platform packages (llmhal_cpu, llmhal_cuda, a vendor's) join the tree too: a bare prefix test
+    # left "llmhal_cpu.*" outside it, so LLMHAL_LOGGING_LEVEL never reached their messages.
+    if name != "llmhal" and not name.startswith("llmhal."):
         name = f"llmhal.{name}"
     return logging.getLogger(name)

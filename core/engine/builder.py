@@ -99,13 +99,27 @@ def resolve_dtype(
 
 
 def derive_max_model_len(hf_config: Any, requested: int | None) -> int:
-    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    """The context length: ``requested``, or the model's ``max_position_embeddings``.
+
+    RoPE scaling that extends the context (``linear``, ``dynamic``, ``yarn``: the factor times the
+    original length, as vLLM counts it) raises the limit a request may ask for, not the default:
+    ``dynamic`` scaling changes every position's rotation once the engine's context passes the
+    original one, so the extended context is opt-in.
+    """
+    from llmhal.layers.rotary_embedding import rope_parameters
+
+    native = getattr(hf_config, "max_position_embeddings", None) or 2048
+    limit, why = native, f"the model's max_position_embeddings ({native})"
+    rope = rope_parameters(hf_config)
+    factor = rope.get("factor")
+    if factor and factor > 1 and rope["rope_type"] in ("linear", "dynamic", "yarn"):
+        original = rope.get("original_max_position_embeddings") or native
+        limit = int(original * factor)
+        why = f"{rope['rope_type']} RoPE scaling's limit ({original} x {factor:g} = {limit})"
     if requested is None:
-        return int(limit)
+        return int(native)
     if requested > limit:
-        raise ValueError(
-            f"max_model_len={requested} exceeds the model's max_position_embeddings ({limit}); use at most {limit}"
-        )
+        raise ValueError(f"max_model_len={requested} exceeds {why}; use at most {limit}")
     if requested < 2:
         raise ValueError(f"max_model_len must be at least 2, got {requested}")
     return requested

@@ -16,6 +16,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--model",
         help="model folder (config.json + safetensors) or .gguf file; default: SmolLM2-135M-Instruct",
     )
+    p.add_argument(
+        "--tokenizer", help="folder with the tokenizer's files (default: the model's own)"
+    )
     p.add_argument("--attention-backend", help="attention backend (default: the platform's choice)")
     p.add_argument("--quantization", help="quantization method (default: from the checkpoint)")
     p.add_argument(
@@ -53,8 +56,9 @@ def build_llm(prog: str, args: argparse.Namespace, **extra: Any) -> LLM | None:
         return LLM(
             args.model, dtype=args.dtype, attention_backend=args.attention_backend,
             quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-            max_model_len=args.max_model_len, enforce_eager=getattr(args, "enforce_eager", False), **extra,
+            max_model_len=args.max_model_len, enforce_eager=getattr(args, "enforce_eager", False),
+            tokenizer=args.tokenizer, **extra,
         )  # fmt: skip
-    except (ValueError, FileNotFoundError, ImportError, RuntimeError) as e:
+    except (ValueError, OSError, ImportError, RuntimeError) as e:  # OSError: unreadable files
         print(f"{prog}: {e}", file=sys.stderr)
         return None

@@ -68,11 +68,7 @@ class SafetensorsCheckpoint(Checkpoint):
         self.hf_config = AutoConfig.from_pretrained(str(source.folder), local_files_only=True)
 
     def tokenizer(self, override: str | None = None) -> Any:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(
-            override or str(self.source.folder), local_files_only=True
-        )
+        return _local_tokenizer(override or str(self.source.folder), override is not None)
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         from llmhal.model_loader.safetensors_loader import iter_safetensors_weights
@@ -101,13 +97,37 @@ class GGUFCheckpoint(Checkpoint):
 
     def tokenizer(self, override: str | None = None) -> Any:
         if override:
-            from transformers import AutoTokenizer
-
-            return AutoTokenizer.from_pretrained(override, local_files_only=True)
+            return _local_tokenizer(override, True)
         return self.gguf.tokenizer()
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.gguf.weights()
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _local_tokenizer(where: str, explicit: bool) -> Any:
+    """transformers' tokenizer from a local folder; a missing folder or one without tokenizer files
+    is an error naming them and the remedy (transformers' own words are about hub repo ids or
+    missing libraries)."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    folder = Path(where)
+    if explicit and not folder.exists():
+        raise ValueError(
+            f"tokenizer={where!r} does not exist on this machine (llmhal never downloads); pass a "
+            f"local folder holding the tokenizer's files"
+        )
+    if folder.is_dir() and not any((folder / f).is_file() for f in _TOKENIZER_FILES):
+        whose = "the tokenizer folder" if explicit else "the model folder"
+        raise ValueError(
+            f"{where} ({whose}) has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); copy them "
+            f"there, or pass tokenizer=<a folder with them> (CLI: --tokenizer)"
+        )
+    return AutoTokenizer.from_pretrained(where, local_files_only=True)
 
 
 def open_checkpoint(source: ModelSource) -> Checkpoint:

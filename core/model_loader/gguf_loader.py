@@ -143,10 +143,24 @@ class GGUFFile:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        if self.path.stat().st_size < 4:
+            raise GGUFFormatError(
+                f"{self.path} is not a GGUF file (only {self.path.stat().st_size} bytes)"
+            )
         self._buf = np.memmap(self.path, dtype=np.uint8, mode="c")  # copy-on-write: never written
-        h = _Header(self._buf, self.path)
         if bytes(self._buf[:4]) != b"GGUF":
             raise GGUFFormatError(f"{self.path} is not a GGUF file (no GGUF magic bytes)")
+        try:
+            self._read_header()
+        except (struct.error, OverflowError, MemoryError, IndexError) as e:
+            # The header ends before its own counts say it does: a cut-off copy or download.
+            raise GGUFFormatError(
+                f"{self.path} is truncated or corrupt: its header cannot be read "
+                f"({type(e).__name__}: {e}); copy or download the file again"
+            ) from None
+
+    def _read_header(self) -> None:
+        h = _Header(self._buf, self.path)
         h.pos = 4
         version, n_tensors, n_kv = h.take("<I"), h.take("<Q"), h.take("<Q")
         if version not in (2, 3):

@@ -117,6 +117,11 @@ def build(source: Path, stem: str, cxx: str) -> Path:
     else:
         raise RuntimeError(f"no writable folder for the kernel ({cache_dir()}, {fallback})")
     os.close(fd)
+    # Shown by default: on a small machine quant_gemm alone compiles for ~25 s, which otherwise
+    # looks like a hang after the loading bar reached 100%.
+    logger.warning(
+        "Compiling the native CPU kernel %s for this CPU (once; cached in %s)", stem, folder
+    )
     try:
         proc = subprocess.run(
             [cxx, *flags, str(source), "-o", tmp], capture_output=True, text=True, timeout=300

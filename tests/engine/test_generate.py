@@ -227,3 +227,59 @@ def test_an_unknown_kv_cache_dtype_is_named_before_loading(tiny_models):
     folder, _ = tiny_models("llama")
     with pytest.raises(ValueError, match=r"kv_cache_dtype='NOPE' is not one of auto, fp8_e4m3"):
         LLM(folder, kv_cache_dtype="NOPE")
+
+
+def test_a_model_without_tokenizer_files_names_them_and_the_remedy(tiny_models, tmp_path):
+    import shutil
+    from pathlib import Path
+
+    folder, _ = tiny_models("llama")
+    bare = tmp_path / "bare"
+    shutil.copytree(
+        folder,
+        bare,
+        ignore=shutil.ignore_patterns("tokenizer*", "vocab*", "merges*", "special_tokens*"),
+    )
+    with pytest.raises(
+        ValueError, match=r"bare \(the model folder\) has no tokenizer files.*--tokenizer"
+    ):
+        LLM(str(bare), dtype="float32")
+    with pytest.raises(
+        ValueError, match=r"tokenizer='/no/such/tok' does not exist.*never downloads"
+    ):
+        LLM(str(bare), dtype="float32", tokenizer="/no/such/tok")
+    llm = LLM(str(bare), dtype="float32", tokenizer=folder, max_model_len=64)  # the remedy works
+    assert llm.generate("hi", SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0].token_ids
+    assert not any(Path(bare).glob("tokenizer*"))
+
+
+def test_rope_scaling_raises_the_context_a_request_may_ask_for(tmp_path):
+    from llmhal.engine.builder import derive_max_model_len
+    from llmhal.testing.tiny_models import make_tiny_model, tiny_config
+
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    yarn["original_max_position_embeddings"] = 512
+    cfg = tiny_config("qwen2", max_position_embeddings=512, rope_parameters=yarn)
+    assert derive_max_model_len(cfg, None) == 512  # the extended context is opt-in
+    assert derive_max_model_len(cfg, 2048) == 2048
+    with pytest.raises(ValueError, match=r"yarn RoPE scaling's limit \(512 x 4 = 2048\)"):
+        derive_max_model_len(cfg, 2049)
+    dyn = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    assert (
+        derive_max_model_len(
+            tiny_config("llama", max_position_embeddings=256, rope_parameters=dyn), 512
+        )
+        == 512
+    )
+    plain = tiny_config("llama", max_position_embeddings=256)
+    with pytest.raises(
+        ValueError, match=r"the model's max_position_embeddings \(256\); use at most 256"
+    ):
+        derive_max_model_len(plain, 257)
+    # And an engine runs the extended context (yarn is one static table, as in HF).
+    make_tiny_model(tmp_path / "q", "qwen2", max_position_embeddings=512, rope_parameters=yarn)
+    llm = LLM(str(tmp_path / "q"), dtype="float32", max_model_len=1024)
+    out = llm.generate(
+        {"prompt_token_ids": [3] * 700}, SamplingParams(max_tokens=2, ignore_eos=True)
+    )
+    assert len(out[0].outputs[0].token_ids) == 2

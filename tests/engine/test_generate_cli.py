@@ -134,3 +134,23 @@ def test_a_prompt_too_long_for_the_model_is_one_line_and_status_2(tiny, capsys):
     assert generate.main(args) == 2
     err = capsys.readouterr().err
     assert "llmhal generate: The prompt is" in err and "Shorten the prompt" in err
+
+
+def test_tokenizer_option_and_unreadable_config_are_handled(tiny, tmp_path, capsys):
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(
+        tiny,
+        bare,
+        ignore=shutil.ignore_patterns("tokenizer*", "vocab*", "merges*", "special_tokens*"),
+    )
+    args = ["--model", str(bare), "--no-chat", "--json", "--max-tokens", "2", "--prompt", "hi"]
+    assert generate.main(args) == 2
+    assert "has no tokenizer files" in capsys.readouterr().err
+    assert generate.main([*args, "--tokenizer", tiny]) == 0
+    capsys.readouterr()
+    (bare / "config.json").write_text("{not json")
+    assert generate.main([*args, "--tokenizer", tiny]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("llmhal generate: ") and "Traceback" not in err

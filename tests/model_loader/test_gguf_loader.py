@@ -191,3 +191,20 @@ def test_unsupported_architecture_and_not_a_gguf(tmp_path):
     (tmp_path / "x.gguf").write_bytes(b"not a gguf file at all, definitely")
     with pytest.raises(GGUFFormatError, match="not a GGUF file"):
         GGUFFile(tmp_path / "x.gguf")
+
+
+def test_a_truncated_or_empty_file_is_named_with_the_remedy(tmp_path):
+    full = tmp_path / "full.gguf"
+    write_tiny_gguf(full, "llama")
+    data = full.read_bytes()
+    for size in (1024, 20, 5):  # cut inside the metadata, inside the counts, after the magic
+        cut = tmp_path / f"cut{size}.gguf"
+        cut.write_bytes(data[:size])
+        with pytest.raises(
+            GGUFFormatError, match=rf"cut{size}.gguf is truncated or corrupt.*again"
+        ):
+            GGUFFile(cut)
+    for raw in (b"", b"GG"):
+        (tmp_path / "tiny.gguf").write_bytes(raw)
+        with pytest.raises(GGUFFormatError, match="tiny.gguf is not a GGUF file"):
+            GGUFFile(tmp_path / "tiny.gguf")
