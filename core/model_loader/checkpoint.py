@@ -28,15 +28,30 @@ class Checkpoint:
     def quant_method(self) -> str | None:
         """The quantization method the checkpoint was saved with (None = unquantized)."""
         cfg = self.quant_config_dict
-        method = cfg.get("quant_method") if cfg else None
-        return str(method).lower() if method else None
+        if not cfg:
+            return None
+        method = cfg.get("quant_method")
+        if not method:
+            # Loading it as unquantized would fail later on tensor names (g_idx, qweight, ...).
+            raise ValueError(
+                f"{self.source.path}: config.json's quantization_config has no quant_method, so "
+                f'the checkpoint\'s format is unknown; add it (e.g. "quant_method": "gptq")'
+            )
+        return str(method).lower()
 
     @property
     def quant_config_dict(self) -> dict[str, Any] | None:
         raw = getattr(self.hf_config, "quantization_config", None)
         if raw is None:
             return None
-        return raw if isinstance(raw, dict) else raw.to_dict()
+        if isinstance(raw, dict):
+            return raw
+        if hasattr(raw, "to_dict"):
+            return raw.to_dict()
+        raise ValueError(
+            f"{self.source.path}: config.json's quantization_config must be an object with a "
+            f"quant_method, got {raw!r}"
+        )
 
     def build_quant_config(self, cls: type[QuantizationConfig]) -> QuantizationConfig:
         return cls.from_config(self.quant_config_dict or {})
@@ -63,8 +78,20 @@ class Checkpoint:
 class SafetensorsCheckpoint(Checkpoint):
     def __init__(self, source: ModelSource) -> None:
         super().__init__(source)
+        import json
+
         from transformers import AutoConfig
 
+        path = source.folder / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path} cannot be read: {e}") from None
+        qc = raw.get("quantization_config") if isinstance(raw, dict) else None
+        if qc is not None and not isinstance(qc, dict):  # transformers fails on it obscurely
+            raise ValueError(
+                f"{path}: quantization_config must be an object with a quant_method, got {qc!r}"
+            )
         self.hf_config = AutoConfig.from_pretrained(str(source.folder), local_files_only=True)
 
     def tokenizer(self, override: str | None = None) -> Any:

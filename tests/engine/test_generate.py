@@ -283,3 +283,20 @@ def test_rope_scaling_raises_the_context_a_request_may_ask_for(tmp_path):
         {"prompt_token_ids": [3] * 700}, SamplingParams(max_tokens=2, ignore_eos=True)
     )
     assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_a_malformed_quantization_config_is_named(tiny_models, tmp_path):
+    import json
+    import shutil
+
+    folder, _ = tiny_models("llama")
+    for qc, match in [
+        ("gptq", r"quantization_config must be an object with a quant_method, got 'gptq'"),
+        ({"bits": 4, "group_size": 32}, r"quantization_config has no quant_method"),
+    ]:
+        bad = tmp_path / f"m{len(match)}"
+        shutil.copytree(folder, bad)
+        cfg = json.loads((bad / "config.json").read_text())
+        (bad / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+        with pytest.raises(ValueError, match=match):
+            LLM(str(bad), dtype="float32")
