@@ -48,6 +48,10 @@ class EngineStats:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
+# The most top log-probabilities a request may ask for per token (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -125,6 +129,13 @@ class LLMEngine:
         vocab = getattr(self.config.model.hf_config, "vocab_size", None)
         if vocab is not None and any(t < 0 or t >= vocab for t in token_ids):
             raise ValueError(f"prompt_token_ids contain ids outside the vocabulary [0, {vocab})")
+        # Checked here, not inside a step: a step that fails takes every request in it down.
+        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+            raise ValueError(
+                f"logprobs={params.logprobs}: at most {MAX_LOGPROBS} top log-probabilities per token"
+            )
+        if vocab is not None and any(t < 0 or t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids contain ids outside the vocabulary [0, {vocab})")
         max_tokens = min(params.max_tokens or limit, limit - n)
         need = self.kv.blocks_for(n + max_tokens)
         if need > self.kv.num_blocks:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import queue
+import select
 import socket
 import sys
 import time
@@ -21,6 +23,12 @@ from llmhal.entrypoints.engine_args import add_engine_args, build_llm
 from llmhal.logger import init_logger
 
 logger = init_logger(__name__)
+
+# A client that sends part of a request and stalls is dropped after this many seconds (each one
+# otherwise held a thread and a socket for as long as it liked).
+READ_TIMEOUT_S = 60.0
+# Larger bodies are a 413 (reading one allocates its whole size first).
+MAX_BODY_BYTES = 32 << 20
 
 
 class ServerState:
@@ -44,6 +52,10 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "llmhal"
 
+        @property
+        def timeout(self) -> float:  # socketserver applies it to the connection (reads and writes)
+            return READ_TIMEOUT_S
+
         def log_message(self, format: str, *args: Any) -> None:
             logger.info("%s %s", self.address_string(), format % args)
 
@@ -56,7 +68,20 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(data)
 
         def _error(self, code: int, message: str, kind: str = "invalid_request_error") -> None:
-            self._json(code, {"error": {"message": message, "type": kind, "code": code}})
+            try:
+                self._json(code, {"error": {"message": message, "type": kind, "code": code}})
+            except OSError:  # the client is gone (or stalled): nobody to tell
+                self.close_connection = True
+
+        def _client_gone(self) -> bool:
+            """Whether the client closed its end (readable with nothing to read)."""
+            try:
+                readable, _, _ = select.select([self.connection], [], [], 0)
+                return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError:
+                return True
 
         def do_GET(self) -> None:
             if self.path == "/health":
@@ -83,7 +108,18 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                 return
             try:
                 length = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(length) or b"{}")
+                if length < 0:
+                    raise api.BadRequest("Content-Length must not be negative")
+                if length > MAX_BODY_BYTES:
+                    self._error(
+                        413, f"the body is over {MAX_BODY_BYTES} bytes", "payload_too_large"
+                    )
+                    return
+                raw = self.rfile.read(length)
+                if len(raw) < length:
+                    self.close_connection = True  # the client closed mid-body
+                    return
+                body = json.loads(raw or b"{}")
                 if not isinstance(body, dict):
                     raise api.BadRequest("the request body must be a JSON object")
                 params = api.sampling_params(body, chat=chat)
@@ -92,12 +128,19 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
             except (api.BadRequest, ValueError, TypeError) as e:
                 self._error(400, str(e))
                 return
+            except RecursionError:
+                self._error(400, "the JSON body is nested too deeply")
+                return
+            except OSError:  # a read timeout or a reset: drop the connection quietly
+                self.close_connection = True
+                return
             try:
                 if body.get("stream"):
                     self._stream(rid, q, chat)
                 else:
                     self._complete(rid, q, chat)
-            except (BrokenPipeError, ConnectionResetError):
+            except OSError:  # the client went away or stalled: stop generating for it
+                self.close_connection = True
                 state.loop.abort(rid)
 
         def _chat_prompt(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -109,8 +152,20 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
         def _updates(self, q: Any):
             from llmhal.engine.engine_loop import FINISHED
 
+            checked = time.monotonic()
             while True:
-                item = q.get()
+                # A client who hangs up is looked for every quarter second (streams notice when a
+                # write fails; a non-streaming request would otherwise run to max_tokens).
+                try:
+                    item = q.get(timeout=0.25)
+                except queue.Empty:
+                    item = None
+                if time.monotonic() - checked >= 0.25:
+                    checked = time.monotonic()
+                    if self._client_gone():
+                        raise ConnectionResetError("the client closed the connection")
+                if item is None:
+                    continue
                 if item is FINISHED:
                     return
                 if isinstance(item, Exception):
@@ -122,6 +177,8 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
             try:
                 for out in self._updates(q):
                     last = out
+            except OSError:
+                raise
             except Exception as e:
                 self._error(500, f"generation failed: {e}", "server_error")
                 return
@@ -152,7 +209,7 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                             chunk["usage"] = api.usage(out)
                         self._event(chunk)
                         first = False
-            except (BrokenPipeError, ConnectionResetError):
+            except OSError:
                 raise
             except Exception as e:
                 self._event(
@@ -168,11 +225,16 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+class _Server(ThreadingHTTPServer):
+    # socketserver's default listen queue is 5: a burst of 40 clients saw connection resets.
+    request_queue_size = 256
+
+
 def build_server(
     llm: Any, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None
 ) -> ThreadingHTTPServer:
     state = ServerState(llm, model_name or llm.load_report.model_path)
-    server = ThreadingHTTPServer((host, port), make_handler(state))
+    server = _Server((host, port), make_handler(state))
     server.daemon_threads = True
     server.state = state  # type: ignore[attr-defined]
     return server

@@ -159,6 +159,9 @@ def test_concurrent_requests_are_each_answered_correctly(server):
         ({"prompt": "x", "stop_token_ids": "abc"}, "stop_token_ids must be a list"),
         ({"prompt": "x", "logprobs": "abc"}, "logprobs must be an integer"),
         ({"prompt": "x", "echo": True}, "echo is not supported"),
+        # Values only the model can check are checked at submission, not inside a shared step.
+        ({"prompt": "x", "logprobs": 100000}, "at most 20 top log-probabilities"),
+        ({"prompt": "x", "stop_token_ids": [10**9], "min_tokens": 1}, "outside the vocabulary"),
     ],
 )
 def test_bad_requests_are_400_with_the_reason_and_the_server_keeps_going(server, body, message):
@@ -189,3 +192,92 @@ def test_a_taken_or_impossible_port_is_one_line_before_the_model_loads(server, c
     with pytest.raises(SystemExit) as exit_:
         serve.main(["--port", "99999"])
     assert exit_.value.code == 2 and "a TCP port is 0-65535, got 99999" in capsys.readouterr().err
+
+
+def _raw(base: str, payload: bytes, wait: float = 10.0) -> bytes:
+    """Send raw bytes to the server and return all it answers until it closes."""
+    import socket
+
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=wait) as sock:
+        sock.sendall(payload)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_a_burst_of_clients_is_accepted(server):
+    # socketserver's listen queue of 5 reset some of 40 simultaneous connections.
+    base, _ = server
+    barrier = threading.Barrier(64)
+    answers: list[bytes] = []
+
+    def client() -> None:
+        barrier.wait()
+        answers.append(_raw(base, b"GET /health HTTP/1.0\r\n\r\n"))
+
+    threads = [threading.Thread(target=client) for _ in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(answers) == 64 and all(a.startswith(b"HTTP/1.0 200") for a in answers)
+
+
+def test_stalled_oversized_and_deeply_nested_bodies(server, monkeypatch):
+    import time
+
+    from llmhal.entrypoints import serve
+
+    base, _ = server
+    monkeypatch.setattr(serve, "READ_TIMEOUT_S", 0.5)
+    t = time.monotonic()
+    stalled = b'POST /v1/completions HTTP/1.1\r\nContent-Length: 100\r\n\r\n{"pro'
+    assert _raw(base, stalled) == b""  # dropped without an answer, and without waiting forever
+    assert time.monotonic() - t < 5
+    big = b"POST /v1/completions HTTP/1.1\r\nContent-Length: 100000000000\r\n\r\n"
+    assert b" 413 " in _raw(base, big).split(b"\r\n")[0]
+    nested = b"[" * 100000
+    head = f"POST /v1/completions HTTP/1.1\r\nContent-Length: {len(nested)}\r\n\r\n".encode()
+    answer = _raw(base, head + nested)
+    assert b" 400 " in answer.split(b"\r\n")[0] and b"nested too deeply" in answer
+    status, _ = post(base + "/v1/completions", {"prompt": [1, 2], "max_tokens": 2})
+    assert status == 200
+
+
+def test_a_non_streaming_client_that_hangs_up_is_aborted(server, monkeypatch):
+    # Streams noticed a closed socket when a write failed; a plain request ran to max_tokens.
+    import time
+
+    from llmhal.engine.engine_loop import EngineLoop
+
+    base, llm = server
+    aborted: list[bool] = []  # whether the request was still generating when aborted
+    original = EngineLoop.abort
+
+    def abort(self, request_id):
+        aborted.append(self.engine.has_unfinished_requests())
+        return original(self, request_id)
+
+    engine_cls = type(llm.engine)
+    real_step = engine_cls.step
+
+    def slow_step(self):  # 120 steps take >= 2.4 s: the hang-up comes long before the end
+        time.sleep(0.02)
+        return real_step(self)
+
+    monkeypatch.setattr(EngineLoop, "abort", abort)
+    monkeypatch.setattr(engine_cls, "step", slow_step)
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 120, "ignore_eos": True}).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+    import socket
+
+    host, port = base.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(head + body)
+    sock.close()
+    deadline = time.monotonic() + 10
+    while not aborted and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert aborted == [True], "the request ran on after its client hung up"
