@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from llmhal.engine.builder import EngineArgs, build_engine
+from llmhal.engine.chat import check_chat_messages
 from llmhal.engine.outputs import RequestOutput
 from llmhal.engine.sampling_params import SamplingParams
 
@@ -110,16 +111,7 @@ class LLM:
         tok = self.engine.tokenizer
         prompts = []
         for conv in convs:
-            for i, m in enumerate(conv):
-                if not (
-                    isinstance(m, dict)
-                    and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), str)
-                ):
-                    raise ValueError(
-                        f"chat message {i} must be a dict with a string 'role' and a string "
-                        f"'content', got {m!r}"
-                    )
+            check_chat_messages(conv)
             text = self.apply_chat_template(conv, add_generation_prompt)  # type: ignore[arg-type]
             # The template already holds the special tokens; do not let encode() add a second BOS.
             prompts.append(

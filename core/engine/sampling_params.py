@@ -83,30 +83,28 @@ class SamplingParams:
             raise _bad(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
 
     def _validate(self) -> None:
-        bad = _bad
-
         if self.n != 1:
-            raise bad(
+            raise _bad(
                 f"n={self.n}; only n=1 is supported (send the prompt several times with seeds)"
             )
         if self.temperature < 0:
-            raise bad(f"temperature must be >= 0, got {self.temperature}")
+            raise _bad(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
+            raise _bad(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
-            raise bad(f"top_k must be -1 or 0 (off) or a positive count, got {self.top_k}")
+            raise _bad(f"top_k must be -1 or 0 (off) or a positive count, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
-            raise bad(f"min_p must be in [0, 1], got {self.min_p}")
+            raise _bad(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise _bad(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0 or (
             self.max_tokens is not None and self.min_tokens > self.max_tokens
         ):
-            raise bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+            raise _bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
-            raise bad(f"logprobs must be >= 0, got {self.logprobs}")
+            raise _bad(f"logprobs must be >= 0, got {self.logprobs}")
         if any(not s for s in self.stop):  # type: ignore[union-attr]
-            raise bad("stop strings must be non-empty")
+            raise _bad("stop strings must be non-empty")
 
     @property
     def greedy(self) -> bool:

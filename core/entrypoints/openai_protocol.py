@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from llmhal.engine.chat import check_chat_messages
 from llmhal.engine.outputs import RequestOutput
 from llmhal.engine.sampling_params import SamplingParams
 
@@ -82,13 +83,10 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list of {role, content} objects")
-    for m in messages:
-        if (
-            not isinstance(m, dict)
-            or not isinstance(m.get("role"), str)
-            or not isinstance(m.get("content"), str)
-        ):
-            raise BadRequest("each message needs a string 'role' and a string 'content'")
+    try:
+        check_chat_messages(messages)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 

@@ -44,14 +44,7 @@ class Checkpoint:
         raw = getattr(self.hf_config, "quantization_config", None)
         if raw is None:
             return None
-        if isinstance(raw, dict):
-            return raw
-        if hasattr(raw, "to_dict"):
-            return raw.to_dict()
-        raise ValueError(
-            f"{self.source.path}: config.json's quantization_config must be an object with a "
-            f"quant_method, got {raw!r}"
-        )
+        return raw if isinstance(raw, dict) else raw.to_dict()
 
     def build_quant_config(self, cls: type[QuantizationConfig]) -> QuantizationConfig:
         return cls.from_config(self.quant_config_dict or {})
@@ -78,21 +71,22 @@ class Checkpoint:
 class SafetensorsCheckpoint(Checkpoint):
     def __init__(self, source: ModelSource) -> None:
         super().__init__(source)
-        import json
-
         from transformers import AutoConfig
 
-        path = source.folder / "config.json"
         try:
-            raw = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{path} cannot be read: {e}") from None
-        qc = raw.get("quantization_config") if isinstance(raw, dict) else None
-        if qc is not None and not isinstance(qc, dict):  # transformers fails on it obscurely
-            raise ValueError(
-                f"{path}: quantization_config must be an object with a quant_method, got {qc!r}"
-            )
-        self.hf_config = AutoConfig.from_pretrained(str(source.folder), local_files_only=True)
+            self.hf_config = AutoConfig.from_pretrained(str(source.folder), local_files_only=True)
+        except (AttributeError, TypeError):
+            # transformers fails obscurely on a quantization_config that is not an object; the
+            # file is read again only then, to say so.
+            import json
+
+            path = source.folder / "config.json"
+            qc = json.loads(path.read_text()).get("quantization_config")
+            if qc is not None and not isinstance(qc, dict):
+                raise ValueError(
+                    f"{path}: quantization_config must be an object with a quant_method, got {qc!r}"
+                ) from None
+            raise
 
     def tokenizer(self, override: str | None = None) -> Any:
         return _local_tokenizer(override or str(self.source.folder), override is not None)
