@@ -20,6 +20,7 @@ from llmhal.config import (
     set_current_config,
 )
 from llmhal.logger import init_logger
+from llmhal.model_loader.progress import LoadProgress
 
 logger = init_logger(__name__)
 
@@ -45,6 +46,7 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     seed: int = 0
     enforce_eager: bool = False
+    load_progress: bool | None = None  # None: only when stderr is a terminal
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -155,15 +157,9 @@ def build_engine(args: EngineArgs) -> tuple[Any, LoadReport]:
     """Build an :class:`~llmhal.engine.llm_engine.LLMEngine` (and a report of what was built)."""
     from llmhal.attention.backend import KV_CACHE_DTYPES
     from llmhal.default_model import default_model_path
-    from llmhal.engine.kv_cache_manager import KVCacheManager
-    from llmhal.engine.llm_engine import LLMEngine
-    from llmhal.engine.model_runner import ModelRunner
-    from llmhal.model_loader.checkpoint import open_checkpoint
-    from llmhal.model_loader.source import GGUF, resolve_source
-    from llmhal.models.registry import ModelRegistry
+    from llmhal.model_loader.source import resolve_source
     from llmhal.platforms import get_current_platform
     from llmhal.plugins import load_general_plugins
-    from llmhal.quantization.resolve import resolve_quantization
 
     if args.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(
@@ -173,6 +169,30 @@ def build_engine(args: EngineArgs) -> tuple[Any, LoadReport]:
     load_general_plugins()
     platform = get_current_platform()
     source = resolve_source(args.model or default_model_path())
+    progress = LoadProgress(source.path.name, args.load_progress)
+    try:
+        engine, report = _build(args, platform, source, progress, t0)
+    except BaseException:
+        progress.abandon()
+        raise
+    what = report.quantization or str(report.dtype).removeprefix("torch.")
+    progress.finish(f"{what}, {report.weight_bytes / 2**20:.1f} MiB of weights")
+    logger.info("Engine ready: %s", report)
+    return engine, report
+
+
+def _build(
+    args: EngineArgs, platform: Any, source: Any, progress: LoadProgress, t0: float
+) -> tuple[Any, LoadReport]:
+    from llmhal.engine.kv_cache_manager import KVCacheManager
+    from llmhal.engine.llm_engine import LLMEngine
+    from llmhal.engine.model_runner import ModelRunner
+    from llmhal.model_loader.checkpoint import open_checkpoint
+    from llmhal.model_loader.source import GGUF
+    from llmhal.models.registry import ModelRegistry
+    from llmhal.quantization.resolve import resolve_quantization
+
+    progress.stage("config")
     ckpt = open_checkpoint(source)
     hf_config = ckpt.hf_config
     model_cls, arch = ModelRegistry.resolve_model_cls(
@@ -207,6 +227,7 @@ def build_engine(args: EngineArgs) -> tuple[Any, LoadReport]:
     platform.check_and_update_config(config)
     device = config.device = config.device or platform.torch_device()
     platform.seed(args.seed)
+    progress.stage("tokenizer")
     tokenizer = ckpt.tokenizer(args.tokenizer)
     config.extra.setdefault("generation_eos_token_ids", ckpt.generation_eos_token_ids())
 
@@ -214,11 +235,12 @@ def build_engine(args: EngineArgs) -> tuple[Any, LoadReport]:
         model = model_cls(hf_config)
     model.eval()
     with set_current_config(config), torch.no_grad():
-        weights = ckpt.weights()
+        weights = ckpt.weights(progress)
         if quant_config is not None:  # formats whose tensor names need mapping (bitsandbytes)
             weights = quant_config.map_checkpoint_weights(weights)
         loaded = model.load_weights(weights)
         _check_all_loaded(model, loaded)
+        progress.stage("preparing weights for the kernels")
         process_weights_after_loading(model)
 
     runner = ModelRunner(config, model, device)
@@ -232,6 +254,7 @@ def build_engine(args: EngineArgs) -> tuple[Any, LoadReport]:
             f"block_size={config.cache.block_size}); raise kv_cache_memory_bytes."
         )
     config.cache.num_blocks = int(num_blocks)
+    progress.stage("KV cache")
     kv_bytes = runner.allocate_kv_cache(int(num_blocks))
     engine = LLMEngine(
         config,
@@ -245,7 +268,6 @@ def build_engine(args: EngineArgs) -> tuple[Any, LoadReport]:
         str(source.path), arch, dtype, quant_name, runner.attention_backends, weight_bytes, kv_bytes, int(num_blocks),
         time.perf_counter() - t0,
     )  # fmt: skip
-    logger.info("Engine ready: %s", report)
     return engine, report
 
 

@@ -19,7 +19,8 @@ class LLM:
     ``model`` is a local folder (config.json + safetensors) or a .gguf file; None uses the default
     model (SmolLM2-135M-Instruct). ``kv_cache_memory_bytes`` sizes the KV cache explicitly; otherwise
     the platform's memory budget does. ``enforce_eager=True`` runs every step through Python, never
-    replaying a recorded decode step (see :mod:`llmhal.engine.decode_graphs`).
+    replaying a recorded decode step (see :mod:`llmhal.engine.decode_graphs`). ``load_progress``
+    shows the loading stages on stderr (default: only when stderr is a terminal).
     """
 
     def __init__(
@@ -38,6 +39,7 @@ class LLM:
         kv_cache_memory_bytes: int | None = None,
         seed: int = 0,
         enforce_eager: bool = False,
+        load_progress: bool | None = None,
         **extra: Any,
     ) -> None:
         args = EngineArgs(
@@ -45,7 +47,7 @@ class LLM:
             quantization=quantization, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             kv_cache_memory_bytes=kv_cache_memory_bytes, seed=seed, enforce_eager=enforce_eager,
-            extra=extra,
+            load_progress=load_progress, extra=extra,
         )  # fmt: skip
         self.engine, self.load_report = build_engine(args)
 

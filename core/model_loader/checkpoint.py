@@ -14,6 +14,7 @@ from llmhal.model_loader.source import GGUF, ModelSource
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from llmhal.model_loader.progress import LoadProgress
     from llmhal.quantization.base import QuantizationConfig
 
 
@@ -52,7 +53,8 @@ class Checkpoint:
     def tokenizer(self, override: str | None = None) -> Any:
         raise NotImplementedError
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, progress: LoadProgress | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, tensor)`` pairs, counted on ``progress``'s line when given."""
         raise NotImplementedError
 
     def generation_eos_token_ids(self) -> list[int]:
@@ -91,10 +93,10 @@ class SafetensorsCheckpoint(Checkpoint):
     def tokenizer(self, override: str | None = None) -> Any:
         return _local_tokenizer(override or str(self.source.folder), override is not None)
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, progress: LoadProgress | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         from llmhal.model_loader.safetensors_loader import iter_safetensors_weights
 
-        return iter_safetensors_weights(self.source.folder)
+        return iter_safetensors_weights(self.source.folder, progress=progress or False)
 
 
 class GGUFCheckpoint(Checkpoint):
@@ -121,8 +123,10 @@ class GGUFCheckpoint(Checkpoint):
             return _local_tokenizer(override, True)
         return self.gguf.tokenizer()
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.gguf.weights()
+    def weights(self, progress: LoadProgress | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        if progress is None:
+            return self.gguf.weights()
+        return progress.tensors(self.gguf.weights(), len(self.gguf.tensors))
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

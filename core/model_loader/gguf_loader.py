@@ -279,6 +279,12 @@ class GGUFFile:
         """The tokenizer from the file's vocabulary, merges, special tokens and chat template."""
         from transformers import PreTrainedTokenizerFast
 
+        # transformers' own error ("stating tokenizer None") names no remedy.
+        if self.metadata.get("tokenizer.ggml.model") is None:
+            raise ValueError(
+                f"{self.path.name} has no tokenizer (no tokenizer.ggml.* metadata); pass "
+                f"tokenizer=<a folder with the model's tokenizer files> (CLI: --tokenizer)"
+            )
         return PreTrainedTokenizerFast.from_pretrained(
             str(self.path.parent), gguf_file=self.path.name, local_files_only=True
         )

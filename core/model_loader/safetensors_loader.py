@@ -5,19 +5,20 @@ The folder holds either one ``model.safetensors`` or shards listed in ``model.sa
 mapped (``safetensors.safe_open``): a tensor's pages are read when the model copies it into its
 parameter, so loading never holds a second full copy of the checkpoint.
 
-Progress goes to stderr, with tqdm when it is installed, and only when stderr is a terminal unless
-``progress=True`` asks for it.
+A tensor count goes to stderr (:mod:`llmhal.model_loader.progress`), only when stderr is a
+terminal unless ``progress=True`` asks for it.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from llmhal.model_loader.progress import LoadProgress
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -57,51 +58,15 @@ def checkpoint_files(folder: str | Path) -> list[Path]:
     )
 
 
-class _Progress:
-    """A tensor counter on stderr: tqdm if available, else one rewritten line."""
-
-    def __init__(self, total: int, enabled: bool, desc: str) -> None:
-        self.enabled = enabled
-        self.total = total
-        self.done = 0
-        self.desc = desc
-        self._bar: Any = None
-        if enabled:
-            try:
-                from tqdm import tqdm
-
-                self._bar = tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr)
-            except ImportError:
-                self._bar = None
-
-    def update(self) -> None:
-        self.done += 1
-        if not self.enabled:
-            return
-        if self._bar is not None:
-            self._bar.update(1)
-        elif self.done == self.total or self.done % 16 == 0:
-            sys.stderr.write(f"\r{self.desc}: {self.done}/{self.total} tensors")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if not self.enabled:
-            return
-        if self._bar is not None:
-            self._bar.close()
-        else:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
 def iter_safetensors_weights(
-    folder: str | Path, *, progress: bool | None = None
+    folder: str | Path, *, progress: bool | LoadProgress | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield every tensor of the checkpoint in ``folder`` as ``(name, tensor)``, memory mapped.
 
-    ``progress``: None shows progress only when stderr is a terminal; True/False force it. Tensors
-    keep their stored dtype; they stay valid after the iterator moves on (the mapping lives as long
-    as a tensor references it).
+    ``progress``: None shows a tensor count only when stderr is a terminal; True/False force it; a
+    :class:`LoadProgress` (the engine's, which names the other loading stages too) counts on its
+    line. Tensors keep their stored dtype; they stay valid after the iterator moves on (the mapping
+    lives as long as a tensor references it).
     """
     from safetensors import safe_open
 
@@ -116,16 +81,18 @@ def iter_safetensors_weights(
         keys = list(handle.keys())
         handles.append((path, handle, keys))
         total += len(keys)
-    show = sys.stderr.isatty() if progress is None else progress
-    bar = _Progress(total, show, f"Loading {Path(folder).name}")
-    try:
-        for path, handle, keys in handles:
-            for name in keys:
-                try:
-                    tensor = handle.get_tensor(name)
-                except Exception as e:
-                    raise ValueError(f"cannot read tensor {name!r} from {path}: {e}") from e
-                yield name, tensor
-                bar.update()
-    finally:
-        bar.close()
+    own = not isinstance(progress, LoadProgress)
+    bar = LoadProgress(Path(folder).name, progress) if own else progress
+    yield from bar.tensors(_read(handles), total)
+    if own:
+        bar.finish()
+
+
+def _read(handles: list[tuple[Path, Any, list[str]]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path, handle, keys in handles:
+        for name in keys:
+            try:
+                tensor = handle.get_tensor(name)
+            except Exception as e:
+                raise ValueError(f"cannot read tensor {name!r} from {path}: {e}") from e
+            yield name, tensor
