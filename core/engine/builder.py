@@ -264,6 +264,8 @@ def _build(
         runner,
         KVCacheManager(int(num_blocks), config.cache.block_size),
     )
+    progress.stage("warming up")
+    engine.warmup()
     report = LoadReport(
         str(source.path), arch, dtype, quant_name, runner.attention_backends, weight_bytes, kv_bytes, int(num_blocks),
         time.perf_counter() - t0,

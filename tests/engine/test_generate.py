@@ -300,3 +300,36 @@ def test_a_malformed_quantization_config_is_named(tiny_models, tmp_path):
         (bad / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
         with pytest.raises(ValueError, match=match):
             LLM(str(bad), dtype="float32")
+
+
+def test_the_load_warm_up_leaves_no_trace(tiny_models, monkeypatch):
+    """LLM() runs a warm-up request at load; afterwards the engine is as if it never ran: no
+    request, every KV block free, zero statistics, and unseeded sampling draws the same numbers."""
+    from llmhal.engine.llm_engine import LLMEngine
+
+    folder, _ = tiny_models("llama")
+    ran = []
+    real = LLMEngine.warmup
+    monkeypatch.setattr(LLMEngine, "warmup", lambda self: ran.append(real(self)))
+    warmed = LLM(folder, dtype="float32", max_model_len=128)
+    assert len(ran) == 1
+    engine = warmed.engine
+    assert not engine.has_unfinished_requests() and not engine._requests
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert engine.stats.steps == engine.stats.decode_tokens == engine.stats.prefill_tokens == 0
+    monkeypatch.setattr(LLMEngine, "warmup", lambda self: None)
+    cold = LLM(folder, dtype="float32", max_model_len=128)
+    prompts = ["hello there", {"prompt_token_ids": [5, 6, 7]}]
+    sampled = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)  # global RNG
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for params in (sampled, greedy):
+        assert [_ids(o) for o in warmed.generate(prompts, params)] == [
+            _ids(o) for o in cold.generate(prompts, params)
+        ]
+
+
+def test_no_warm_up_where_the_context_cannot_hold_it(tiny_models):
+    folder, _ = tiny_models("llama")
+    llm = LLM(folder, dtype="float32", max_model_len=6)  # 4 prompt + 3 new tokens do not fit
+    out = llm.generate({"prompt_token_ids": [5]}, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(_ids(out[0])) == 3

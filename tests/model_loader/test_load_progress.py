@@ -71,7 +71,11 @@ def test_llm_shows_every_stage_when_asked_and_nothing_by_default(tmp_path, capsy
     stages = [s.split(": ", 1)[1] for s in shown if s.startswith(f"Loading {name}: ")]
     assert stages[:2] == ["config ...", "tokenizer ..."]
     assert f"weights {n}/{n} tensors" in stages
-    assert stages[-2:] == ["preparing weights for the kernels ...", "KV cache ..."]
+    assert stages[-3:] == [
+        "preparing weights for the kernels ...",
+        "KV cache ...",
+        "warming up ...",
+    ]
     assert shown[-1].startswith(f"Loaded {name} (float32, ")
 
 
