@@ -10,17 +10,23 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from llmhal.engine.llm_engine import LLMEngine
 from llmhal.engine.outputs import RequestOutput
 from llmhal.engine.sampling_params import SamplingParams
 from llmhal.logger import init_logger
+
+if TYPE_CHECKING:  # pragma: no cover  (the engine imports torch; `llmhal serve --help` need not)
+    from llmhal.engine.llm_engine import LLMEngine
 
 logger = init_logger(__name__)
 
 # What a caller's queue yields: RequestOutput updates, then FINISHED; or an exception.
 FINISHED = object()
+
+
+class EngineStopped(RuntimeError):
+    """The loop was shut down: what a request in flight (or a new one) ends with."""
 
 
 class EngineLoop:
@@ -30,6 +36,7 @@ class EngineLoop:
         self._queues: dict[str, queue.Queue[Any]] = {}
         self._ids = itertools.count()
         self._stop = False
+        self._stop_reason = ""
         self._thread = threading.Thread(target=self._run, name="llmhal-engine-loop", daemon=True)
         self._thread.start()
 
@@ -42,6 +49,8 @@ class EngineLoop:
         engine.check_prompt(ids, params)
         q: queue.Queue[Any] = queue.Queue()
         with self._cv:
+            if self._stop:
+                raise EngineStopped(self._stop_reason)
             rid = f"req-{next(self._ids)}"
             engine.add_request({"prompt": text, "prompt_token_ids": ids}, params, request_id=rid)
             self._queues[rid] = q
@@ -53,11 +62,22 @@ class EngineLoop:
             self.engine.abort_request(request_id)
             self._queues.pop(request_id, None)
 
-    def shutdown(self) -> None:
+    def shutdown(self, reason: str = "the server is shutting down") -> int:
+        """Stop stepping (a step under way finishes first) and end every request in flight with
+        :class:`EngineStopped` (``reason``), so each caller can still answer its client; later
+        submissions raise it too. Returns how many requests were ended."""
         with self._cv:
             self._stop = True
+            self._stop_reason = reason
             self._cv.notify()
         self._thread.join(timeout=30)
+        with self._cv:
+            ended = len(self._queues)
+            for rid, q in self._queues.items():
+                self.engine.abort_request(rid)
+                q.put(EngineStopped(reason))
+            self._queues.clear()
+        return ended
 
     def _run(self) -> None:
         while True:

@@ -12,12 +12,15 @@ import functools
 import json
 import queue
 import select
+import signal
 import socket
 import sys
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from llmhal.engine.engine_loop import EngineStopped
 from llmhal.entrypoints import openai_protocol as api
 from llmhal.entrypoints.engine_args import add_engine_args, build_llm
 from llmhal.logger import init_logger
@@ -29,6 +32,9 @@ logger = init_logger(__name__)
 READ_TIMEOUT_S = 60.0
 # Larger bodies are a 413 (reading one allocates its whole size first).
 MAX_BODY_BYTES = 32 << 20
+# On Ctrl-C or SIGTERM, requests in flight are ended and their clients told so; their handlers get
+# this long to write that before the process exits.
+SHUTDOWN_GRACE_S = 5.0
 
 
 class ServerState:
@@ -41,6 +47,9 @@ class ServerState:
         self.model_name = model_name
         self.loop = EngineLoop(llm.engine)
         self.started = int(time.time())
+        # POST handlers still running (each a thread), so a shutdown can wait for their answers.
+        self.active = 0
+        self.idle = threading.Condition()
         tokenizer = llm.get_tokenizer()
         # A token's own text for log-probability entries (OpenAI's `token`); one decode per id.
         self.token_text = functools.lru_cache(maxsize=65536)(
@@ -102,6 +111,16 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                 )
 
         def do_POST(self) -> None:
+            with state.idle:
+                state.active += 1
+            try:
+                self._post()
+            finally:
+                with state.idle:
+                    state.active -= 1
+                    state.idle.notify_all()
+
+        def _post(self) -> None:
             chat = self.path == "/v1/chat/completions"
             if not chat and self.path != "/v1/completions":
                 self._error(404, f"no route {self.path}", "not_found")
@@ -125,6 +144,9 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                 params = api.sampling_params(body, chat=chat)
                 prompt = self._chat_prompt(body) if chat else api.completion_prompt(body)
                 rid, q = state.loop.submit(prompt, params)
+            except EngineStopped as e:
+                self._error(503, str(e), "service_unavailable")
+                return
             except (api.BadRequest, ValueError, TypeError) as e:
                 self._error(400, str(e))
                 return
@@ -179,6 +201,9 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                     last = out
             except OSError:
                 raise
+            except EngineStopped as e:
+                self._error(503, f"{e}; the request was ended unfinished", "service_unavailable")
+                return
             except Exception as e:
                 self._error(500, f"generation failed: {e}", "server_error")
                 return
@@ -212,9 +237,14 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
             except OSError:
                 raise
             except Exception as e:
-                self._event(
-                    {"error": {"message": f"generation failed: {e}", "type": "server_error"}}
+                stopped = isinstance(e, EngineStopped)
+                message = (
+                    f"{e}; the request was ended unfinished"
+                    if stopped
+                    else f"generation failed: {e}"
                 )
+                kind = "service_unavailable" if stopped else "server_error"
+                self._event({"error": {"message": message, "type": kind}})
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
 
@@ -238,6 +268,24 @@ def build_server(
     server.daemon_threads = True
     server.state = state  # type: ignore[attr-defined]
     return server
+
+
+def shutdown_server(server: ThreadingHTTPServer, grace_s: float = SHUTDOWN_GRACE_S) -> int:
+    """Stop listening, end the requests in flight (their clients get a 503, or an error event and
+    ``[DONE]`` on a stream), and wait up to ``grace_s`` for those answers to be written. Returns
+    how many requests were ended. Call after ``serve_forever`` has returned."""
+    state: ServerState = server.state  # type: ignore[attr-defined]
+    server.server_close()
+    ended = state.loop.shutdown()
+    deadline = time.monotonic() + grace_s
+    with state.idle:
+        while state.active and time.monotonic() < deadline:
+            state.idle.wait(timeout=max(0.0, deadline - time.monotonic()))
+    return ended
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # SIGTERM shuts down as Ctrl-C does
 
 
 def _port(text: str) -> int:
@@ -292,13 +340,17 @@ def main(argv: list[str] | None = None) -> int:
         f"llmhal serve: http://{a.host}:{server.server_address[1]}/v1 ({server.state.model_name})",
         file=sys.stderr,
     )  # type: ignore[attr-defined]
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
-        server.server_close()
-        server.state.loop.shutdown()  # type: ignore[attr-defined]
+        ended = shutdown_server(server)
+        print(
+            f"llmhal serve: stopped; {ended} request(s) in flight were ended unfinished",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -281,3 +281,56 @@ def test_a_non_streaming_client_that_hangs_up_is_aborted(server, monkeypatch):
     while not aborted and time.monotonic() < deadline:
         time.sleep(0.05)
     assert aborted == [True], "the request ran on after its client hung up"
+
+
+def test_shutdown_ends_requests_in_flight_and_tells_their_clients(tiny_models, monkeypatch):
+    """Ctrl-C / SIGTERM: the listener closes, a request in flight ends with a 503 (non-streaming)
+    or an error event and [DONE] (streaming) instead of a cut connection, a new one is refused."""
+    import socket
+    import time
+
+    from llmhal.engine.engine_loop import EngineStopped
+    from llmhal.entrypoints.serve import shutdown_server
+
+    folder, _ = tiny_models("llama")
+    llm = LLM(folder, dtype="float32", max_model_len=128)
+    srv = build_server(llm, "127.0.0.1", 0, model_name="tiny")
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{srv.server_address[1]}"
+    engine_cls = type(llm.engine)
+    real_step = engine_cls.step
+
+    def slow_step(self):  # 100 tokens take >= 2 s: the shutdown comes long before the end
+        time.sleep(0.02)
+        return real_step(self)
+
+    monkeypatch.setattr(engine_cls, "step", slow_step)
+    body = {"prompt": [1, 2, 3], "max_tokens": 100, "ignore_eos": True}
+    got: dict[str, object] = {}
+    plain = threading.Thread(target=lambda: got.update(plain=post(base + "/v1/completions", body)))
+    streamed = threading.Thread(
+        target=lambda: got.update(
+            stream=post(base + "/v1/completions", {**body, "stream": True}, raw=True)
+        )
+    )
+    plain.start()
+    streamed.start()
+    deadline = time.monotonic() + 30
+    while len(llm.engine._requests) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(llm.engine._requests) == 2
+    srv.shutdown()  # serve_forever returns, as on Ctrl-C
+    assert shutdown_server(srv) == 2
+    plain.join(30)
+    streamed.join(30)
+    status, resp = got["plain"]
+    assert status == 503 and "shutting down" in resp["error"]["message"], resp
+    status, text = got["stream"]
+    events = [line.removeprefix("data: ") for line in text.split("\n\n") if line]
+    assert status == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["type"] == "service_unavailable"
+    assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", srv.server_address[1]), timeout=2)
+    with pytest.raises(EngineStopped):
+        srv.state.loop.submit({"prompt_token_ids": [1]}, SamplingParams(max_tokens=1))
