@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from llmhal.engine.builder import EngineArgs, build_engine
-from llmhal.engine.chat import check_chat_messages
+from llmhal.engine.chat import normalize_chat_messages
 from llmhal.engine.outputs import RequestOutput
 from llmhal.engine.sampling_params import SamplingParams
 
@@ -21,6 +21,12 @@ class LLM:
     the platform's memory budget does. ``enforce_eager=True`` runs every step through Python, never
     replaying a recorded decode step (see :mod:`llmhal.engine.decode_graphs`). ``load_progress``
     shows the loading stages on stderr (default: only when stderr is a terminal).
+
+    Of vLLM's other engine arguments, ``trust_remote_code`` and ``disable_log_stats`` are accepted
+    and change nothing (llmhal never runs a checkpoint's own code, and logs no per-step stats), and
+    ``tensor_parallel_size`` is accepted when it is 1. Any other keyword is a TypeError naming it:
+    silently ignoring one (``gpu_memory_utilization``, ``enable_lora``, ...) would run something
+    other than what was asked for.
     """
 
     def __init__(
@@ -40,14 +46,26 @@ class LLM:
         seed: int = 0,
         enforce_eager: bool = False,
         load_progress: bool | None = None,
-        **extra: Any,
+        trust_remote_code: bool = False,
+        disable_log_stats: bool = True,
+        tensor_parallel_size: int = 1,
+        **unknown: Any,
     ) -> None:
+        if unknown:
+            raise TypeError(
+                f"LLM() got keyword argument(s) llmhal does not support: {', '.join(sorted(unknown))}"
+                "; see help(llmhal.LLM) for the ones it takes"
+            )
+        if tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size}: llmhal runs a model on one device"
+            )
         args = EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, attention_backend=attention_backend,
             quantization=quantization, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             kv_cache_memory_bytes=kv_cache_memory_bytes, seed=seed, enforce_eager=enforce_eager,
-            load_progress=load_progress, extra=extra,
+            load_progress=load_progress,
         )  # fmt: skip
         self.engine, self.load_report = build_engine(args)
 
@@ -58,11 +76,15 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
         Every prompt is validated before any work starts, so a bad one (e.g. longer than the model's
-        context) raises without side effects and the LLM stays usable.
+        context) raises without side effects and the LLM stays usable. ``use_tqdm`` (vLLM's): a
+        progress bar of finished prompts on stderr, when it is a terminal; a callable is used as
+        the tqdm class; False hides it.
         """
         if isinstance(prompts, str | dict):
             prompts = [prompts]
@@ -79,44 +101,96 @@ class LLM:
             engine.check_prompt(ids, p)
         ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
         final: dict[str, RequestOutput] = {}
+        bar = _progress_bar(use_tqdm, len(ids))
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
                         final[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
         except BaseException:
             for rid in ids:
                 engine.abort_request(rid)
             raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [final[rid] for rid in ids]
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         tok = self.engine.tokenizer
-        if not getattr(tok, "chat_template", None):
+        if chat_template is None and not getattr(tok, "chat_template", None):
             raise ValueError(
-                "This model's tokenizer has no chat template; use generate() with a plain prompt"
+                "This model's tokenizer has no chat template; pass chat_template=..., or use "
+                "generate() with a plain prompt"
+            )
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(
+                "continue_final_message=True extends the last message; it needs "
+                "add_generation_prompt=False"
             )
         return tok.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+            normalize_chat_messages(messages),
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
+            tools=tools,
+            **(chat_template_kwargs or {}),
         )
 
     def chat(
         self,
-        messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
-        sampling_params: SamplingParams | None = None,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        *,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        """Apply the model's chat template (or ``chat_template``) to one conversation or a list of
+        them, and generate; the arguments are vLLM's. Message content may be a string or a list of
+        text parts (see :func:`~llmhal.engine.chat.normalize_chat_messages`)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
         prompts = []
         for conv in convs:
-            check_chat_messages(conv)
-            text = self.apply_chat_template(conv, add_generation_prompt)  # type: ignore[arg-type]
+            text = self.apply_chat_template(
+                conv,  # type: ignore[arg-type]
+                add_generation_prompt,
+                chat_template=chat_template,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+            )
             # The template already holds the special tokens; do not let encode() add a second BOS.
             prompts.append(
                 {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
             )
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int) -> Any:
+    """vLLM's "Processed prompts" bar, shown only on a terminal (logs and pipes stay clean)."""
+    from llmhal.model_loader.progress import stderr_is_terminal
+
+    if not use_tqdm or not stderr_is_terminal():
+        return None
+    if callable(use_tqdm) and use_tqdm is not True:
+        cls = use_tqdm
+    else:
+        from tqdm import tqdm as cls
+    return cls(total=total, desc="Processed prompts", unit="prompt")

@@ -101,6 +101,12 @@ class LLMEngine:
     # ------------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | dict[str, Any]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
+            other = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            if other:  # e.g. vLLM's multi_modal_data: dropping it would answer another question
+                raise ValueError(
+                    f"a prompt dict takes 'prompt' and/or 'prompt_token_ids'; llmhal does not "
+                    f"support {', '.join(map(repr, other))}"
+                )
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
             if "prompt" in prompt:
@@ -285,8 +291,18 @@ class LLMEngine:
             status = RequestStatus.FINISHED_STOPPED
         elif token in req.params.stop_token_ids:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
-        delta = req.detokenizer.add([token])
-        if status is None and delta and req.params.stop:
+        # A stop token stays in token_ids but, as in vLLM, its text joins the output only with
+        # include_stop_str_in_output (a stop_token_ids token's text, or an EOS kept by
+        # skip_special_tokens=False, showed up at the end of the text).
+        stopped_by_token = status is not None and not req.params.include_stop_str_in_output
+        delta = "" if stopped_by_token else req.detokenizer.add([token])
+        # Stop strings count only once min_tokens are out, as in vLLM.
+        if (
+            status is None
+            and delta
+            and req.params.stop
+            and len(req.output_token_ids) > req.params.min_tokens
+        ):
             status = self._check_stop_strings(req, delta)
         if status is None and (
             len(req.output_token_ids) >= req.max_tokens

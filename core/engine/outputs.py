@@ -12,8 +12,11 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None  # "stop", "length", or None while running
+    finish_reason: str | None = None  # "stop", "length", "abort", or None while running
     stop_reason: int | str | None = None  # the stop string or token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -33,3 +36,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     extra: dict = field(default_factory=dict)
+    # vLLM's fields for features llmhal does not have: no prompt log-probabilities (not offered),
+    # no prefix cache (nothing is ever reused), no encoder-decoder models.
+    prompt_logprobs: None = None
+    num_cached_tokens: int = 0
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None

@@ -81,9 +81,7 @@ class Request:
             token_ids=list(self.output_token_ids),
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
             logprobs=self.logprobs,
-            finish_reason=self.status.value
-            if finished and self.status != RequestStatus.FINISHED_ABORTED
-            else None,
+            finish_reason=self.status.value if finished else None,  # vLLM's "abort" too
             stop_reason=self.stop_reason,
         )
         return RequestOutput(

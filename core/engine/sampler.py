@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, seeded per request, with logprobs."""
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, penalties, seeded per request, with
+logprobs."""
 
 from __future__ import annotations
 
@@ -57,6 +58,24 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
+def apply_penalties(row: torch.Tensor, req: Request) -> None:
+    """Penalise, in place, the logits of tokens ``req`` has seen (vLLM's and OpenAI's rules).
+
+    Repetition (HF's rule, over the prompt and the output): a positive logit is divided by the
+    penalty, a negative one multiplied, so a penalty > 1 always lowers it. Presence and frequency
+    (over the output only): minus the penalty once, and once per occurrence.
+    """
+    p = req.params
+    out = torch.tensor(req.output_token_ids, dtype=torch.long)
+    if p.repetition_penalty != 1.0:
+        seen = torch.cat([torch.tensor(req.prompt_token_ids, dtype=torch.long), out]).unique()
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and len(out):
+        ids, counts = out.unique(return_counts=True)
+        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+
+
 class Sampler:
     def __init__(self, default_generator: torch.Generator) -> None:
         self.default_generator = default_generator
@@ -65,7 +84,11 @@ class Sampler:
         """``logits`` is float32 [len(requests), vocab]; row i belongs to ``requests[i]``."""
         n = len(requests)
         params = [r.params for r in requests]
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw = logits[want].float() if want else None  # logprobs are the model's own (a copy)
         for i, r in enumerate(requests):
+            if r.params.penalized:
+                apply_penalties(logits[i], r)
             if len(r.output_token_ids) < r.params.min_tokens:
                 banned = list(r.eos_token_ids | set(r.params.stop_token_ids))
                 if banned:
@@ -89,9 +112,8 @@ class Sampler:
                 tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
         token_list = tokens.tolist()
         logprobs: list[dict[int, float] | None] = [None] * n
-        want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if want:
-            lp = torch.log_softmax(logits[want].float(), -1)
+        if raw is not None:
+            lp = torch.log_softmax(raw, -1)
             for j, i in enumerate(want):
                 k = params[i].logprobs or 0
                 entry = {token_list[i]: float(lp[j, token_list[i]])}

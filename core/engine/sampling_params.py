@@ -6,19 +6,29 @@ import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): logits / 1e-40 overflow to inf,
+# and the softmax of a row of infs is NaN, which failed every request in the batch.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    temperature: 0 means greedy; otherwise logits are divided by it before sampling.
+    temperature: 0 means greedy (as does anything below 1e-5, as in vLLM: dividing by it overflows);
+        otherwise logits are divided by it before sampling.
     top_p / top_k / min_p: nucleus, top-k (0 or -1 = off) and min-p (relative to the top token) filters.
     max_tokens: new tokens to generate at most (None: up to the model's context length).
     stop: strings that end generation (excluded from the text unless include_stop_str_in_output).
     stop_token_ids: token ids that end generation (in addition to the model's EOS unless ignore_eos).
     seed: per-request seed; the same seed and prompt give the same tokens.
     logprobs: how many top log-probabilities to return per generated token (None: none; the sampled
-        token's own log-probability is always included when this is set).
+        token's own log-probability is always included when this is set). They are the model's own
+        (before penalties, temperature and filters), as vLLM returns by default.
+    repetition_penalty: > 1 discourages every token already in the prompt or the output (a positive
+        logit is divided by it, a negative one multiplied; HF's and vLLM's rule); 1 = off.
+    presence_penalty / frequency_penalty: subtracted from the logit of each token already generated,
+        once / once per occurrence (OpenAI's rule, in [-2, 2]); 0 = off.
     """
 
     temperature: float = 1.0
@@ -35,6 +45,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     n: int = 1
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,7 +69,10 @@ class SamplingParams:
     def _check_types(self) -> None:
         """Types and finiteness first: a NaN temperature or a string seed would otherwise pass the
         range checks below and fail inside a batch, taking its batch-mates down with it."""
-        for name in ("temperature", "top_p", "min_p"):
+        for name in (
+            "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+            "frequency_penalty",
+        ):  # fmt: skip
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, Real):
                 raise _bad(f"{name} must be a number, got {value!r}")
@@ -105,10 +121,23 @@ class SamplingParams:
             raise _bad(f"logprobs must be >= 0, got {self.logprobs}")
         if any(not s for s in self.stop):  # type: ignore[union-attr]
             raise _bad("stop strings must be non-empty")
+        if self.repetition_penalty <= 0:
+            raise _bad(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise _bad(f"{name} must be in [-2, 2], got {getattr(self, name)}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
 
 def _bad(what: str) -> ValueError:

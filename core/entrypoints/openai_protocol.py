@@ -1,7 +1,8 @@
 """OpenAI-compatible request parsing and response shapes for ``llmhal serve``.
 
 Only what the engine really supports is accepted; anything else is a 400 that names the field.
-vLLM's extensions ``top_k``, ``min_p``, ``ignore_eos`` and ``stop_token_ids`` are accepted too.
+vLLM's extensions ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens`` and
+``repetition_penalty`` are accepted too.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from llmhal.engine.chat import check_chat_messages
+from llmhal.engine.chat import normalize_chat_messages
 from llmhal.engine.outputs import RequestOutput
 from llmhal.engine.sampling_params import SamplingParams
 
@@ -23,6 +24,8 @@ _SAMPLING_FIELDS = {
     "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
     "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "stop": "stop", "seed": "seed",
     "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids", "min_tokens": "min_tokens",
+    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
 }  # fmt: skip
 _IGNORED = {
     "model",
@@ -38,17 +41,9 @@ _IGNORED = {
 
 
 def sampling_params(body: dict[str, Any], *, chat: bool) -> SamplingParams:
-    unknown = sorted(
-        set(body)
-        - set(_SAMPLING_FIELDS)
-        - _IGNORED
-        - {"echo", "presence_penalty", "frequency_penalty"}
-    )
+    unknown = sorted(set(body) - set(_SAMPLING_FIELDS) - _IGNORED - {"echo"})
     if unknown:
         raise BadRequest(f"unsupported field(s): {', '.join(unknown)}")
-    for penalty in ("presence_penalty", "frequency_penalty"):
-        if body.get(penalty):
-            raise BadRequest(f"{penalty} is not supported (send 0 or leave it out)")
     if body.get("echo"):
         raise BadRequest("echo is not supported (send false or leave it out)")
     if body.get("n", 1) != 1:
@@ -79,15 +74,14 @@ def completion_prompt(body: dict[str, Any]) -> str | dict[str, Any]:
     raise BadRequest("'prompt' must be a string or a list of token ids (one prompt per request)")
 
 
-def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list of {role, content} objects")
     try:
-        check_chat_messages(messages)
+        return normalize_chat_messages(messages)
     except ValueError as e:
         raise BadRequest(str(e)) from None
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 def _logprobs(out: RequestOutput, chat: bool, token_text: Callable[[int], str]) -> Any:

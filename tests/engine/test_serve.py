@@ -149,7 +149,8 @@ def test_concurrent_requests_are_each_answered_correctly(server):
         ({"prompt": "x", "temperature": -1}, "temperature"),
         ({"prompt": "x", "best_of": 2}, "unsupported field(s): best_of"),
         ({"prompt": ["a", "b"]}, "one prompt per request"),
-        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
+        ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty must be > 0"),
         # Wrong types and non-finite numbers are refused up front: inside a batch they used to
         # fail its other requests too (NaN), or the server never answered (a string seed).
         ({"prompt": "x", "temperature": float("nan")}, "temperature must be finite"),
@@ -334,3 +335,16 @@ def test_shutdown_ends_requests_in_flight_and_tells_their_clients(tiny_models, m
         socket.create_connection(("127.0.0.1", srv.server_address[1]), timeout=2)
     with pytest.raises(EngineStopped):
         srv.state.loop.submit({"prompt_token_ids": [1]}, SamplingParams(max_tokens=1))
+
+
+def test_penalties_reach_the_engine(server):
+    base, llm = server
+    body = {"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    penalties = {"presence_penalty": -2.0, "frequency_penalty": 0.5, "repetition_penalty": 0.5}
+    status, resp = post(base + "/v1/completions", {**body, **penalties})
+    assert status == 200, resp
+    offline = llm.generate(
+        {"prompt_token_ids": [5, 6, 7]},
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, **penalties),
+    )[0]
+    assert resp["choices"][0]["text"] == offline.outputs[0].text
