@@ -230,6 +230,7 @@ def _build(
     progress.stage("tokenizer")
     tokenizer = ckpt.tokenizer(args.tokenizer)
     config.extra.setdefault("generation_eos_token_ids", ckpt.generation_eos_token_ids())
+    config.extra.setdefault("generation_defaults", ckpt.generation_defaults())
 
     with set_current_config(config), torch.device(device):
         model = model_cls(hf_config)

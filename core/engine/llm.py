@@ -72,6 +72,19 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use when given no SamplingParams (vLLM's rule): the
+        model's generation_config.json settings (temperature, top_p, top_k, min_p,
+        repetition_penalty, max_new_tokens as max_tokens) over SamplingParams' defaults."""
+        defaults = self.engine.config.extra.get("generation_defaults") or {}
+        try:
+            return SamplingParams(**defaults)
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"the model's generation_config.json has settings SamplingParams refuses ({e}); "
+                f"pass sampling_params explicitly"
+            ) from None
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -90,7 +103,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

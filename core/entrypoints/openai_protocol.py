@@ -40,7 +40,11 @@ _IGNORED = {
 }
 
 
-def sampling_params(body: dict[str, Any], *, chat: bool) -> SamplingParams:
+def sampling_params(
+    body: dict[str, Any], *, chat: bool, defaults: dict[str, Any] | None = None
+) -> SamplingParams:
+    """The request's SamplingParams; ``defaults`` (the model's generation_config.json settings,
+    under SamplingParams' names) fill what the body leaves out, as in vLLM."""
     unknown = sorted(set(body) - set(_SAMPLING_FIELDS) - _IGNORED - {"echo"})
     if unknown:
         raise BadRequest(f"unsupported field(s): {', '.join(unknown)}")
@@ -48,7 +52,7 @@ def sampling_params(body: dict[str, Any], *, chat: bool) -> SamplingParams:
         raise BadRequest("echo is not supported (send false or leave it out)")
     if body.get("n", 1) != 1:
         raise BadRequest("n must be 1")
-    kwargs: dict[str, Any] = {"max_tokens": None if chat else 16}
+    kwargs: dict[str, Any] = {"max_tokens": None if chat else 16, **(defaults or {})}
     for field, name in _SAMPLING_FIELDS.items():
         if body.get(field) is not None:
             kwargs[name] = body[field]

@@ -47,6 +47,8 @@ class ServerState:
         self.model_name = model_name
         self.loop = EngineLoop(llm.engine)
         self.started = int(time.time())
+        # The model's generation_config.json settings, for fields a request leaves out (vLLM).
+        self.defaults = dict(llm.engine.config.extra.get("generation_defaults") or {})
         # POST handlers still running (each a thread), so a shutdown can wait for their answers.
         self.active = 0
         self.idle = threading.Condition()
@@ -141,7 +143,7 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                 body = json.loads(raw or b"{}")
                 if not isinstance(body, dict):
                     raise api.BadRequest("the request body must be a JSON object")
-                params = api.sampling_params(body, chat=chat)
+                params = api.sampling_params(body, chat=chat, defaults=state.defaults)
                 prompt = self._chat_prompt(body) if chat else api.completion_prompt(body)
                 rid, q = state.loop.submit(prompt, params)
             except EngineStopped as e:

@@ -57,17 +57,36 @@ class Checkpoint:
         """``(hf_name, tensor)`` pairs, counted on ``progress``'s line when given."""
         raise NotImplementedError
 
-    def generation_eos_token_ids(self) -> list[int]:
-        """Extra EOS ids from generation_config.json (instruct models often list several)."""
+    def _generation_config(self) -> dict[str, Any]:
+        """generation_config.json beside the weights ({} for GGUF files and folders without one)."""
         import json
 
         path = self.source.folder / "generation_config.json"
         if self.source.kind == GGUF or not path.is_file():
-            return []
-        eos = json.loads(path.read_text()).get("eos_token_id")
+            return {}
+        try:
+            data = json.loads(path.read_text())
+        except ValueError as e:
+            raise ValueError(f"{path} is not valid JSON ({e}); fix or remove it") from None
+        return data if isinstance(data, dict) else {}
+
+    def generation_eos_token_ids(self) -> list[int]:
+        """Extra EOS ids from generation_config.json (instruct models often list several)."""
+        eos = self._generation_config().get("eos_token_id")
         if eos is None:
             return []
         return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+    def generation_defaults(self) -> dict[str, Any]:
+        """The sampling settings the model's authors recommend (generation_config.json), under
+        SamplingParams' names: what vLLM uses when a request leaves them out. Only sampled
+        generation's own settings are taken (do_sample=False, HF's greedy switch, is not)."""
+        cfg = self._generation_config()
+        names = {
+            "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
+        }  # fmt: skip
+        return {ours: cfg[theirs] for theirs, ours in names.items() if cfg.get(theirs) is not None}
 
 
 class SafetensorsCheckpoint(Checkpoint):

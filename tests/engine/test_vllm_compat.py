@@ -197,3 +197,45 @@ def test_outputs_carry_vllms_fields(tiny):
     out = _gen(llm, [5, 6], max_tokens=2, **GREEDY)
     assert out.prompt_logprobs is None and out.num_cached_tokens == 0
     assert out.outputs[0].finished() and out.finished
+
+
+def _with_generation_config(folder, tmp_path, **settings):
+    import json
+    import shutil
+
+    copy = tmp_path / "with_gen_cfg"
+    shutil.copytree(folder, copy)
+    path = copy / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **settings}))
+    return str(copy)
+
+
+def test_generation_config_supplies_the_default_sampling_params(tiny_models, tmp_path):
+    folder, _ = tiny_models("llama")
+    copy = _with_generation_config(folder, tmp_path, temperature=0.7, top_k=1, max_new_tokens=5)
+    llm = LLM(copy, dtype="float32", max_model_len=64)
+    d = llm.get_default_sampling_params()
+    assert (d.temperature, d.top_k, d.max_tokens, d.top_p) == (0.7, 1, 5, 1.0)
+    outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 3)  # top_k=1: every sample the same
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    assert len(outs[0].outputs[0].token_ids) == 5
+    explicit = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2))
+    assert len(explicit[0].outputs[0].token_ids) == 2  # given params win whole
+    plain = LLM(folder, dtype="float32", max_model_len=64).get_default_sampling_params()
+    assert plain == SamplingParams()
+
+
+def test_generation_config_settings_sampling_params_refuse_are_named(tiny_models, tmp_path):
+    folder, _ = tiny_models("llama")
+    llm = LLM(_with_generation_config(folder, tmp_path, top_p=0), dtype="float32", max_model_len=64)
+    with pytest.raises(ValueError, match="generation_config.json .*top_p.*pass sampling_params"):
+        llm.generate("hi")
+    assert llm.generate("hi", SamplingParams(max_tokens=1))
+
+
+def test_the_server_fills_left_out_fields_from_the_generation_config():
+    from llmhal.entrypoints.openai_protocol import sampling_params
+
+    defaults = {"temperature": 0.3, "max_tokens": 5, "top_k": 4}
+    p = sampling_params({"prompt": "x", "top_k": 2}, chat=False, defaults=defaults)
+    assert (p.temperature, p.max_tokens, p.top_k) == (0.3, 5, 2)
