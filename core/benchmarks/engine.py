@@ -70,6 +70,7 @@ def _worker_llmhal(a: argparse.Namespace) -> dict[str, Any]:
     llm.generate(
         [{"prompt_token_ids": p} for p in _prompts(vocab, b_max, a.prompt_len, b_max)],
         SamplingParams(temperature=0, max_tokens=a.new_tokens, ignore_eos=True),
+        use_tqdm=False,
     )
     report = llm.load_report
     out: dict[str, Any] = {"load_s": load, "decode": {}, "weight_bytes": report.weight_bytes,
@@ -81,6 +82,7 @@ def _worker_llmhal(a: argparse.Namespace) -> dict[str, Any]:
         llm.generate(
             [{"prompt_token_ids": p} for p in _prompts(vocab, b, a.prompt_len, b)],
             SamplingParams(temperature=0, max_tokens=a.new_tokens, ignore_eos=True),
+            use_tqdm=False,
         )
         return engine.stats.decode_tps
 
@@ -90,6 +92,7 @@ def _worker_llmhal(a: argparse.Namespace) -> dict[str, Any]:
         llm.generate(
             [{"prompt_token_ids": p[0]}],
             SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+            use_tqdm=False,
         )
         return a.prefill_len / (time.perf_counter() - t)
 

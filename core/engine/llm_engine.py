@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Sequence
@@ -17,7 +18,7 @@ from llmhal.config import EngineConfig
 from llmhal.engine.detokenizer import IncrementalDetokenizer
 from llmhal.engine.kv_cache_manager import KVCacheManager
 from llmhal.engine.model_runner import ModelRunner
-from llmhal.engine.outputs import RequestOutput
+from llmhal.engine.outputs import Logprob, RequestOutput
 from llmhal.engine.request import Request, RequestStatus
 from llmhal.engine.sampler import Sampler
 from llmhal.engine.sampling_params import SamplingParams
@@ -82,6 +83,11 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self.eos_token_ids = self._eos_ids()
         self.stat_loggers = load_stat_loggers(config)
+        # A token's own text (special tokens included), for log-probability entries; one decode
+        # per id. The server's OpenAI shapes use it too.
+        self.token_text = functools.lru_cache(maxsize=65536)(
+            lambda t: tokenizer.decode([t], skip_special_tokens=False)
+        )
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -278,14 +284,16 @@ class LLMEngine:
         stops = req.params.stop or []
         return max((len(s) for s in stops), default=1) - 1
 
-    def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None) -> None:
+    def _append_token(self, req: Request, token: int, logprobs: dict[int, Logprob] | None) -> None:
         now = time.monotonic()
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         req.output_token_ids.append(token)
         if logprobs is not None and req.logprobs is not None:
+            for t, entry in logprobs.items():
+                entry.decoded_token = self.token_text(t)
             req.logprobs.append(logprobs)
-            req.cumulative_logprob += logprobs[token]
+            req.cumulative_logprob += logprobs[token].logprob
         status = None
         if token in req.eos_token_ids and len(req.output_token_ids) > req.params.min_tokens - 1:
             status = RequestStatus.FINISHED_STOPPED

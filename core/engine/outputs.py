@@ -6,12 +6,23 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability, as vLLM returns it: ``rank`` is its 1-based place in the
+    vocabulary by probability, ``decoded_token`` its own text (special tokens included)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    # Per generated token: the sampled token and the top `logprobs` ones, by token id.
+    logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort", or None while running
     stop_reason: int | str | None = None  # the stop string or token id that ended it
 

@@ -80,7 +80,7 @@ class Request:
             text=text,
             token_ids=list(self.output_token_ids),
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
-            logprobs=self.logprobs,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
             finish_reason=self.status.value if finished else None,  # vLLM's "abort" too
             stop_reason=self.stop_reason,
         )

@@ -8,14 +8,16 @@ from dataclasses import dataclass
 
 import torch
 
+from llmhal.engine.outputs import Logprob
 from llmhal.engine.request import Request
 
 
 @dataclass
 class SampleResult:
     token_ids: list[int]
-    # per row: {token_id: logprob} for the sampled token and the top-k asked for (None if not asked)
-    logprobs: list[dict[int, float] | None]
+    # per row: the sampled token's and the top-k asked for, by token id (None if not asked);
+    # decoded_token is left for the engine, which has the tokenizer
+    logprobs: list[dict[int, Logprob] | None]
 
 
 def _filter_logits(
@@ -111,14 +113,18 @@ class Sampler:
                 gen = requests[i].generator or self.default_generator
                 tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
         token_list = tokens.tolist()
-        logprobs: list[dict[int, float] | None] = [None] * n
+        logprobs: list[dict[int, Logprob] | None] = [None] * n
         if raw is not None:
             lp = torch.log_softmax(raw, -1)
             for j, i in enumerate(want):
                 k = params[i].logprobs or 0
-                entry = {token_list[i]: float(lp[j, token_list[i]])}
+                tok = token_list[i]
+                # vLLM's rank: 1 + how many tokens are strictly more likely.
+                rank = int((lp[j] > lp[j, tok]).sum()) + 1
+                entry = {tok: Logprob(float(lp[j, tok]), rank)}
                 if k:
                     vals, ids = lp[j].topk(k)
-                    entry.update({int(t): float(v) for t, v in zip(ids, vals, strict=True)})
+                    for r, (t, v) in enumerate(zip(ids.tolist(), vals.tolist(), strict=True)):
+                        entry.setdefault(t, Logprob(v, r + 1))
                 logprobs[i] = entry
         return SampleResult(token_list, logprobs)

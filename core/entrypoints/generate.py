@@ -123,7 +123,7 @@ def _run(llm: Any, args: argparse.Namespace, prompts: list[str], params: Any) ->
         else:
             inputs.append(p)
     if args.json:
-        for p, out in zip(prompts, llm.generate(inputs, params), strict=True):
+        for p, out in zip(prompts, llm.generate(inputs, params, use_tqdm=False), strict=True):
             c = out.outputs[0]
             print(
                 json.dumps(

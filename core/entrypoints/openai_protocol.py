@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from llmhal.engine.chat import normalize_chat_messages
-from llmhal.engine.outputs import RequestOutput
+from llmhal.engine.outputs import Logprob, RequestOutput
 from llmhal.engine.sampling_params import SamplingParams
 
 
@@ -96,9 +96,9 @@ def _logprobs(out: RequestOutput, chat: bool, token_text: Callable[[int], str]) 
         return None
     chosen = list(zip(c.token_ids, c.logprobs, strict=True))
 
-    def entry(t: int, lp: float) -> dict[str, Any]:
+    def entry(t: int, lp: Logprob) -> dict[str, Any]:
         text = token_text(t)
-        return {"token": text, "token_id": t, "logprob": lp, "bytes": list(text.encode())}
+        return {"token": text, "token_id": t, "logprob": lp.logprob, "bytes": list(text.encode())}
 
     if chat:
         return {
@@ -115,8 +115,8 @@ def _logprobs(out: RequestOutput, chat: bool, token_text: Callable[[int], str]) 
     return {
         "tokens": tokens,
         "token_ids": c.token_ids,
-        "token_logprobs": [lps[t] for t, lps in chosen],
-        "top_logprobs": [{token_text(k): v for k, v in lps.items()} for lps in c.logprobs],
+        "token_logprobs": [lps[t].logprob for t, lps in chosen],
+        "top_logprobs": [{token_text(k): v.logprob for k, v in lps.items()} for lps in c.logprobs],
         "text_offset": offsets,
     }
 

@@ -8,7 +8,6 @@ by the engine loop. Bad input is a 400 whose message says what to change; the se
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import queue
 import select
@@ -52,11 +51,7 @@ class ServerState:
         # POST handlers still running (each a thread), so a shutdown can wait for their answers.
         self.active = 0
         self.idle = threading.Condition()
-        tokenizer = llm.get_tokenizer()
-        # A token's own text for log-probability entries (OpenAI's `token`); one decode per id.
-        self.token_text = functools.lru_cache(maxsize=65536)(
-            lambda t: tokenizer.decode([t], skip_special_tokens=False)
-        )
+        self.token_text = llm.engine.token_text  # OpenAI's `token` of a log-probability entry
 
 
 def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:

@@ -115,7 +115,8 @@ def assert_greedy_parity(
         for step, (ge, we) in enumerate(zip(g0.logprobs, w0.logprobs, strict=True)):
             for tok, lp in we.items():
                 if tok in ge:
-                    assert abs(ge[tok] - lp) < logprob_atol, (prompt, step, tok, ge[tok], lp)
+                    diff = abs(ge[tok].logprob - lp.logprob)
+                    assert diff < logprob_atol, (prompt, step, tok, ge[tok], lp)
     return q_llm.load_report, ref_llm.load_report
 
 

@@ -103,11 +103,16 @@ def test_logprobs_are_returned(llm):
     )[0]
     c = out.outputs[0]
     assert len(c.logprobs) == 4
+    tok_text = llm.get_tokenizer()
     for tok, entry in zip(c.token_ids, c.logprobs, strict=True):
         assert tok in entry and len(entry) >= 3
-        assert max(entry.values()) == entry[tok]  # greedy picks the most likely token
+        # greedy picks the most likely token: rank 1; the top 3 are ranked 1, 2, 3 (vLLM's Logprob)
+        assert max(e.logprob for e in entry.values()) == entry[tok].logprob
+        assert entry[tok].rank == 1 and sorted(e.rank for e in entry.values()) == [1, 2, 3]
+        for t, e in entry.items():
+            assert e.decoded_token == tok_text.decode([t], skip_special_tokens=False)
     assert c.cumulative_logprob == pytest.approx(
-        sum(e[t] for t, e in zip(c.token_ids, c.logprobs, strict=True))
+        sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs, strict=True))
     )
 
 

@@ -50,7 +50,7 @@ def run_parity(folder: str, hf_model, backend: str, **llm_kwargs) -> None:
         assert got.token_ids == ref_tokens, f"prompt {prompt}: {got.token_ids} != {ref_tokens}"
         for step, entry in enumerate(got.logprobs):
             for tok, lp in entry.items():
-                assert abs(lp - float(ref_lp[step, tok])) < LOGPROB_ATOL, (
+                assert abs(lp.logprob - float(ref_lp[step, tok])) < LOGPROB_ATOL, (
                     step,
                     tok,
                     lp,
@@ -119,8 +119,8 @@ def test_fp8_kv_cache_stays_close_to_the_model_dtype_cache(tiny_models, kv_dtype
     )
     for a, b in zip(exact.generate(prompts, params), fp8.generate(prompts, params), strict=True):
         first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
-        top = max(first_a, key=first_a.get)
-        assert top == max(first_b, key=first_b.get)
+        top = max(first_a, key=lambda t: first_a[t].logprob)
+        assert top == max(first_b, key=lambda t: first_b[t].logprob)
         # e4m3 keeps 3 mantissa bits, e5m2 only 2: a looser bound for the latter.
         tol = 0.15 if kv_dtype == "fp8_e4m3" else 0.5
-        assert abs(first_a[top] - first_b[top]) < tol
+        assert abs(first_a[top].logprob - first_b[top].logprob) < tol

@@ -78,7 +78,7 @@ def test_logprobs_have_openais_shapes(server):
     texts = [tok.decode([t], skip_special_tokens=False) for t in offline.token_ids]
     assert lp["tokens"] == texts and lp["token_ids"] == offline.token_ids
     assert lp["token_logprobs"] == [
-        d[t] for t, d in zip(offline.token_ids, offline.logprobs, strict=True)
+        d[t].logprob for t, d in zip(offline.token_ids, offline.logprobs, strict=True)
     ]
     assert lp["text_offset"] == [sum(len(x) for x in texts[:i]) for i in range(len(texts))]
     assert all(len(top) <= 3 and all(isinstance(k, str) for k in top) for top in lp["top_logprobs"])

@@ -129,7 +129,9 @@ def test_logprobs_are_the_models_own_before_penalties(tiny):
     c = out.outputs[0]
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([[5, 6, 7]])).logits[0, -1], -1)
-    assert c.logprobs[0][c.token_ids[0]] == pytest.approx(float(ref[c.token_ids[0]]), abs=1e-4)
+    assert c.logprobs[0][c.token_ids[0]].logprob == pytest.approx(
+        float(ref[c.token_ids[0]]), abs=1e-4
+    )
 
 
 def test_invalid_penalties_are_rejected():
