@@ -268,6 +268,27 @@ def compile_backend() -> str | None:
     return None
 
 
+@functools.cache
+def _warn_eager_once(head_size: int, block_size: int) -> None:
+    logger.warning(
+        "flex_attention runs eagerly (slower) for head size %d with block size %d: torch's "
+        "compiled CPU kernel gives wrong results for that shape; a block size that is a multiple "
+        "of 16 keeps it compiled",
+        head_size,
+        block_size,
+    )
+
+
+def compiled_cpu_flex_is_wrong(head_size: int, block_size: int) -> bool:
+    """Whether torch's compiled CPU flex_attention gives wrong results for this shape, so the
+    eager kernel must run instead. Measured on torch 2.13 (one query over keys spanning two cache
+    blocks, against a plain softmax): head sizes 8 and 16 with cache blocks of 8, 24, 40 or 56
+    slots are off by 0.4-0.8 (eager: 1e-7); block sizes 2, 4, 12, 16, 20 and 48, and head sizes
+    32, 64 and 128 with any of them, are right. Real models' heads are >= 64; tiny test models
+    hit it."""
+    return head_size < 32 and block_size % 16 == 8
+
+
 # --------------------------------------------------------------------------------- the layer
 class FlexAttentionImpl(AttentionImpl[FlexMetadata]):
     def forward(
@@ -290,6 +311,13 @@ class FlexAttentionImpl(AttentionImpl[FlexMetadata]):
         q = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
         backend = compile_backend()
         heads, size = self.num_kv_heads, self.head_size
+        if (
+            backend is not None
+            and q.device.type == "cpu"
+            and compiled_cpu_flex_is_wrong(size, m.block_size)
+        ):
+            _warn_eager_once(size, m.block_size)
+            backend = None
         if backend is not None:
             # The whole cache in place ([Hkv, blocks, block_size, D] viewed as [1, Hkv, slots, D]),
             # so the compiled shape depends only on the padded token count.
@@ -334,7 +362,7 @@ class FlexAttentionImpl(AttentionImpl[FlexMetadata]):
 
         # GPU kernels need the block mask's KV block (the cache block) to be a multiple of their
         # BLOCK_N tile (64 by default); small cache blocks get a matching tile. The CPU kernel
-        # takes any block size.
+        # takes any block size (compiled, not every one with small heads: see forward()).
         options = None
         if q.device.type != "cpu" and m.block_size < 64:
             options = {"BLOCK_N": m.block_size}

@@ -153,6 +153,21 @@ def process_weights_after_loading(model: torch.nn.Module) -> None:
             method.process_weights_after_loading(module)
 
 
+def _check_counts(args: EngineArgs) -> None:
+    """Sizes that must be positive integers, named before anything loads (0 or -1 failed at the
+    load-time warm-up as "the scheduler made no progress", or as a ZeroDivisionError)."""
+    for name in ("max_num_seqs", "block_size", "max_num_batched_tokens", "kv_cache_memory_bytes",
+                 "max_model_len"):  # fmt: skip
+        value = getattr(args, name)
+        optional = name not in ("max_num_seqs", "block_size")
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"{name} must be a positive integer{' or None' if optional else ''}, got {value!r}"
+            )
+
+
 def build_engine(args: EngineArgs) -> tuple[Any, LoadReport]:
     """Build an :class:`~llmhal.engine.llm_engine.LLMEngine` (and a report of what was built)."""
     from llmhal.attention.backend import KV_CACHE_DTYPES
@@ -161,6 +176,7 @@ def build_engine(args: EngineArgs) -> tuple[Any, LoadReport]:
     from llmhal.platforms import get_current_platform
     from llmhal.plugins import load_general_plugins
 
+    _check_counts(args)
     if args.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(
             f"kv_cache_dtype={args.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}"
@@ -208,7 +224,9 @@ def _build(
         ckpt.build_quant_config,
     )
     max_len = derive_max_model_len(hf_config, args.max_model_len)
-    batched = args.max_num_batched_tokens or max(2048, min(max_len, 8192))
+    batched = args.max_num_batched_tokens
+    if batched is None:
+        batched = max(2048, min(max_len, 8192))
     config = EngineConfig(
         model=ModelConfig(
             model=str(source.path), hf_config=hf_config, dtype=dtype, architecture=arch, max_model_len=max_len,
@@ -246,7 +264,9 @@ def _build(
 
     runner = ModelRunner(config, model, device)
     weight_bytes = model_weight_bytes(model)
-    budget = config.cache.kv_cache_memory_bytes or platform.kv_cache_memory_budget(weight_bytes)
+    budget = config.cache.kv_cache_memory_bytes
+    if budget is None:
+        budget = platform.kv_cache_memory_budget(weight_bytes)
     per_block = runner.kv_cache_bytes_per_block()
     num_blocks = budget // per_block
     if num_blocks < 1:

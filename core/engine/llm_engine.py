@@ -153,10 +153,12 @@ class LLMEngine:
         if vocab is not None and any(t < 0 or t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids contain ids outside the vocabulary [0, {vocab})")
         max_tokens = min(params.max_tokens or limit, limit - n)
-        need = self.kv.blocks_for(n + max_tokens)
+        # The last sampled token is never fed back, so it never takes a KV slot.
+        slots = n + max_tokens - 1
+        need = self.kv.blocks_for(slots)
         if need > self.kv.num_blocks:
             raise ValueError(
-                f"This request needs {n + max_tokens} tokens of KV cache ({need} blocks of "
+                f"This request needs {slots} tokens of KV cache ({need} blocks of "
                 f"{self.kv.block_size}) but the cache holds only {self.kv.capacity_tokens} tokens "
                 f"({self.kv.num_blocks} blocks). Raise kv_cache_memory_bytes, or lower max_tokens."
             )
@@ -210,8 +212,8 @@ class LLMEngine:
             4,
             3,
         )  # two decode steps after the prefill's token: one records, one replays
-        if self.config.model.max_model_len <= n_prompt + n_new or (
-            self.kv.blocks_for(n_prompt + n_new) > self.kv.num_blocks
+        if self.config.model.max_model_len < n_prompt + n_new or (
+            self.kv.blocks_for(n_prompt + n_new - 1) > self.kv.num_blocks
         ):
             return
         token = min(self.eos_token_ids, default=0)

@@ -338,3 +338,34 @@ def test_no_warm_up_where_the_context_cannot_hold_it(tiny_models):
     llm = LLM(folder, dtype="float32", max_model_len=6)  # 4 prompt + 3 new tokens do not fit
     out = llm.generate({"prompt_token_ids": [5]}, SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(_ids(out[0])) == 3
+
+
+def test_a_request_that_exactly_fills_the_kv_cache_is_accepted(tiny_models):
+    """The last sampled token never takes a KV slot: prompt + max_tokens - 1 slots suffice."""
+    folder, _ = tiny_models("llama")
+    probe = LLM(folder, dtype="float32", max_model_len=64, block_size=1)
+    per_token = probe.engine.runner.kv_cache_bytes_per_block()
+    llm = LLM(folder, dtype="float32", max_model_len=64, block_size=1,
+              kv_cache_memory_bytes=32 * per_token)  # fmt: skip
+    prompt = {"prompt_token_ids": list(range(10, 26))}  # 16 tokens: 16 + 17 - 1 = 32 slots
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=17, ignore_eos=True))[0]
+    assert len(_ids(out)) == 17
+    with pytest.raises(ValueError, match="needs 33 tokens of KV cache"):
+        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=18, ignore_eos=True))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_num_seqs": 0}, "max_num_seqs must be a positive integer, got 0"),
+        ({"block_size": 0}, "block_size must be a positive integer, got 0"),
+        ({"max_num_batched_tokens": -1}, "max_num_batched_tokens must be a positive integer"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be a positive integer"),
+        ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes must be a positive integer"),
+        ({"max_model_len": 2.5}, "max_model_len must be a positive integer or None, got 2.5"),
+    ],
+)
+def test_sizes_must_be_positive_integers_and_are_named_before_loading(tiny_models, kwargs, message):
+    folder, _ = tiny_models("llama")
+    with pytest.raises(ValueError, match=message):
+        LLM(folder, **kwargs)
