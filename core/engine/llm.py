@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -112,24 +113,31 @@ class LLM:
         for prompt, p in zip(prompts, params, strict=True):
             _, ids = engine.tokenize(prompt)
             engine.check_prompt(ids, p)
-        ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+        # n > 1: n requests of one completion each (vLLM's parallel sampling), joined below.
+        groups = [
+            [engine.add_request(prompt, p.child(i) if p.n > 1 else p) for i in range(p.n)]
+            for prompt, p in zip(prompts, params, strict=True)
+        ]
+        owner = {rid: gi for gi, g in enumerate(groups) for rid in g}
+        left = [len(g) for g in groups]  # completions each prompt still waits for
         final: dict[str, RequestOutput] = {}
-        bar = _progress_bar(use_tqdm, len(ids))
+        bar = _progress_bar(use_tqdm, len(groups))
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
                         final[out.request_id] = out
-                        if bar is not None:
+                        left[owner[out.request_id]] -= 1
+                        if bar is not None and not left[owner[out.request_id]]:
                             bar.update(1)
         except BaseException:
-            for rid in ids:
+            for rid in (r for g in groups for r in g):
                 engine.abort_request(rid)
             raise
         finally:
             if bar is not None:
                 bar.close()
-        return [final[rid] for rid in ids]
+        return [_joined([final[r] for r in g]) for g in groups]
 
     def apply_chat_template(
         self,
@@ -194,6 +202,15 @@ class LLM:
                 {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
             )
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _joined(outs: list[RequestOutput]) -> RequestOutput:
+    """One prompt's n completions as one output (vLLM's shape): the first request's output with
+    every completion in ``outputs``, indexed 0..n-1."""
+    if len(outs) == 1:
+        return outs[0]
+    completions = [dataclasses.replace(o.outputs[0], index=i) for i, o in enumerate(outs)]
+    return dataclasses.replace(outs[0], outputs=completions)
 
 
 def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int) -> Any:

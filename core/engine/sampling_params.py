@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
@@ -25,6 +26,8 @@ class SamplingParams:
     logprobs: how many top log-probabilities to return per generated token (None: none; the sampled
         token's own log-probability is always included when this is set). They are the model's own
         (before penalties, temperature and filters), as vLLM returns by default.
+    n: how many completions of the prompt to return (each sampled on its own; with a seed, the
+        i-th uses seed + i, as vLLM does). The server takes only n=1.
     repetition_penalty: > 1 discourages every token already in the prompt or the output (a positive
         logit is divided by it, a negative one multiplied; HF's and vLLM's rule); 1 = off.
     presence_penalty / frequency_penalty: subtracted from the logit of each token already generated,
@@ -99,10 +102,8 @@ class SamplingParams:
             raise _bad(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
 
     def _validate(self) -> None:
-        if self.n != 1:
-            raise _bad(
-                f"n={self.n}; only n=1 is supported (send the prompt several times with seeds)"
-            )
+        if self.n < 1:
+            raise _bad(f"n must be at least 1, got {self.n}")
         if self.temperature < 0:
             raise _bad(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -126,6 +127,11 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise _bad(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+
+    def child(self, index: int) -> SamplingParams:
+        """The parameters of the ``index``-th of ``n`` completions: n=1, seed + index."""
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

@@ -165,7 +165,7 @@ def test_invalid_sampling_params_are_rejected():
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"n": 2}, "n=2"),
+        ({"n": 0}, "n must be at least 1"),
         ({"temperature": float("nan")}, "temperature must be finite"),
         ({"top_p": float("inf")}, "top_p must be finite"),
         ({"seed": "abc"}, "seed must be an integer"),

@@ -241,3 +241,21 @@ def test_the_server_fills_left_out_fields_from_the_generation_config():
     defaults = {"temperature": 0.3, "max_tokens": 5, "top_k": 4}
     p = sampling_params({"prompt": "x", "top_k": 2}, chat=False, defaults=defaults)
     assert (p.temperature, p.max_tokens, p.top_k) == (0.3, 5, 2)
+
+
+def test_n_completions_per_prompt(tiny):
+    """vLLM's parallel sampling: n completions in one output, indexed; with a seed, the i-th is
+    the single completion seeded seed + i."""
+    llm, _ = tiny
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8]}]
+    sp = SamplingParams(n=3, seed=11, max_tokens=6, ignore_eos=True)
+    outs = llm.generate(prompts, [sp, SamplingParams(max_tokens=2, ignore_eos=True)])
+    assert [len(o.outputs) for o in outs] == [3, 1]
+    assert [c.index for c in outs[0].outputs] == [0, 1, 2]
+    for i, c in enumerate(outs[0].outputs):
+        alone = _gen(llm, [5, 6, 7], seed=11 + i, max_tokens=6, ignore_eos=True).outputs[0]
+        assert c.token_ids == alone.token_ids and c.text == alone.text
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1
+    assert outs[0].prompt_token_ids == [5, 6, 7] and outs[0].finished
+    with pytest.raises(ValueError, match="n must be at least 1"):
+        SamplingParams(n=0)
