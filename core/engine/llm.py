@@ -110,13 +110,15 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         engine = self.engine
+        # n > 1: n requests of one completion each (vLLM's parallel sampling), joined below. Every
+        # child's parameters are built (and so checked) before any request is added.
+        children = [[p.child(i) for i in range(p.n)] if p.n > 1 else [p] for p in params]
         for prompt, p in zip(prompts, params, strict=True):
             _, ids = engine.tokenize(prompt)
             engine.check_prompt(ids, p)
-        # n > 1: n requests of one completion each (vLLM's parallel sampling), joined below.
         groups = [
-            [engine.add_request(prompt, p.child(i) if p.n > 1 else p) for i in range(p.n)]
-            for prompt, p in zip(prompts, params, strict=True)
+            [engine.add_request(prompt, c) for c in kids]
+            for prompt, kids in zip(prompts, children, strict=True)
         ]
         owner = {rid: gi for gi, g in enumerate(groups) for rid in g}
         left = [len(g) for g in groups]  # completions each prompt still waits for

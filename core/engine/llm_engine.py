@@ -208,10 +208,8 @@ class LLMEngine:
         answer's decode rate read ~40 tokens/s where the steady rate is ~90 (SmolLM2). Greedy, so
         no random numbers are drawn; its blocks are freed, and the statistics start from zero.
         Skipped where the context or the KV cache cannot hold it."""
-        n_prompt, n_new = (
-            4,
-            3,
-        )  # two decode steps after the prefill's token: one records, one replays
+        # Two decode steps after the prefill's token: one records the batch-1 step, one replays.
+        n_prompt, n_new = 4, 3
         if self.config.model.max_model_len < n_prompt + n_new or (
             self.kv.blocks_for(n_prompt + n_new - 1) > self.kv.num_blocks
         ):
