@@ -113,12 +113,15 @@ class LLM:
         # n > 1: n requests of one completion each (vLLM's parallel sampling), joined below. Every
         # child's parameters are built (and so checked) before any request is added.
         children = [[p.child(i) for i in range(p.n)] if p.n > 1 else [p] for p in params]
+        # Tokenized once: the requests below (n per prompt) get the ids, not the text again.
+        inputs = []
         for prompt, p in zip(prompts, params, strict=True):
-            _, ids = engine.tokenize(prompt)
+            text, ids = engine.tokenize(prompt)
             engine.check_prompt(ids, p)
+            inputs.append({"prompt": text, "prompt_token_ids": ids})
         groups = [
-            [engine.add_request(prompt, c) for c in kids]
-            for prompt, kids in zip(prompts, children, strict=True)
+            [engine.add_request(inp, c) for c in kids]
+            for inp, kids in zip(inputs, children, strict=True)
         ]
         owner = {rid: gi for gi, g in enumerate(groups) for rid in g}
         left = [len(g) for g in groups]  # completions each prompt still waits for
@@ -221,7 +224,7 @@ def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int) -> Any:
 
     if not use_tqdm or not stderr_is_terminal():
         return None
-    if callable(use_tqdm) and use_tqdm is not True:
+    if callable(use_tqdm):
         cls = use_tqdm
     else:
         from tqdm import tqdm as cls

@@ -221,8 +221,7 @@ class LLMEngine:
             while self.has_unfinished_requests():
                 self.step()
         finally:
-            self.abort_request(rid)
-            self._requests.pop(rid, None)
+            self.abort_request(rid)  # also forgets it (a finished one is already forgotten)
             self.stats = EngineStats()
 
     # --------------------------------------------------------------------------- steps

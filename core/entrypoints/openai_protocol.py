@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from llmhal.engine.chat import normalize_chat_messages
 from llmhal.engine.outputs import Logprob, RequestOutput
 from llmhal.engine.sampling_params import SamplingParams
 
@@ -78,14 +77,13 @@ def completion_prompt(body: dict[str, Any]) -> str | dict[str, Any]:
     raise BadRequest("'prompt' must be a string or a list of token ids (one prompt per request)")
 
 
-def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+def chat_messages(body: dict[str, Any]) -> list[Any]:
+    """The body's messages; each one is checked (and its content normalized) where the chat
+    template is applied (``LLM.apply_chat_template``), whose ValueError is the client's 400."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list of {role, content} objects")
-    try:
-        return normalize_chat_messages(messages)
-    except ValueError as e:
-        raise BadRequest(str(e)) from None
+    return messages
 
 
 def _logprobs(out: RequestOutput, chat: bool, token_text: Callable[[int], str]) -> Any:

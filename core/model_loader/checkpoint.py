@@ -6,6 +6,7 @@ names, so model classes load either through the same ``load_weights``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -57,8 +58,10 @@ class Checkpoint:
         """``(hf_name, tensor)`` pairs, counted on ``progress``'s line when given."""
         raise NotImplementedError
 
+    @functools.cached_property
     def _generation_config(self) -> dict[str, Any]:
-        """generation_config.json beside the weights ({} for GGUF files and folders without one)."""
+        """generation_config.json beside the weights ({} for GGUF files and folders without one);
+        read once for both the EOS ids and the sampling defaults."""
         import json
 
         path = self.source.folder / "generation_config.json"
@@ -72,7 +75,7 @@ class Checkpoint:
 
     def generation_eos_token_ids(self) -> list[int]:
         """Extra EOS ids from generation_config.json (instruct models often list several)."""
-        eos = self._generation_config().get("eos_token_id")
+        eos = self._generation_config.get("eos_token_id")
         if eos is None:
             return []
         return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
@@ -81,7 +84,7 @@ class Checkpoint:
         """The sampling settings the model's authors recommend (generation_config.json), under
         SamplingParams' names: what vLLM uses when a request leaves them out. Only sampled
         generation's own settings are taken (do_sample=False, HF's greedy switch, is not)."""
-        cfg = self._generation_config()
+        cfg = self._generation_config
         names = {
             "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
             "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
