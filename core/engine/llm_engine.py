@@ -146,10 +146,12 @@ class LLMEngine:
         if vocab is not None and any(t < 0 or t >= vocab for t in token_ids):
             raise ValueError(f"prompt_token_ids contain ids outside the vocabulary [0, {vocab})")
         # Checked here, not inside a step: a step that fails takes every request in it down.
-        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
-            raise ValueError(
-                f"logprobs={params.logprobs}: at most {MAX_LOGPROBS} top log-probabilities per token"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > MAX_LOGPROBS:
+                raise ValueError(
+                    f"{name}={k}: at most {MAX_LOGPROBS} top log-probabilities per token"
+                )
         if vocab is not None and any(t < 0 or t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids contain ids outside the vocabulary [0, {vocab})")
         max_tokens = min(params.max_tokens or limit, limit - n)
@@ -187,6 +189,8 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
             generator=gen,
             logprobs=[] if params.logprobs is not None else None,
+            # The first prompt token has none: nothing before it predicts it (vLLM's shape).
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
         self._requests[rid] = req
         self.scheduler.add(req)
@@ -236,8 +240,13 @@ class LLMEngine:
             return []
         t0 = time.perf_counter()
         with self.platform.inference_mode():
-            logits, sample_reqs = self.runner.execute(batch)
+            logits, sample_reqs, prompt_lps = self.runner.execute(batch)
             result = self.sampler(logits, sample_reqs) if sample_reqs else None
+        for req, entries in prompt_lps:
+            for entry in entries:
+                for t, lp in entry.items():
+                    lp.decoded_token = self.token_text(t)
+            req.prompt_logprobs.extend(entries)  # type: ignore[union-attr]
         prefill = sum(
             n for r, n in batch.items if n > 1 or r.num_computed_tokens < len(r.prompt_token_ids)
         )

@@ -3,7 +3,8 @@
 It flattens the batch into one varlen token sequence, builds positions and slot mappings
 (:func:`llmhal.attention.batch.build_common_metadata`), asks each attention backend's builder for its
 metadata, runs the model under the forward context, and computes logits only for the last token of
-each request that completes its known tokens this step (the rows that are sampled).
+each request that completes its known tokens this step (the rows that are sampled), and for the
+prompt positions of requests that asked for prompt log-probabilities.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from llmhal.attention.batch import build_common_metadata
 from llmhal.attention.layer import Attention
 from llmhal.config import EngineConfig
 from llmhal.engine.decode_graphs import DecodeGraphs
+from llmhal.engine.outputs import Logprob
 from llmhal.engine.request import Request
+from llmhal.engine.sampler import logprob_entries
 from llmhal.engine.scheduler import ScheduledBatch
 from llmhal.forward_context import ForwardContext, set_forward_context
 from llmhal.platforms import Platform, get_current_platform
@@ -34,6 +37,13 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
     nbytes = math.prod(shape) * dtype.itemsize
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
+# Prompt positions turned into logits at a time for prompt log-probabilities: the logits of a long
+# prompt chunk at once would be rows x vocab floats (2048 x 49152 x 4 bytes = 400 MB for SmolLM2).
+PROMPT_LOGITS_ROWS = 256
+
+PromptLogprobs = list[tuple[Request, list[dict[int, Logprob]]]]
 
 
 class ModelRunner:
@@ -104,17 +114,23 @@ class ModelRunner:
             self.decode_graphs.clear()  # recorded steps point into the old caches
         return total
 
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[Request]]:
-        """Run the step; returns (logits for the sampled rows, the requests they belong to)."""
+    def execute(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor | None, list[Request], PromptLogprobs]:
+        """Run the step; returns the logits for the sampled rows, the requests they belong to, and
+        the prompt log-probabilities this step computed (per request that asked, in order)."""
         if self.decode_graphs is not None:
             hidden = self.decode_graphs.run(batch)
             if hidden is not None:  # a pure decode: every row is sampled
                 logits = self.model.compute_logits(hidden)
-                return logits.float(), [req for req, _ in batch.items]
+                return logits.float(), [req for req, _ in batch.items], []
         ids: list[int] = []
         query_lens, computed, tables = [], [], []
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
+        # (request, first hidden row, first position): prompt positions whose next token's
+        # log-probability is still missing (after a preemption, recomputed ones are not).
+        prompt_spans: list[tuple[Request, int, int, int]] = []
         offset = 0
         for req, n in batch.items:
             start = req.num_computed_tokens
@@ -122,6 +138,11 @@ class ModelRunner:
             query_lens.append(n)
             computed.append(start)
             tables.append(req.block_ids)
+            if req.prompt_logprobs is not None:
+                first = max(start, len(req.prompt_logprobs) - 1)
+                end = min(start + n, len(req.prompt_token_ids) - 1)  # position p predicts p + 1
+                if first < end:
+                    prompt_spans.append((req, offset + first - start, first, end))
             offset += n
             if start + n == req.num_tokens:
                 sample_rows.append(offset - 1)
@@ -131,8 +152,23 @@ class ModelRunner:
         ctx = ForwardContext(common, {name: b.build(common) for name, b in self.builders.items()})
         with set_forward_context(ctx):
             hidden = self.model(input_ids, common.positions)
+        prompt_lps = [(r, self._prompt_logprobs(hidden, r, *span)) for r, *span in prompt_spans]
         if not sample_rows:
-            return None, []
+            return None, [], prompt_lps
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
-        return logits.float(), sample_reqs
+        return logits.float(), sample_reqs, prompt_lps
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, req: Request, row: int, first: int, end: int
+    ) -> list[dict[int, Logprob]]:
+        """Entries for prompt tokens first + 1 .. end (hidden rows row .. row + end - first)."""
+        k = req.params.prompt_logprobs or 0
+        out: list[dict[int, Logprob]] = []
+        for a in range(first, end, PROMPT_LOGITS_ROWS):
+            b = min(end, a + PROMPT_LOGITS_ROWS)
+            h = hidden[row + a - first : row + b - first]
+            lp = torch.log_softmax(self.model.compute_logits(h).float(), -1)
+            targets = req.prompt_token_ids[a + 1 : b + 1]
+            out.extend(logprob_entries(lp, targets, [k] * len(targets)))
+        return out

@@ -47,9 +47,10 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     extra: dict = field(default_factory=dict)
-    # vLLM's fields for features llmhal does not have: no prompt log-probabilities (not offered),
-    # no prefix cache (nothing is ever reused), no encoder-decoder models.
-    prompt_logprobs: None = None
+    # Per prompt token (None for the first), with SamplingParams(prompt_logprobs=k).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # vLLM's fields for features llmhal does not have: no prefix cache (nothing is ever reused),
+    # no encoder-decoder models.
     num_cached_tokens: int = 0
     encoder_prompt: None = None
     encoder_prompt_token_ids: None = None

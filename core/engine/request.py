@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmhal.engine.detokenizer import IncrementalDetokenizer
-from llmhal.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from llmhal.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from llmhal.engine.sampling_params import SamplingParams
 
 
@@ -50,7 +50,10 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    # One per prompt token computed so far (the first None), when prompt_logprobs was asked for;
+    # a preempted request's recomputed prompt adds nothing twice (see ModelRunner.execute).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     cumulative_logprob: float = 0.0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
     _emitted_chars: int = 0
@@ -91,4 +94,5 @@ class Request:
             [completion],
             finished,
             self.metrics,
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
         )

@@ -115,16 +115,37 @@ class Sampler:
         token_list = tokens.tolist()
         logprobs: list[dict[int, Logprob] | None] = [None] * n
         if raw is not None:
-            lp = torch.log_softmax(raw, -1)
-            for j, i in enumerate(want):
-                k = params[i].logprobs or 0
-                tok = token_list[i]
-                # vLLM's rank: 1 + how many tokens are strictly more likely.
-                rank = int((lp[j] > lp[j, tok]).sum()) + 1
-                entry = {tok: Logprob(float(lp[j, tok]), rank)}
-                if k:
-                    vals, ids = lp[j].topk(k)
-                    for r, (t, v) in enumerate(zip(ids.tolist(), vals.tolist(), strict=True)):
-                        entry.setdefault(t, Logprob(v, r + 1))
+            entries = logprob_entries(
+                torch.log_softmax(raw, -1),
+                [token_list[i] for i in want],
+                [params[i].logprobs or 0 for i in want],
+            )
+            for i, entry in zip(want, entries, strict=True):
                 logprobs[i] = entry
         return SampleResult(token_list, logprobs)
+
+
+def logprob_entries(
+    lp: torch.Tensor, tokens: Sequence[int], top: Sequence[int]
+) -> list[dict[int, Logprob]]:
+    """Per row of log-probabilities ``lp`` [rows, vocab]: the entry of ``tokens[i]`` (the token
+    that was sampled, or the prompt's next token) and of the ``top[i]`` most likely tokens, by id,
+    each with vLLM's rank (1 + how many tokens are strictly more likely)."""
+    if not len(tokens):
+        return []
+    ids = torch.tensor(tokens, dtype=torch.long, device=lp.device)
+    chosen = lp.gather(1, ids.unsqueeze(1))
+    ranks = ((lp > chosen).sum(-1) + 1).tolist()
+    out = [
+        {t: Logprob(v, r)}
+        for t, v, r in zip(tokens, chosen.squeeze(1).tolist(), ranks, strict=True)
+    ]
+    k = max(top)
+    if k:
+        vals, idx = lp.topk(k, dim=-1)
+        for entry, row_ids, row_vals, want in zip(
+            out, idx.tolist(), vals.tolist(), top, strict=True
+        ):
+            for r, (t, v) in enumerate(zip(row_ids[:want], row_vals[:want], strict=True)):
+                entry.setdefault(t, Logprob(v, r + 1))
+    return out

@@ -26,8 +26,11 @@ class SamplingParams:
     logprobs: how many top log-probabilities to return per generated token (None: none; the sampled
         token's own log-probability is always included when this is set). They are the model's own
         (before penalties, temperature and filters), as vLLM returns by default.
+    prompt_logprobs: the same for each prompt token, given the tokens before it (None: none). The
+        output's ``prompt_logprobs`` has one entry per prompt token, None for the first (nothing
+        predicts it), as in vLLM.
     n: how many completions of the prompt to return (each sampled on its own; with a seed, the
-        i-th uses seed + i, as vLLM does). The server takes only n=1.
+        i-th uses seed + i, as vLLM does). The server takes n too.
     repetition_penalty: > 1 discourages every token already in the prompt or the output (a positive
         logit is divided by it, a negative one multiplied; HF's and vLLM's rule); 1 = off.
     presence_penalty / frequency_penalty: subtracted from the logit of each token already generated,
@@ -45,6 +48,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     n: int = 1
@@ -81,9 +85,11 @@ class SamplingParams:
                 raise _bad(f"{name} must be a number, got {value!r}")
             if not math.isfinite(value):
                 raise _bad(f"{name} must be finite, got {value!r}")
-        for name in ("top_k", "min_tokens", "n", "max_tokens", "seed", "logprobs"):
+        for name in (
+            "top_k", "min_tokens", "n", "max_tokens", "seed", "logprobs", "prompt_logprobs"
+        ):  # fmt: skip
             value = getattr(self, name)
-            optional = name in ("max_tokens", "seed", "logprobs")
+            optional = name in ("max_tokens", "seed", "logprobs", "prompt_logprobs")
             if (value is None and optional) or (
                 isinstance(value, Integral) and not isinstance(value, bool)
             ):
@@ -118,8 +124,9 @@ class SamplingParams:
             self.max_tokens is not None and self.min_tokens > self.max_tokens
         ):
             raise _bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise _bad(f"logprobs must be >= 0, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise _bad(f"{name} must be >= 0, got {getattr(self, name)}")
         if any(not s for s in self.stop):  # type: ignore[union-attr]
             raise _bad("stop strings must be non-empty")
         if self.repetition_penalty <= 0:
