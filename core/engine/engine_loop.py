@@ -1,8 +1,9 @@
 """A background thread that drives an :class:`LLMEngine` for concurrent callers (the HTTP server).
 
-Callers :meth:`EngineLoop.submit` a prompt and read :class:`RequestOutput` updates from their own
-queue while the loop keeps stepping every active request together (continuous batching). A prompt
-is validated in the caller's thread, so bad input raises there and never reaches the engine.
+Callers :meth:`EngineLoop.submit` one or more prompts (a completions request with several prompts,
+or ``n`` choices) and read their :class:`RequestOutput` updates from one queue while the loop keeps
+stepping every active request together (continuous batching). Prompts are validated in the caller's
+thread, all of them before any is added, so bad input raises there and never reaches the engine.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ if TYPE_CHECKING:  # pragma: no cover  (the engine imports torch; `llmhal serve 
 
 logger = init_logger(__name__)
 
-# What a caller's queue yields: RequestOutput updates, then FINISHED; or an exception.
+# What a caller's queue yields: (index, RequestOutput) updates, index being the prompt's place in
+# the submitted list; then FINISHED once every one of them has finished; or an exception.
 FINISHED = object()
 
 
@@ -33,7 +35,8 @@ class EngineLoop:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._cv = threading.Condition()
-        self._queues: dict[str, queue.Queue[Any]] = {}
+        # Each request's group (the caller's queue) and its index in the submitted list.
+        self._routes: dict[str, tuple[_Group, int]] = {}
         self._ids = itertools.count()
         self._stop = False
         self._stop_reason = ""
@@ -41,43 +44,49 @@ class EngineLoop:
         self._thread.start()
 
     def submit(
-        self, prompt: str | dict[str, Any], params: SamplingParams
-    ) -> tuple[str, queue.Queue[Any]]:
-        """Validate and enqueue; raises ValueError/TypeError for bad input."""
+        self, requests: list[tuple[str | dict[str, Any], SamplingParams]]
+    ) -> tuple[list[str], queue.Queue[Any]]:
+        """Validate every (prompt, params) and enqueue them together; raises ValueError/TypeError
+        for bad input (then nothing was added). Returns the request ids, in order, and the queue
+        of their updates."""
+        if not requests:
+            raise ValueError("no prompts were given")
         engine = self.engine
-        text, ids = engine.tokenize(prompt)
-        engine.check_prompt(ids, params)
+        inputs = []
+        for prompt, params in requests:
+            text, ids = engine.tokenize(prompt)
+            engine.check_prompt(ids, params)
+            inputs.append(({"prompt": text, "prompt_token_ids": ids}, params))
         q: queue.Queue[Any] = queue.Queue()
+        group = _Group(q, len(inputs))
         with self._cv:
             if self._stop:
                 raise EngineStopped(self._stop_reason)
-            rid = f"req-{next(self._ids)}"
-            engine.add_request({"prompt": text, "prompt_token_ids": ids}, params, request_id=rid)
-            self._queues[rid] = q
+            rids = [f"req-{next(self._ids)}" for _ in inputs]
+            for i, (rid, (inp, params)) in enumerate(zip(rids, inputs, strict=True)):
+                engine.add_request(inp, params, request_id=rid)
+                self._routes[rid] = (group, i)
             self._cv.notify()
-        return rid, q
+        return rids, q
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_ids: list[str]) -> None:
         with self._cv:
-            self.engine.abort_request(request_id)
-            self._queues.pop(request_id, None)
+            for rid in request_ids:
+                self.engine.abort_request(rid)
+                self._routes.pop(rid, None)
 
     def shutdown(self, reason: str = "the server is shutting down") -> int:
         """Stop stepping (a step under way finishes first) and end every request in flight with
         :class:`EngineStopped` (``reason``), so each caller can still answer its client; later
-        submissions raise it too. Returns how many requests were ended."""
+        submissions raise it too. Returns how many callers (submissions) were ended."""
         with self._cv:
             self._stop = True
             self._stop_reason = reason
             self._cv.notify()
         self._thread.join(timeout=30)
         with self._cv:
-            ended = len(self._queues)
-            for rid, q in self._queues.items():
-                self.engine.abort_request(rid)
-                q.put(EngineStopped(reason))
-            self._queues.clear()
-        return ended
+            groups = self._fail_all(EngineStopped(reason))
+        return groups
 
     def _run(self) -> None:
         while True:
@@ -90,19 +99,38 @@ class EngineLoop:
                     outputs = self.engine.step()
                 except Exception as e:  # keep serving: fail the requests in flight, not the server
                     logger.exception("Engine step failed; aborting the requests in flight")
-                    for rid, q in list(self._queues.items()):
-                        self.engine.abort_request(rid)
-                        q.put(e)
-                    self._queues.clear()
+                    self._fail_all(e)
                     continue
                 for out in outputs:
                     self._deliver(out)
 
+    def _fail_all(self, error: Exception) -> int:
+        """Abort every request in flight and end each caller's queue with ``error``; returns how
+        many callers there were. Holds ``_cv``."""
+        groups = {id(g): g for g, _ in self._routes.values()}
+        for rid in self._routes:
+            self.engine.abort_request(rid)
+        self._routes.clear()
+        for g in groups.values():
+            g.q.put(error)
+        return len(groups)
+
     def _deliver(self, out: RequestOutput) -> None:
-        q = self._queues.get(out.request_id)
-        if q is None:
+        route = self._routes.get(out.request_id)
+        if route is None:
             return
-        q.put(out)
+        group, index = route
+        group.q.put((index, out))
         if out.finished:
-            q.put(FINISHED)
-            del self._queues[out.request_id]
+            del self._routes[out.request_id]
+            group.open -= 1
+            if group.open == 0:
+                group.q.put(FINISHED)
+
+
+class _Group:
+    """One caller's submitted requests: their queue, and how many have not finished."""
+
+    def __init__(self, q: queue.Queue[Any], size: int) -> None:
+        self.q = q
+        self.open = size

@@ -3,10 +3,17 @@
 Only what the engine really supports is accepted; anything else is a 400 that names the field.
 vLLM's extensions ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens`` and
 ``repetition_penalty`` are accepted too.
+
+A response has one choice per prompt and completion: ``n`` completions of each of a completions
+request's prompts, choice ``index`` = prompt number * n + completion number (vLLM's numbering).
+``echo`` (completions) puts the prompt before each choice's text, and its tokens' log-probabilities
+(the first None) before the completion's; with ``max_tokens: 0`` only the prompt comes back (what
+evaluation harnesses use to score a text), as in vLLM.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +44,9 @@ _IGNORED = {
     "messages",
     "prompt",
 }
+# Choices (prompts x n) one request may ask for: each is a request in the engine, and a body of a
+# few bytes must not be able to queue millions of them.
+MAX_CHOICES = 256
 
 
 def sampling_params(
@@ -47,11 +57,14 @@ def sampling_params(
     unknown = sorted(set(body) - set(_SAMPLING_FIELDS) - _IGNORED - {"echo"})
     if unknown:
         raise BadRequest(f"unsupported field(s): {', '.join(unknown)}")
-    if body.get("echo"):
-        raise BadRequest("echo is not supported (send false or leave it out)")
-    if body.get("n", 1) != 1:
-        raise BadRequest("n must be 1")
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise BadRequest(f"echo must be true or false, got {echo!r}")
+    if echo and chat:
+        raise BadRequest("echo is only supported on /v1/completions")
     kwargs: dict[str, Any] = {"max_tokens": None if chat else 16, **(defaults or {})}
+    if body.get("n") is not None:
+        kwargs["n"] = body["n"]
     for field, name in _SAMPLING_FIELDS.items():
         if body.get(field) is not None:
             kwargs[name] = body[field]
@@ -60,21 +73,82 @@ def sampling_params(
             kwargs["logprobs"] = body.get("top_logprobs") or 0
     elif body.get("logprobs") is not None:
         kwargs["logprobs"] = body["logprobs"]
+        if echo:
+            kwargs["prompt_logprobs"] = body["logprobs"]
+    if echo_only(body):
+        kwargs["max_tokens"] = 1  # one token is generated, then left out of the answer
     try:
         return SamplingParams(**kwargs)
     except (TypeError, ValueError) as e:
         raise BadRequest(str(e)) from None
 
 
-def completion_prompt(body: dict[str, Any]) -> str | dict[str, Any]:
+def echo_only(body: dict[str, Any]) -> bool:
+    """``echo`` with ``max_tokens: 0``: the prompt (and its log-probabilities) alone."""
+    return body.get("echo") is True and body.get("max_tokens") == 0
+
+
+def without_generation(out: RequestOutput) -> RequestOutput:
+    """``out`` with its completion emptied (an echo-only answer's generated token dropped)."""
+    c = out.outputs[0]
+    empty = dataclasses.replace(
+        c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
+        cumulative_logprob=None if c.logprobs is None else 0.0, finish_reason="length",
+        stop_reason=None,
+    )  # fmt: skip
+    return dataclasses.replace(out, outputs=[empty])
+
+
+def stream_options(body: dict[str, Any]) -> bool:
+    """Whether a stream ends with a usage chunk (``stream_options.include_usage``, OpenAI's rule)."""
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
+        raise BadRequest("stream_options must be an object with at most 'include_usage'")
+    if not body.get("stream"):
+        raise BadRequest("stream_options is only allowed with stream: true")
+    include = opts.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise BadRequest("stream_options.include_usage must be true or false")
+    return include
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(type(t) is int for t in x)
+
+
+def completion_prompts(body: dict[str, Any]) -> list[str | dict[str, Any]]:
+    """The prompts of a completions request: a string, a list of token ids, or a list of either."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one prompt
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return {"prompt_token_ids": prompt}
-    raise BadRequest("'prompt' must be a string or a list of token ids (one prompt per request)")
+    if isinstance(prompt, str) or _is_ids(prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise BadRequest(
+            "'prompt' must be a string, a list of token ids, or a non-empty list of either"
+        )
+    out: list[str | dict[str, Any]] = []
+    for i, p in enumerate(prompt):
+        if isinstance(p, str):
+            out.append(p)
+        elif _is_ids(p):
+            out.append({"prompt_token_ids": p})
+        else:
+            raise BadRequest(f"prompt {i} must be a string or a non-empty list of token ids")
+    return out
+
+
+def choices(prompts: list[Any], params: SamplingParams) -> list[tuple[Any, SamplingParams]]:
+    """One (prompt, params) per choice, in choice-index order: each prompt's ``n`` completions
+    (with a seed, the i-th uses seed + i, as offline)."""
+    if len(prompts) * params.n > MAX_CHOICES:
+        raise BadRequest(
+            f"{len(prompts)} prompt(s) x n={params.n} is over {MAX_CHOICES} choices per request; "
+            "send fewer prompts or a smaller n, or split the request"
+        )
+    return [
+        (p, params.child(i) if params.n > 1 else params) for p in prompts for i in range(params.n)
+    ]
 
 
 def chat_messages(body: dict[str, Any]) -> list[Any]:
@@ -86,13 +160,21 @@ def chat_messages(body: dict[str, Any]) -> list[Any]:
     return messages
 
 
-def _logprobs(out: RequestOutput, chat: bool, token_text: Callable[[int], str]) -> Any:
-    """OpenAI's log-probability shapes; ``token_id`` (and the completions' ``token_ids``) are
-    llmhal's additions, since a token's text alone can be ambiguous."""
-    c = out.outputs[0]
-    if c.logprobs is None:
+def logprobs_of(
+    token_ids: list[int],
+    entries: list[Any] | None,
+    chat: bool,
+    token_text: Callable[[int], str],
+    text_offset: int = 0,
+) -> Any:
+    """OpenAI's log-probability shapes for ``token_ids`` and their ``entries`` (None: not asked
+    for; an entry None: a first prompt token, which nothing predicts). ``text_offset`` is where the
+    tokens start in the text (vLLM's convention; a stream sends each chunk's new tokens).
+    ``token_id`` (and the completions' ``token_ids``) are llmhal's additions, since a token's text
+    alone can be ambiguous."""
+    if entries is None:
         return None
-    chosen = list(zip(c.token_ids, c.logprobs, strict=True))
+    chosen = list(zip(token_ids, entries, strict=True))
 
     def entry(t: int, lp: Logprob) -> dict[str, Any]:
         text = token_text(t)
@@ -105,72 +187,111 @@ def _logprobs(out: RequestOutput, chat: bool, token_text: Callable[[int], str]) 
                 for t, lps in chosen
             ]
         }
-    tokens = [token_text(t) for t in c.token_ids]
-    offsets, at = [], 0  # vLLM's convention: offsets into the returned text
+    tokens = [token_text(t) for t, _ in chosen]
+    offsets, at = [], text_offset
     for text in tokens:
         offsets.append(at)
         at += len(text)
     return {
         "tokens": tokens,
-        "token_ids": c.token_ids,
-        "token_logprobs": [lps[t].logprob for t, lps in chosen],
-        "top_logprobs": [{token_text(k): v.logprob for k, v in lps.items()} for lps in c.logprobs],
+        "token_ids": [t for t, _ in chosen],
+        "token_logprobs": [None if lps is None else lps[t].logprob for t, lps in chosen],
+        "top_logprobs": [
+            None if lps is None else {token_text(k): v.logprob for k, v in lps.items()}
+            for _, lps in chosen
+        ],
         "text_offset": offsets,
     }
 
 
-def usage(out: RequestOutput) -> dict[str, int]:
-    p, c = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+def choice_view(
+    out: RequestOutput, echo: Callable[[RequestOutput], str] | None
+) -> tuple[str, list[int], list[Any] | None]:
+    """A choice's text, token ids and log-probability entries; with ``echo`` (which gives the
+    prompt's text) the prompt's come first."""
+    c = out.outputs[0]
+    if echo is None:
+        return c.text, c.token_ids, c.logprobs
+    prompt = out.prompt_token_ids
+    entries = None
+    if c.logprobs is not None:
+        entries = [*(out.prompt_logprobs or [None] * len(prompt)), *c.logprobs]
+    return echo(out) + c.text, [*prompt, *c.token_ids], entries
+
+
+def usage(outs: list[RequestOutput], n: int = 1) -> dict[str, int]:
+    """Token counts of a request's choices (``n`` per prompt, in index order); each prompt's
+    tokens count once, however many completions it has (vLLM's rule)."""
+    p = sum(len(o.prompt_token_ids) for o in outs[::n])
+    c = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def _envelope(rid: str, kind: str, model: str, choice: dict[str, Any]) -> dict[str, Any]:
-    """The fields every completion object and stream chunk carries around its one choice."""
+def _envelope(rid: str, kind: str, model: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    """The fields every completion object and stream chunk carries around its choices."""
     return {
         "id": rid,
         "object": kind,
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "choices": choices,
     }
 
 
 def full_response(
     rid: str,
     model: str,
-    out: RequestOutput,
+    outs: list[RequestOutput],
     *,
     chat: bool,
+    n: int = 1,
     token_text: Callable[[int], str] = str,
+    echo: Callable[[RequestOutput], str] | None = None,
 ) -> dict[str, Any]:
-    c = out.outputs[0]
-    if chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": c.text},
-            "finish_reason": c.finish_reason,
-            "logprobs": _logprobs(out, True, token_text),
-        }
-    else:
-        choice = {
-            "index": 0,
-            "text": c.text,
-            "finish_reason": c.finish_reason,
-            "logprobs": _logprobs(out, False, token_text),
-        }
+    """The whole answer: ``outs`` are the final outputs, one per choice, in index order."""
+    choices = []
+    for index, out in enumerate(outs):
+        text, ids, entries = choice_view(out, echo)
+        choice: dict[str, Any] = {"index": index}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["finish_reason"] = out.outputs[0].finish_reason
+        choice["logprobs"] = logprobs_of(ids, entries, chat, token_text)
+        choices.append(choice)
     kind = "chat.completion" if chat else "text_completion"
-    return {**_envelope(rid, kind, model, choice), "usage": usage(out)}
+    return {**_envelope(rid, kind, model, choices), "usage": usage(outs, n)}
 
 
 def stream_chunk(
-    rid: str, model: str, delta: str, finish: str | None, *, chat: bool, first: bool = False
+    rid: str,
+    model: str,
+    delta: str,
+    finish: str | None,
+    *,
+    chat: bool,
+    index: int = 0,
+    first: bool = False,
+    logprobs: Any = None,
 ) -> dict[str, Any]:
+    """One server-sent event of a stream: choice ``index``'s new text (and its tokens' log
+    probabilities, when asked for)."""
     if chat:
         d: dict[str, Any] = {"content": delta}
         if first:
             d["role"] = "assistant"
-        choice = {"index": 0, "delta": d, "finish_reason": finish}
+        choice = {"index": index, "delta": d, "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": delta, "finish_reason": finish}
+        choice = {"index": index, "text": delta, "finish_reason": finish}
+    choice["logprobs"] = logprobs
     kind = "chat.completion.chunk" if chat else "text_completion"
-    return _envelope(rid, kind, model, choice)
+    return _envelope(rid, kind, model, [choice])
+
+
+def usage_chunk(
+    rid: str, model: str, outs: list[RequestOutput], *, chat: bool, n: int = 1
+) -> dict[str, Any]:
+    """A stream's last event under ``stream_options.include_usage``: no choices, the usage."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    return {**_envelope(rid, kind, model, []), "usage": usage(outs, n)}

@@ -1,8 +1,12 @@
 """``llmhal serve``: an OpenAI-compatible HTTP server over the engine (stdlib only).
 
 Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
-(``"stream": true`` answers with server-sent events). Requests from concurrent clients are batched
-by the engine loop. Bad input is a 400 whose message says what to change; the server keeps serving.
+(``"stream": true`` answers with server-sent events, with the token log-probabilities when asked,
+and a usage event under ``stream_options.include_usage``). A request may ask for ``n`` completions,
+and a completions request may send several prompts; every one is a request to the engine, and
+requests from concurrent clients are batched by the engine loop. The ``model`` field must name the
+served model (or be left out), else 404, as in vLLM. Bad input is a 400 whose message says what to
+change; the server keeps serving.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -138,9 +144,20 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                 body = json.loads(raw or b"{}")
                 if not isinstance(body, dict):
                     raise api.BadRequest("the request body must be a JSON object")
+                model = body.get("model")
+                if model is not None and model != state.model_name:
+                    # vLLM's answer: the model field must name the served model (or be left out).
+                    self._error(
+                        404,
+                        f"The model `{model}` does not exist; this server serves "
+                        f"`{state.model_name}` (GET /v1/models)",
+                        "NotFoundError",
+                    )
+                    return
                 params = api.sampling_params(body, chat=chat, defaults=state.defaults)
-                prompt = self._chat_prompt(body) if chat else api.completion_prompt(body)
-                rid, q = state.loop.submit(prompt, params)
+                include_usage = api.stream_options(body)
+                prompts = [self._chat_prompt(body)] if chat else api.completion_prompts(body)
+                rids, q = state.loop.submit(api.choices(prompts, params))
             except EngineStopped as e:
                 self._error(503, str(e), "service_unavailable")
                 return
@@ -153,14 +170,16 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
             except OSError:  # a read timeout or a reset: drop the connection quietly
                 self.close_connection = True
                 return
+            echo = self._prompt_text if body.get("echo") else None
+            answer = Answer(rids[0], len(rids), params.n, chat, echo, api.echo_only(body))
             try:
                 if body.get("stream"):
-                    self._stream(rid, q, chat)
+                    self._stream(answer, q, include_usage)
                 else:
-                    self._complete(rid, q, chat)
+                    self._complete(answer, q)
             except OSError:  # the client went away or stalled: stop generating for it
                 self.close_connection = True
-                state.loop.abort(rid)
+                state.loop.abort(rids)
 
         def _chat_prompt(self, body: dict[str, Any]) -> dict[str, Any]:
             messages = api.chat_messages(body)
@@ -168,7 +187,13 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
             ids = state.llm.get_tokenizer().encode(text, add_special_tokens=False)
             return {"prompt": text, "prompt_token_ids": ids}
 
-        def _updates(self, q: Any):
+        def _prompt_text(self, out: Any) -> str:
+            """An echoed prompt: as sent, or a token-id prompt's decoded text."""
+            if out.prompt is not None:
+                return out.prompt
+            return state.llm.get_tokenizer().decode(out.prompt_token_ids)
+
+        def _updates(self, q: Any, answer: Answer):
             from llmhal.engine.engine_loop import FINISHED
 
             checked = time.monotonic()
@@ -189,13 +214,14 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                     return
                 if isinstance(item, Exception):
                     raise item
-                yield item
+                index, out = item
+                yield index, api.without_generation(out) if answer.echo_only else out
 
-        def _complete(self, rid: str, q: Any, chat: bool) -> None:
-            last = None
+        def _complete(self, answer: Answer, q: Any) -> None:
+            last: list[Any] = [None] * answer.size
             try:
-                for out in self._updates(q):
-                    last = out
+                for index, out in self._updates(q, answer):
+                    last[index] = out
             except OSError:
                 raise
             except EngineStopped as e:
@@ -204,33 +230,64 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
             except Exception as e:
                 self._error(500, f"generation failed: {e}", "server_error")
                 return
-            assert last is not None
             self._json(
                 200,
                 api.full_response(
-                    rid, state.model_name, last, chat=chat, token_text=state.token_text
+                    answer.id,
+                    state.model_name,
+                    last,
+                    chat=answer.chat,
+                    n=answer.n,
+                    token_text=state.token_text,
+                    echo=answer.echo,
                 ),
             )
 
-        def _stream(self, rid: str, q: Any, chat: bool) -> None:
+        def _stream(self, answer: Answer, q: Any, include_usage: bool) -> None:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
             self.send_header("Connection", "close")
             self.end_headers()
-            sent, first = 0, True
+            # Per choice: characters and tokens already sent, and where the tokens' text starts.
+            chars = [0] * answer.size
+            tokens = [0] * answer.size
+            offsets = [0] * answer.size
+            last: list[Any] = [None] * answer.size
             try:
-                for out in self._updates(q):
-                    c = out.outputs[0]
-                    delta, sent = c.text[sent:], len(c.text)
-                    if delta or out.finished:
-                        chunk = api.stream_chunk(
-                            rid, state.model_name, delta, c.finish_reason, chat=chat, first=first
+                for index, out in self._updates(q, answer):
+                    last[index] = out
+                    text, ids, entries = api.choice_view(out, answer.echo)
+                    delta = text[chars[index] :]
+                    if not delta and not out.finished:
+                        continue  # bytes of a character still incomplete: send them with it
+                    logprobs = api.logprobs_of(
+                        ids[tokens[index] :],
+                        None if entries is None else entries[tokens[index] :],
+                        answer.chat,
+                        state.token_text,
+                        offsets[index],
+                    )
+                    if logprobs is not None and not answer.chat:
+                        offsets[index] += sum(len(t) for t in logprobs["tokens"])
+                    chunk = api.stream_chunk(
+                        answer.id,
+                        state.model_name,
+                        delta,
+                        out.outputs[0].finish_reason,
+                        chat=answer.chat,
+                        index=index,
+                        first=chars[index] == 0 and tokens[index] == 0,
+                        logprobs=logprobs,
+                    )
+                    chars[index], tokens[index] = len(text), len(ids)
+                    self._event(chunk)
+                if include_usage:
+                    self._event(
+                        api.usage_chunk(
+                            answer.id, state.model_name, last, chat=answer.chat, n=answer.n
                         )
-                        if out.finished:
-                            chunk["usage"] = api.usage(out)
-                        self._event(chunk)
-                        first = False
+                    )
             except OSError:
                 raise
             except Exception as e:
@@ -250,6 +307,20 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
             self.wfile.flush()
 
     return Handler
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a response is built around: its id (its first request's), how many choices, how many
+    completions per prompt, whether it is a chat completion, and for ``echo`` what gives a
+    choice's prompt text and whether only the prompt comes back."""
+
+    id: str
+    size: int
+    n: int
+    chat: bool
+    echo: Callable[[Any], str] | None = None
+    echo_only: bool = False
 
 
 class _Server(ThreadingHTTPServer):
@@ -309,7 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_engine_args(p)
     p.add_argument(
-        "--served-model-name", help="the model id clients send and see (default: the model path)"
+        "--served-model-name",
+        help="the model id clients send and see (default: --model as given, as in vLLM; for the "
+        "default model, its file name without .gguf)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000; 0: any free)")
@@ -328,8 +401,11 @@ def main(argv: list[str] | None = None) -> int:
     llm = build_llm("llmhal serve", a, max_num_seqs=a.max_num_seqs)
     if llm is None:
         return 2
+    from llmhal.default_model import FILENAME
+
+    name = a.served_model_name or a.model or FILENAME.removesuffix(".gguf")
     try:
-        server = build_server(llm, a.host, a.port, a.served_model_name)
+        server = build_server(llm, a.host, a.port, name)
     except OSError as e:  # taken between the check and now
         print(f"llmhal serve: cannot listen on {a.host}:{a.port}: {e}", file=sys.stderr)
         return 2

@@ -148,7 +148,11 @@ def test_concurrent_requests_are_each_answered_correctly(server):
         ({"prompt": [5] * 200, "max_tokens": 4}, "200 tokens"),
         ({"prompt": "x", "temperature": -1}, "temperature"),
         ({"prompt": "x", "best_of": 2}, "unsupported field(s): best_of"),
-        ({"prompt": ["a", "b"]}, "one prompt per request"),
+        ({"prompt": ["a", [1, "b"]]}, "prompt 1 must be a string or a non-empty list of token ids"),
+        ({"prompt": []}, "a non-empty list of either"),
+        ({"prompt": ["a"] * 200, "n": 2}, "200 prompt(s) x n=2 is over 256 choices"),
+        ({"prompt": "x", "n": 0}, "n must be at least 1"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "only allowed with stream"),
         ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
         ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty must be > 0"),
         # Wrong types and non-finite numbers are refused up front: inside a batch they used to
@@ -159,7 +163,8 @@ def test_concurrent_requests_are_each_answered_correctly(server):
         ({"prompt": "x", "stop": 5}, "stop must be a string or a list of strings"),
         ({"prompt": "x", "stop_token_ids": "abc"}, "stop_token_ids must be a list"),
         ({"prompt": "x", "logprobs": "abc"}, "logprobs must be an integer"),
-        ({"prompt": "x", "echo": True}, "echo is not supported"),
+        ({"prompt": "x", "echo": "yes"}, "echo must be true or false"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens must be at least 1"),
         # Values only the model can check are checked at submission, not inside a shared step.
         ({"prompt": "x", "logprobs": 100000}, "at most 20 top log-probabilities"),
         ({"prompt": "x", "stop_token_ids": [10**9], "min_tokens": 1}, "outside the vocabulary"),
@@ -334,7 +339,7 @@ def test_shutdown_ends_requests_in_flight_and_tells_their_clients(tiny_models, m
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", srv.server_address[1]), timeout=2)
     with pytest.raises(EngineStopped):
-        srv.state.loop.submit({"prompt_token_ids": [1]}, SamplingParams(max_tokens=1))
+        srv.state.loop.submit([({"prompt_token_ids": [1]}, SamplingParams(max_tokens=1))])
 
 
 def test_penalties_reach_the_engine(server):
@@ -348,3 +353,129 @@ def test_penalties_reach_the_engine(server):
         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, **penalties),
     )[0]
     assert resp["choices"][0]["text"] == offline.outputs[0].text
+
+
+def test_the_model_field_must_name_the_served_model(server):
+    # vLLM's rule: another name is a 404 naming what is served; leaving the field out is fine.
+    base, _ = server
+    body = {"prompt": [1, 2], "max_tokens": 2}
+    status, resp = post(base + "/v1/completions", {**body, "model": "gpt-4"})
+    assert status == 404 and resp["error"]["message"].startswith("The model `gpt-4` does not exist")
+    assert "`tiny`" in resp["error"]["message"]
+    status, resp = post(base + "/v1/chat/completions", {"model": "gpt-4", "messages": [
+        {"role": "user", "content": "hi"}]})  # fmt: skip
+    assert status == 404
+    assert post(base + "/v1/completions", {**body, "model": "tiny"})[0] == 200
+    assert post(base + "/v1/completions", body)[0] == 200
+
+
+def _offline_choices(llm, prompts, params):
+    """The offline API's completions, flattened in the server's choice order (prompt * n + i)."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [c for o in outs for c in o.outputs]
+
+
+def test_several_prompts_and_n_completions_each(server):
+    base, llm = server
+    prompts = [[5, 6, 7], [9, 10]]
+    body = {"prompt": prompts, "n": 3, "max_tokens": 5, "temperature": 1.0, "seed": 11,
+            "ignore_eos": True, "logprobs": 1}  # fmt: skip
+    status, resp = post(base + "/v1/completions", body)
+    assert status == 200, resp
+    params = SamplingParams(
+        n=3, max_tokens=5, temperature=1.0, seed=11, ignore_eos=True, logprobs=1
+    )
+    expected = _offline_choices(llm, prompts, params)
+    assert [c["index"] for c in resp["choices"]] == list(range(6))
+    assert [c["text"] for c in resp["choices"]] == [c.text for c in expected]
+    assert [c["logprobs"]["token_ids"] for c in resp["choices"]] == [c.token_ids for c in expected]
+    assert len({c["text"] for c in resp["choices"][:3]}) > 1  # seeds 11, 12, 13 differ
+    # Each prompt's tokens count once, however many completions it has (vLLM's rule).
+    assert resp["usage"] == {"prompt_tokens": 5, "completion_tokens": 30, "total_tokens": 35}
+
+    chat = {"messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 4,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    status, resp = post(base + "/v1/chat/completions", chat)
+    assert status == 200 and [c["index"] for c in resp["choices"]] == [0, 1]
+    assert resp["choices"][0]["message"] == resp["choices"][1]["message"]  # greedy: the same
+
+
+def _events(raw: str) -> list:
+    events = [line[len("data: ") :] for line in raw.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streams_carry_every_choice_its_logprobs_and_the_usage(server, chat):
+    base, _ = server
+    if chat:
+        url = base + "/v1/chat/completions"
+        body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                "top_logprobs": 2}  # fmt: skip
+    else:
+        url = base + "/v1/completions"
+        body = {"prompt": [[5, 6, 7], [9, 10]], "logprobs": 2}
+    body.update(n=2, max_tokens=6, temperature=1.0, seed=3, ignore_eos=True)
+    status, full = post(url, body)
+    assert status == 200, full
+    status, raw = post(url, {**body, "stream": True, "stream_options": {"include_usage": True}},
+                       raw=True)  # fmt: skip
+    chunks = _events(raw)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full["usage"]
+    for want in full["choices"]:
+        mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == want["index"]]
+        assert mine[-1]["finish_reason"] == "length" and mine[0]["logprobs"] is not None
+        if chat:
+            assert mine[0]["delta"]["role"] == "assistant"
+            assert "".join(c["delta"]["content"] for c in mine) == want["message"]["content"]
+            entries = [e for c in mine for e in c["logprobs"]["content"]]
+            assert entries == want["logprobs"]["content"]
+        else:
+            assert "".join(c["text"] for c in mine) == want["text"]
+            for key in ("tokens", "token_ids", "token_logprobs", "top_logprobs", "text_offset"):
+                got = [x for c in mine for x in c["logprobs"][key]]
+                assert got == want["logprobs"][key], key
+    # Without include_usage a stream has no usage chunk (OpenAI's default).
+    status, raw = post(url, {**body, "stream": True}, raw=True)
+    assert all("usage" not in c for c in _events(raw))
+
+
+def test_echo_returns_the_prompt_and_its_logprobs(server):
+    # What evaluation harnesses send to score a text: echo, logprobs, max_tokens 0.
+    base, llm = server
+    prompt = [5, 17, 3, 99, 42]
+    body = {"prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 0}
+    status, resp = post(base + "/v1/completions", body)
+    assert status == 200, resp
+    offline = llm.generate(
+        {"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=1)
+    )[0]
+    choice, tok = resp["choices"][0], llm.get_tokenizer()
+    assert choice["text"] == tok.decode(prompt) and choice["finish_reason"] == "length"
+    lp = choice["logprobs"]
+    assert lp["token_ids"] == prompt and lp["token_logprobs"][0] is None
+    assert lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == [
+        e[t].logprob for t, e in zip(prompt[1:], offline.prompt_logprobs[1:], strict=True)
+    ]
+    assert resp["usage"] == {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5}
+
+    # With generation: the prompt, then the completion, in the text and in the log-probabilities.
+    body = {"prompt": "Hello", "echo": True, "logprobs": 0, "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    status, full = post(base + "/v1/completions", body)
+    assert status == 200, full
+    plain = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    choice = full["choices"][0]
+    assert choice["text"] == "Hello" + plain.outputs[0].text
+    assert choice["logprobs"]["token_ids"] == plain.prompt_token_ids + plain.outputs[0].token_ids
+    status, raw = post(base + "/v1/completions", {**body, "stream": True}, raw=True)
+    chunks = [c["choices"][0] for c in _events(raw)]
+    assert "".join(c["text"] for c in chunks) == choice["text"]
+    for key in ("token_ids", "token_logprobs", "text_offset"):
+        assert [x for c in chunks for x in c["logprobs"][key]] == choice["logprobs"][key]
+
+    chat = {"messages": [{"role": "user", "content": "hi"}], "echo": True}
+    status, resp = post(base + "/v1/chat/completions", chat)
+    assert status == 400 and "only supported on /v1/completions" in resp["error"]["message"]
