@@ -152,8 +152,10 @@ class LLMEngine:
                 raise ValueError(
                     f"{name}={k}: at most {MAX_LOGPROBS} top log-probabilities per token"
                 )
-        if vocab is not None and any(t < 0 or t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids contain ids outside the vocabulary [0, {vocab})")
+        if vocab is not None:
+            for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+                if any(t < 0 or t >= vocab for t in getattr(params, name) or ()):
+                    raise ValueError(f"{name} contain ids outside the vocabulary [0, {vocab})")
         max_tokens = min(params.max_tokens or limit, limit - n)
         # The last sampled token is never fed back, so it never takes a KV slot.
         slots = n + max_tokens - 1

@@ -10,6 +10,7 @@ import torch
 
 from llmhal.engine.outputs import Logprob
 from llmhal.engine.request import Request
+from llmhal.engine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -78,6 +79,21 @@ def apply_penalties(row: torch.Tensor, req: Request) -> None:
         row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
 
 
+def apply_logit_shaping(row: torch.Tensor, params: SamplingParams) -> None:
+    """``allowed_token_ids`` (every other logit -inf), then ``logit_bias`` (added), in place; vLLM
+    applies both before the penalties."""
+    if params.allowed_token_ids is not None:
+        allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=row.device)
+        kept = row[allowed]
+        row.fill_(float("-inf"))
+        row[allowed] = kept
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=row.device)
+        row[ids] += torch.tensor(
+            list(params.logit_bias.values()), dtype=row.dtype, device=row.device
+        )
+
+
 class Sampler:
     def __init__(self, default_generator: torch.Generator) -> None:
         self.default_generator = default_generator
@@ -89,6 +105,8 @@ class Sampler:
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw = logits[want].float() if want else None  # logprobs are the model's own (a copy)
         for i, r in enumerate(requests):
+            if r.params.shaped:
+                apply_logit_shaping(logits[i], r.params)
             if r.params.penalized:
                 apply_penalties(logits[i], r)
             if len(r.output_token_ids) < r.params.min_tokens:

@@ -35,6 +35,10 @@ class SamplingParams:
         logit is divided by it, a negative one multiplied; HF's and vLLM's rule); 1 = off.
     presence_penalty / frequency_penalty: subtracted from the logit of each token already generated,
         once / once per occurrence (OpenAI's rule, in [-2, 2]); 0 = off.
+    logit_bias: token id -> a number added to that token's logit before sampling (OpenAI's
+        ``logit_bias``; the server clamps it to [-100, 100] as vLLM does).
+    allowed_token_ids: only these tokens can be sampled (vLLM's; every other logit is -inf).
+    Like penalties, neither changes the returned log-probabilities, which are the model's own.
     """
 
     temperature: float = 1.0
@@ -55,6 +59,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,7 +77,26 @@ class SamplingParams:
             raise _bad(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._check_types()
+        self._check_token_maps()
         self._validate()
+
+    def _check_token_maps(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise _bad(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+            for t, b in self.logit_bias.items():
+                if not _is_int(t):
+                    raise _bad(f"logit_bias keys must be token ids (integers), got {t!r}")
+                if isinstance(b, bool) or not isinstance(b, Real) or not math.isfinite(b):
+                    raise _bad(f"logit_bias values must be finite numbers, got {b!r} for {t}")
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if isinstance(ids, str | bytes) or not isinstance(ids, list | tuple) or not ids:
+                raise _bad(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
+            if not all(_is_int(t) for t in ids):
+                raise _bad(f"allowed_token_ids must be token ids (integers), got {ids!r}")
+            self.allowed_token_ids = [int(t) for t in ids]
 
     def _check_types(self) -> None:
         """Types and finiteness first: a NaN temperature or a string seed would otherwise pass the
@@ -145,12 +170,21 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
     @property
+    def shaped(self) -> bool:
+        """Whether logit_bias or allowed_token_ids change the logits before sampling."""
+        return self.logit_bias is not None or self.allowed_token_ids is not None
+
+    @property
     def penalized(self) -> bool:
         return (
             self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, Integral) and not isinstance(x, bool)
 
 
 def _bad(what: str) -> ValueError:

@@ -1,8 +1,8 @@
 """OpenAI-compatible request parsing and response shapes for ``llmhal serve``.
 
 Only what the engine really supports is accepted; anything else is a 400 that names the field.
-vLLM's extensions ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens`` and
-``repetition_penalty`` are accepted too.
+vLLM's extensions ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``,
+``repetition_penalty`` and ``allowed_token_ids`` are accepted too.
 
 A response has one choice per prompt and completion: ``n`` completions of each of a completions
 request's prompts, choice ``index`` = prompt number * n + completion number (vLLM's numbering).
@@ -14,6 +14,7 @@ evaluation harnesses use to score a text), as in vLLM.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +32,7 @@ _SAMPLING_FIELDS = {
     "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "stop": "stop", "seed": "seed",
     "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids", "min_tokens": "min_tokens",
     "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-    "repetition_penalty": "repetition_penalty",
+    "repetition_penalty": "repetition_penalty", "allowed_token_ids": "allowed_token_ids",
 }  # fmt: skip
 _IGNORED = {
     "model",
@@ -54,7 +55,7 @@ def sampling_params(
 ) -> SamplingParams:
     """The request's SamplingParams; ``defaults`` (the model's generation_config.json settings,
     under SamplingParams' names) fill what the body leaves out, as in vLLM."""
-    unknown = sorted(set(body) - set(_SAMPLING_FIELDS) - _IGNORED - {"echo"})
+    unknown = sorted(set(body) - set(_SAMPLING_FIELDS) - _IGNORED - {"echo", "logit_bias"})
     if unknown:
         raise BadRequest(f"unsupported field(s): {', '.join(unknown)}")
     echo = body.get("echo")
@@ -75,12 +76,31 @@ def sampling_params(
         kwargs["logprobs"] = body["logprobs"]
         if echo:
             kwargs["prompt_logprobs"] = body["logprobs"]
+    if body.get("logit_bias") is not None:
+        kwargs["logit_bias"] = _logit_bias(body["logit_bias"])
     if echo_only(body):
         kwargs["max_tokens"] = 1  # one token is generated, then left out of the answer
     try:
         return SamplingParams(**kwargs)
     except (TypeError, ValueError) as e:
         raise BadRequest(str(e)) from None
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys, so strings) as SamplingParams takes
+    it, each bias clamped to [-100, 100] as vLLM does."""
+    if not isinstance(value, dict):
+        raise BadRequest("logit_bias must be an object mapping token ids to numbers")
+    out = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise BadRequest(f"logit_bias keys must be token ids, got {key!r}") from None
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias):
+            raise BadRequest(f"logit_bias values must be finite numbers, got {bias!r} for {key}")
+        out[token] = min(100.0, max(-100.0, float(bias)))
+    return out
 
 
 def echo_only(body: dict[str, Any]) -> bool:

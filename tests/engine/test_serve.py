@@ -164,6 +164,9 @@ def test_concurrent_requests_are_each_answered_correctly(server):
         ({"prompt": "x", "stop_token_ids": "abc"}, "stop_token_ids must be a list"),
         ({"prompt": "x", "logprobs": "abc"}, "logprobs must be an integer"),
         ({"prompt": "x", "echo": "yes"}, "echo must be true or false"),
+        ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias keys must be token ids"),
+        ({"prompt": "x", "logit_bias": {"5": "high"}}, "logit_bias values must be finite numbers"),
+        ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids must be a non-empty list"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens must be at least 1"),
         # Values only the model can check are checked at submission, not inside a shared step.
         ({"prompt": "x", "logprobs": 100000}, "at most 20 top log-probabilities"),
@@ -479,3 +482,18 @@ def test_echo_returns_the_prompt_and_its_logprobs(server):
     chat = {"messages": [{"role": "user", "content": "hi"}], "echo": True}
     status, resp = post(base + "/v1/chat/completions", chat)
     assert status == 400 and "only supported on /v1/completions" in resp["error"]["message"]
+
+
+def test_logit_bias_and_allowed_token_ids_reach_the_engine(server):
+    base, llm = server
+    body = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    status, resp = post(base + "/v1/completions", {**body, "logit_bias": {"9": 250}})  # clamped
+    assert status == 200, resp
+    forced = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(
+        temperature=0, max_tokens=3, ignore_eos=True, logit_bias={9: 100.0}))[0]  # fmt: skip
+    assert forced.outputs[0].token_ids == [9, 9, 9]
+    assert resp["choices"][0]["text"] == forced.outputs[0].text
+    status, resp = post(
+        base + "/v1/completions", {**body, "allowed_token_ids": [11], "logprobs": 0}
+    )
+    assert status == 200 and resp["choices"][0]["logprobs"]["token_ids"] == [11, 11, 11]

@@ -259,3 +259,57 @@ def test_n_completions_per_prompt(tiny):
     assert outs[0].prompt_token_ids == [5, 6, 7] and outs[0].finished
     with pytest.raises(ValueError, match="n must be at least 1"):
         SamplingParams(n=0)
+
+
+def _next_logits(hf, prompt):
+    with torch.no_grad():
+        return hf(torch.tensor([prompt])).logits[0, -1]
+
+
+def test_logit_bias_and_allowed_token_ids_shape_sampling(tiny):
+    llm, hf = tiny
+    prompt = [5, 6, 7]
+    ref = _next_logits(hf, prompt)
+    first, second = ref.topk(2).indices.tolist()
+    # A strong bias forces a token; a strong negative one on the greedy choice gives the next best.
+    forced = _gen(llm, prompt, max_tokens=4, logit_bias={9: 100.0}, **GREEDY).outputs[0]
+    assert forced.token_ids == [9] * 4
+    demoted = _gen(llm, prompt, max_tokens=1, logit_bias={first: -100}, logprobs=0, **GREEDY)
+    c = demoted.outputs[0]
+    assert c.token_ids == [second]
+    # The log-probabilities stay the model's own (vLLM's default).
+    assert c.logprobs[0][second].logprob == pytest.approx(
+        float(torch.log_softmax(ref, -1)[second]), abs=1e-4
+    )
+    # Only the allowed tokens: greedy takes the likeliest of them, sampling never leaves them.
+    allowed = [11, 12, 13]
+    best = allowed[int(ref[allowed].argmax())]
+    got = _gen(llm, prompt, max_tokens=1, allowed_token_ids=allowed, **GREEDY).outputs[0]
+    assert got.token_ids == [best]
+    sampled = _gen(llm, prompt, max_tokens=24, allowed_token_ids=allowed, temperature=1.5,
+                   seed=0, ignore_eos=True).outputs[0]  # fmt: skip
+    assert set(sampled.token_ids) <= set(allowed) and len(set(sampled.token_ids)) > 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"logit_bias": {"a": 1.0}}, "logit_bias keys must be token ids"),
+        ({"logit_bias": {1: float("nan")}}, "logit_bias values must be finite numbers"),
+        ({"logit_bias": [1, 2]}, "logit_bias must map token ids to numbers"),
+        ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty list"),
+        ({"allowed_token_ids": [1, "2"]}, "allowed_token_ids must be token ids"),
+    ],
+)
+def test_bad_logit_shaping_is_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_before_any_work(tiny):
+    llm, _ = tiny
+    for kwargs in ({"logit_bias": {10**9: 1.0}}, {"allowed_token_ids": [-1]}):
+        name = next(iter(kwargs))
+        with pytest.raises(ValueError, match=f"{name} contain ids outside the vocabulary"):
+            _gen(llm, [5, 6], **kwargs)
+    assert not llm.engine.has_unfinished_requests()
