@@ -7,6 +7,7 @@ means; values are read at the moment of use, never cached at import.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 ENV_VARS: dict[str, str] = {
     "VLLM_PLUGINS": "comma-separated allow-list of plugin entry-point names; unset = all, '' = none",
@@ -24,9 +25,20 @@ ENV_VARS: dict[str, str] = {
     "OMP_WAIT_POLICY": "OpenMP idle threads: PASSIVE (sleep) or ACTIVE (spin: fastest on a "
     "dedicated machine, collapses when the cores are shared); unset: llmhal's short spin",
     "GOMP_SPINCOUNT": "libgomp spin count; llmhal sets 2000 unless a wait policy was chosen",
+    "LLMHAL_CACHE_DIR": "where llmhal keeps what it builds once: compiled kernels, GGUF files' "
+    "converted tokenizers (default $XDG_CACHE_HOME/llmhal, else ~/.cache/llmhal)",
     "CUDA_VISIBLE_DEVICES": "devices visible to the CUDA platform",
     "HIP_VISIBLE_DEVICES": "devices visible to the ROCm platform",
 }
+
+
+def cache_root() -> Path:
+    """LLMHAL_CACHE_DIR, else $XDG_CACHE_HOME/llmhal, else ~/.cache/llmhal (it may not exist or be
+    writable yet: every user of it falls back to not caching)."""
+    root = os.environ.get("LLMHAL_CACHE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmhal"
 
 
 def get(name: str) -> str | None:

@@ -26,13 +26,9 @@ VARIANTS = ("q4_1", "q8_0", "fp8", "int8", "bf16")
 
 
 def _cache_root() -> Path:
-    root = os.environ.get("LLMHAL_CACHE_DIR")
-    base = (
-        Path(root)
-        if root
-        else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmhal"
-    )
-    return base / "bench"
+    from llmhal.envs import cache_root
+
+    return cache_root() / "bench"
 
 
 def requantize_gguf(src: str, dst: Path, qtype_name: str = "Q8_0") -> Path:

@@ -19,6 +19,8 @@ and merges; the HF config is built here from the metadata.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,7 +31,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from llmhal.logger import init_logger
 from llmhal.quantization.gguf_dequant import GGMLType, ggml_type
+
+logger = init_logger(__name__)
 
 # GGUF architecture -> (transformers model_type, HF architecture)
 ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -48,6 +53,74 @@ _CONFIG_KEYS = {  # "<arch>.<key>" -> HF config field
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "rope.freq_base": "rope_theta",
 }
+# What transformers' config classes (LlamaConfig, Qwen2Config, Qwen3Config) default to for the
+# fields the engine reads and a GGUF file may leave out: config_for builds the config without
+# importing those classes. `from transformers import LlamaConfig` took ~1.7 s of the default
+# model's ~6 s load (it pulls in torch.distributed.tensor and sympy through
+# transformers.activations). tests/model_loader/test_gguf_config.py checks every field the engine
+# reads, and the RoPE and sliding windows it derives, against AutoConfig.for_model.
+_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+              "attention_bias": False, "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 2},
+    "qwen2": {"hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+              "use_sliding_window": False, "sliding_window": None},
+    "qwen3": {"hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+              "use_sliding_window": False, "sliding_window": None, "attention_bias": False,
+              "head_dim": 128},
+}  # fmt: skip
+
+
+# Converted tokenizers kept at most (a few MB each for real vocabularies).
+TOKENIZER_CACHE_ENTRIES = 16
+
+
+def _save_atomically(tok: Any, folder: Path) -> None:
+    """Save ``tok`` to ``folder`` through a temporary sibling renamed into place, so a reader never
+    sees half a tokenizer; a cache that cannot be written is skipped (the next load converts
+    again)."""
+    import shutil
+    import tempfile
+
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+        try:
+            tok.save_pretrained(str(tmp))
+            shutil.rmtree(folder, ignore_errors=True)  # a damaged entry being replaced
+            os.replace(tmp, folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        # The least recently used entries beyond the limit go (files move, tests write many).
+        entries = sorted(folder.parent.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in entries[TOKENIZER_CACHE_ENTRIES:]:
+            shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:
+        logger.debug("Not caching the tokenizer in %s: %s", folder, e)
+
+
+def _touch(folder: Path) -> None:
+    """Mark a cache entry used (its modification time orders the evictions)."""
+    try:
+        os.utime(folder)
+    except OSError:
+        pass
+
+
+def config_for(model_type: str, fields: dict[str, Any]) -> Any:
+    """A transformers ``PreTrainedConfig`` for a GGUF file's ``model_type`` with ``fields`` over
+    that architecture's defaults: what ``AutoConfig.for_model`` gives for every field the engine
+    reads, without importing the architecture's config class."""
+    from transformers.configuration_utils import PreTrainedConfig
+
+    fields = {**_ARCH_DEFAULTS[model_type], **fields}
+    if "rope_scaling" in fields:  # transformers 5's form (the old one is a FutureWarning there)
+        theta = fields.pop("rope_theta", None) or 10000.0
+        fields["rope_parameters"] = {**fields.pop("rope_scaling"), "rope_theta": theta}
+    config = PreTrainedConfig(**fields)
+    config.model_type = model_type
+    return config
+
+
 _TOKEN_IDS = {
     "bos_token_id": "bos",
     "eos_token_id": "eos",
@@ -220,10 +293,9 @@ class GGUFFile:
     # -- config ---------------------------------------------------------------------------------
 
     def hf_config(self) -> Any:
-        """The transformers config (``architectures`` set, so the engine can pick the model)."""
-        from transformers import AutoConfig
-
-        return AutoConfig.for_model(self._arch()[0], **self.config_dict())
+        """The transformers config (``architectures`` set, so the engine can pick the model): see
+        :func:`config_for`."""
+        return config_for(self._arch()[0], self.config_dict())
 
     def config_dict(self) -> dict[str, Any]:
         model_type, arch_cls = self._arch()
@@ -285,9 +357,39 @@ class GGUFFile:
                 f"{self.path.name} has no tokenizer (no tokenizer.ggml.* metadata); pass "
                 f"tokenizer=<a folder with the model's tokenizer files> (CLI: --tokenizer)"
             )
-        return PreTrainedTokenizerFast.from_pretrained(
+        cached = self._tokenizer_cache()
+        if cached is not None and (cached / "tokenizer.json").is_file():
+            try:
+                tok = PreTrainedTokenizerFast.from_pretrained(str(cached), local_files_only=True)
+                _touch(cached)
+                return tok
+            except Exception as e:  # a damaged cache entry: rebuild it from the file
+                logger.warning("Rebuilding the cached tokenizer of %s (%s)", self.path.name, e)
+        tok = PreTrainedTokenizerFast.from_pretrained(
             str(self.path.parent), gguf_file=self.path.name, local_files_only=True
         )
+        if cached is not None:
+            _save_atomically(tok, cached)
+        return tok
+
+    def _tokenizer_cache(self) -> Path | None:
+        """Where this file's converted tokenizer is kept: building it from the GGUF vocabulary took
+        ~1.8 s of the default model's load (transformers re-reads the file's metadata and scans its
+        model modules), loading the saved one ~0.6 s. Keyed by the file (path, size, mtime) and the
+        transformers and tokenizers versions that built it."""
+        import tokenizers
+        import transformers
+
+        from llmhal.envs import cache_root
+
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        key = "|".join(map(str, (self.path.resolve(), st.st_size, st.st_mtime_ns,
+                                 transformers.__version__, tokenizers.__version__)))  # fmt: skip
+        digest = hashlib.sha256(key.encode()).hexdigest()[:20]
+        return cache_root() / "tokenizers" / f"{self.path.stem}-{digest}"
 
     def quant_config(self) -> Any:
         """A :class:`~llmhal.quantization.gguf.GGUFConfig`: each weight's type by HF module name."""

@@ -49,11 +49,9 @@ BASE_FLAGS = (
 
 def cache_dir() -> Path:
     """The preferred folder for built kernels (it may not exist or be writable yet)."""
-    root = os.environ.get("LLMHAL_CACHE_DIR")
-    if root:
-        return Path(root) / "kernels"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return Path(xdg or Path.home() / ".cache") / "llmhal" / "kernels"
+    from llmhal.envs import cache_root
+
+    return cache_root() / "kernels"
 
 
 def compiler() -> str | None:

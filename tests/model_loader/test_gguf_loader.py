@@ -12,10 +12,10 @@ import torch
 
 from llmhal.model_loader.gguf_loader import GGUFFile, GGUFFormatError
 from llmhal.quantization.gguf_dequant import dequantize
+from llmhal.testing.config_reading import assert_configs_read_alike
 from llmhal.testing.gguf_files import write_tiny_gguf
 
 SMOL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_IGNORED_CONFIG_KEYS = {"_name_or_path", "_model_name_or_path", "architectures"}
 
 
 @pytest.fixture(scope="module")
@@ -45,16 +45,6 @@ def transformers_tensors(path: Path, config) -> dict[str, torch.Tensor]:
     return load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
 
 
-def assert_same_config(ours, theirs, skip=()):
-    a, b = ours.to_dict(), theirs.to_dict()
-    diff = {
-        k: (a.get(k), b.get(k))
-        for k in set(a) | set(b)
-        if k not in _IGNORED_CONFIG_KEYS and k not in skip and a.get(k) != b.get(k)
-    }
-    assert not diff
-
-
 def test_smollm2_config(smol):
     assert smol.architecture == "llama" and len(smol.tensors) == 272
     cfg = smol.hf_config()
@@ -62,7 +52,8 @@ def test_smollm2_config(smol):
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (576, 30, 9)
     assert (cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == (3, 64, 49152)
     assert cfg.tie_word_embeddings
-    assert_same_config(cfg, transformers_config(smol.path))
+    # transformers' GGUF config leaves architectures unset; ours names the model class.
+    assert_configs_read_alike(cfg, transformers_config(smol.path), skip=("architectures",))
 
 
 def test_smollm2_every_tensor_mapped_with_its_shape(smol):
@@ -136,7 +127,8 @@ def test_tiny_models_match_transformers(tmp_path, arch):
     cfg = f.hf_config()
     theirs = transformers_config(tiny.path)
     # transformers ignores qwen3's attention.key_length (its head_dim stays the class default)
-    assert_same_config(cfg, theirs, skip=("head_dim",) if arch == "qwen3" else ())
+    skip = ("architectures", "head_dim") if arch == "qwen3" else ("architectures",)
+    assert_configs_read_alike(cfg, theirs, skip=skip)
     head_dim = getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
     assert head_dim == (32 if arch == "qwen3" else 64)
     assert cfg.tie_word_embeddings == (arch != "qwen2")
@@ -208,3 +200,85 @@ def test_a_truncated_or_empty_file_is_named_with_the_remedy(tmp_path):
         (tmp_path / "tiny.gguf").write_bytes(raw)
         with pytest.raises(GGUFFormatError, match="tiny.gguf is not a GGUF file"):
             GGUFFile(tmp_path / "tiny.gguf")
+
+
+TEXTS = ["Hello world", "  ünïcödé — 東京 🙂 ", "<|im_start|>user\nhi<|im_end|>\n", ""]
+
+
+def _same_tokenizer(a, b) -> None:
+    for text in TEXTS:
+        for special in (True, False):
+            ids = a.encode(text, add_special_tokens=special)
+            assert b.encode(text, add_special_tokens=special) == ids, (text, special)
+            assert b.decode(ids) == a.decode(ids)
+            assert b.decode(ids, skip_special_tokens=True) == a.decode(
+                ids, skip_special_tokens=True
+            )
+    assert len(a) == len(b) and a.all_special_ids == b.all_special_ids
+    assert (a.bos_token_id, a.eos_token_id, a.pad_token_id) == (
+        b.bos_token_id, b.eos_token_id, b.pad_token_id)  # fmt: skip
+    chat = [{"role": "user", "content": "What is 2+2?"}]
+    assert a.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == (
+        b.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    )
+
+
+def _conversions(monkeypatch) -> list[str]:
+    """Counts the tokenizers built from a GGUF vocabulary (not read from the cache)."""
+    from transformers import PreTrainedTokenizerFast
+
+    calls: list[str] = []
+    real = PreTrainedTokenizerFast.from_pretrained.__func__
+
+    def counting(cls, *args, **kwargs):
+        if kwargs.get("gguf_file"):
+            calls.append(kwargs["gguf_file"])
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "from_pretrained", classmethod(counting))
+    return calls
+
+
+def test_the_converted_tokenizer_is_cached_and_reads_the_same(smol, tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMHAL_CACHE_DIR", str(tmp_path))
+    calls = _conversions(monkeypatch)
+    fresh = smol.tokenizer()
+    assert len(calls) == 1
+    (entry,) = (tmp_path / "tokenizers").iterdir()
+    assert (entry / "tokenizer.json").is_file()
+    cached = GGUFFile(smol.path).tokenizer()
+    assert len(calls) == 1, "the second load converted the vocabulary again"
+    _same_tokenizer(fresh, cached)
+
+    # A damaged entry is rebuilt (with a warning), not trusted and not fatal.
+    (entry / "tokenizer.json").write_text("{not json")
+    rebuilt = GGUFFile(smol.path).tokenizer()
+    assert len(calls) == 2
+    _same_tokenizer(fresh, rebuilt)
+    assert GGUFFile(smol.path).tokenizer() and len(calls) == 2  # repaired
+
+
+def test_an_unwritable_cache_only_costs_the_conversion(smol, tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("LLMHAL_CACHE_DIR", str(blocker / "cache"))  # under a file: mkdir fails
+    calls = _conversions(monkeypatch)
+    assert GGUFFile(smol.path).tokenizer().encode("Hello") == smol.tokenizer().encode("Hello")
+    assert len(calls) == 2
+
+
+def test_the_tokenizer_cache_keeps_the_most_recently_used_entries(tmp_path, monkeypatch):
+    import os
+
+    from llmhal.model_loader import gguf_loader
+
+    class Saved:
+        def save_pretrained(self, folder: str) -> None:
+            (Path(folder) / "tokenizer.json").write_text("{}")
+
+    monkeypatch.setattr(gguf_loader, "TOKENIZER_CACHE_ENTRIES", 2)
+    root = tmp_path / "tokenizers"
+    for i, name in enumerate(("a", "b", "c")):
+        gguf_loader._save_atomically(Saved(), root / name)
+        os.utime(root / name, (i, i))  # a before b before c
+    assert sorted(p.name for p in root.iterdir()) == ["b", "c"]
