@@ -293,8 +293,9 @@ class GGUFFile:
     # -- config ---------------------------------------------------------------------------------
 
     def hf_config(self) -> Any:
-        """The transformers config (``architectures`` set, so the engine can pick the model): see
-        :func:`config_for`."""
+        """The config the engine reads (``architectures`` set, so it can pick the model): a plain
+        transformers ``PreTrainedConfig``, not the architecture's own class (see
+        :func:`config_for`); build ``LlamaConfig(**self.config_dict())`` for a transformers model."""
         return config_for(self._arch()[0], self.config_dict())
 
     def config_dict(self) -> dict[str, Any]:

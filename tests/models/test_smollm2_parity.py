@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 def hf_reference():
     import gguf
     import numpy as np
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from llmhal.default_model import default_model_path
     from llmhal.model_loader.gguf_loader import GGUFFile, unpermute_rows
@@ -42,7 +42,9 @@ def hf_reference():
         if hf_name.split(".")[-2] in heads:
             w = unpermute_rows(w, heads[hf_name.split(".")[-2]])
         state[hf_name] = w
-    hf = LlamaForCausalLM(g.hf_config()).float().eval()
+    # transformers' own config class over the file's fields (llmhal's config carries only what the
+    # engine reads; see tests/model_loader/test_gguf_config.py).
+    hf = LlamaForCausalLM(LlamaConfig(**cfg)).float().eval()
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert unexpected == [] and missing in ([], ["lm_head.weight"])
     hf.tie_weights()
