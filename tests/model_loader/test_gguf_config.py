@@ -45,6 +45,13 @@ def test_the_config_reads_as_transformers_own(model_type, variant):
     theirs = AutoConfig.for_model(model_type, **dict(fields))
     assert_configs_read_alike(ours, theirs)
     assert ours.model_type == theirs.model_type
+    # Every other field too, for model classes registered out of tree. Not compared: the RoPE
+    # parameters' form (the table built from them is, above) and Qwen's layer_types, which
+    # transformers derives from use_sliding_window and max_window_layers (as the engine does).
+    form = {"rope_parameters", "rope_scaling", "rope_theta", "layer_types", "transformers_version"}
+    mine = {k: v for k, v in ours.to_dict().items() if k not in form}
+    other = {k: v for k, v in theirs.to_dict().items() if k not in form}
+    assert mine == other
 
 
 def test_loading_a_gguf_model_imports_no_config_class(tmp_path):
