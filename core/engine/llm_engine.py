@@ -152,6 +152,19 @@ class LLMEngine:
                 raise ValueError(
                     f"{name}={k}: at most {MAX_LOGPROBS} top log-probabilities per token"
                 )
+        allowed = params.allowed_token_ids
+        if allowed is not None and params.min_tokens:
+            # min_tokens bans these until then (the sampler's rule): with nothing else allowed,
+            # no token could be sampled, and the step holding the request would fail.
+            banned = set(params.stop_token_ids) | (
+                set() if params.ignore_eos else self.eos_token_ids
+            )
+        if allowed is not None and params.min_tokens and set(allowed) <= banned:
+            raise ValueError(
+                f"allowed_token_ids {sorted(set(allowed))} are all stop or EOS tokens, which "
+                f"min_tokens={params.min_tokens} forbids at first; allow another token or set "
+                "min_tokens=0"
+            )
         if vocab is not None:
             for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
                 if any(t < 0 or t >= vocab for t in getattr(params, name) or ()):

@@ -35,8 +35,8 @@ class SamplingParams:
         logit is divided by it, a negative one multiplied; HF's and vLLM's rule); 1 = off.
     presence_penalty / frequency_penalty: subtracted from the logit of each token already generated,
         once / once per occurrence (OpenAI's rule, in [-2, 2]); 0 = off.
-    logit_bias: token id -> a number added to that token's logit before sampling (OpenAI's
-        ``logit_bias``; the server clamps it to [-100, 100] as vLLM does).
+    logit_bias: token id -> a number in [-100, 100] added to that token's logit before sampling
+        (OpenAI's ``logit_bias``; the server clamps larger ones into that range, as vLLM does).
     allowed_token_ids: only these tokens can be sampled (vLLM's; every other logit is -inf).
     Like penalties, neither changes the returned log-probabilities, which are the model's own.
     """
@@ -87,8 +87,10 @@ class SamplingParams:
             for t, b in self.logit_bias.items():
                 if not _is_int(t):
                     raise _bad(f"logit_bias keys must be token ids (integers), got {t!r}")
-                if isinstance(b, bool) or not isinstance(b, Real) or not math.isfinite(b):
+                if isinstance(b, bool) or not isinstance(b, Real) or not finite(b):
                     raise _bad(f"logit_bias values must be finite numbers, got {b!r} for {t}")
+                if not -100 <= b <= 100:  # OpenAI's range; a float32 logit stays finite
+                    raise _bad(f"logit_bias values must be in [-100, 100], got {b} for {t}")
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
@@ -108,7 +110,7 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, Real):
                 raise _bad(f"{name} must be a number, got {value!r}")
-            if not math.isfinite(value):
+            if not finite(value):
                 raise _bad(f"{name} must be finite, got {value!r}")
         for name in (
             "top_k", "min_tokens", "n", "max_tokens", "seed", "logprobs", "prompt_logprobs"
@@ -181,6 +183,14 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+def finite(x: Real) -> bool:
+    """Whether ``x`` is a finite float (an int too large for one, 10**400, is not)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def _is_int(x: object) -> bool:

@@ -14,13 +14,12 @@ evaluation harnesses use to score a text), as in vLLM.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable
 from typing import Any
 
 from llmhal.engine.outputs import Logprob, RequestOutput
-from llmhal.engine.sampling_params import SamplingParams
+from llmhal.engine.sampling_params import SamplingParams, finite
 
 
 class BadRequest(ValueError):
@@ -93,11 +92,10 @@ def _logit_bias(value: Any) -> dict[int, float]:
         raise BadRequest("logit_bias must be an object mapping token ids to numbers")
     out = {}
     for key, bias in value.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise BadRequest(f"logit_bias keys must be token ids, got {key!r}") from None
-        if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias):
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise BadRequest(f"logit_bias keys must be token ids, got {key!r}")
+        token = int(key)
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not finite(bias):
             raise BadRequest(f"logit_bias values must be finite numbers, got {bias!r} for {key}")
         out[token] = min(100.0, max(-100.0, float(bias)))
     return out
@@ -105,7 +103,8 @@ def _logit_bias(value: Any) -> dict[int, float]:
 
 def echo_only(body: dict[str, Any]) -> bool:
     """``echo`` with ``max_tokens: 0``: the prompt (and its log-probabilities) alone."""
-    return body.get("echo") is True and body.get("max_tokens") == 0
+    max_tokens = body.get("max_tokens")
+    return body.get("echo") is True and type(max_tokens) is int and max_tokens == 0
 
 
 def without_generation(out: RequestOutput) -> RequestOutput:

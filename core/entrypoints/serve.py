@@ -281,6 +281,8 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                         logprobs=logprobs,
                     )
                     chars[index], tokens[index] = len(text), len(ids)
+                    if include_usage:
+                        chunk["usage"] = None  # OpenAI's shape: the counts come last
                     self._event(chunk)
                 if include_usage:
                     self._event(

@@ -79,10 +79,15 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
 TOKENIZER_CACHE_ENTRIES = 16
 
 
-def _save_atomically(tok: Any, folder: Path) -> None:
+# Written last into a cache entry: an entry without it is incomplete or damaged.
+_COMPLETE = "complete"
+
+
+def _save_atomically(tok: Any, folder: Path, *, replace: bool = False) -> None:
     """Save ``tok`` to ``folder`` through a temporary sibling renamed into place, so a reader never
-    sees half a tokenizer; a cache that cannot be written is skipped (the next load converts
-    again)."""
+    sees half a tokenizer. An entry already there stays (another process wrote it first) unless
+    ``replace`` (it failed to load). A cache that cannot be written is skipped: the next load
+    converts again."""
     import shutil
     import tempfile
 
@@ -90,9 +95,13 @@ def _save_atomically(tok: Any, folder: Path) -> None:
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
         try:
+            os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep a shared cache from other users
             tok.save_pretrained(str(tmp))
-            shutil.rmtree(folder, ignore_errors=True)  # a damaged entry being replaced
-            os.replace(tmp, folder)
+            (tmp / _COMPLETE).write_text("")
+            if replace and folder.exists():  # move the damaged entry aside in one step
+                os.replace(folder, tmp.with_name(tmp.name + ".old"))
+                shutil.rmtree(tmp.with_name(tmp.name + ".old"), ignore_errors=True)
+            os.replace(tmp, folder)  # fails if another process's entry is there: it is kept
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         # The least recently used entries beyond the limit go (files move, tests write many).
@@ -376,7 +385,8 @@ class GGUFFile:
                 f"tokenizer=<a folder with the model's tokenizer files> (CLI: --tokenizer)"
             )
         cached = self._tokenizer_cache()
-        if cached is not None and (cached / "tokenizer.json").is_file():
+        damaged = cached is not None and cached.exists()
+        if cached is not None and (cached / _COMPLETE).is_file():
             try:
                 tok = PreTrainedTokenizerFast.from_pretrained(str(cached), local_files_only=True)
                 _touch(cached)
@@ -387,7 +397,7 @@ class GGUFFile:
             str(self.path.parent), gguf_file=self.path.name, local_files_only=True
         )
         if cached is not None:
-            _save_atomically(tok, cached)
+            _save_atomically(tok, cached, replace=damaged)
         return tok
 
     def _tokenizer_cache(self) -> Path | None:

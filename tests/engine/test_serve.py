@@ -165,6 +165,10 @@ def test_concurrent_requests_are_each_answered_correctly(server):
         ({"prompt": "x", "logprobs": "abc"}, "logprobs must be an integer"),
         ({"prompt": "x", "echo": "yes"}, "echo must be true or false"),
         ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias keys must be token ids"),
+        ({"prompt": "x", "logit_bias": {"1_0": 1}}, "logit_bias keys must be token ids"),
+        ({"prompt": "x", "logit_bias": {"5": 10**400}}, "logit_bias values must be finite"),
+        ({"prompt": "x", "temperature": 10**400}, "temperature must be finite"),
+        ({"prompt": "x", "echo": True, "max_tokens": False}, "max_tokens must be an integer"),
         ({"prompt": "x", "logit_bias": {"5": "high"}}, "logit_bias values must be finite numbers"),
         ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids must be a non-empty list"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens must be at least 1"),
@@ -426,6 +430,7 @@ def test_streams_carry_every_choice_its_logprobs_and_the_usage(server, chat):
                        raw=True)  # fmt: skip
     chunks = _events(raw)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full["usage"]
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])  # OpenAI's shape
     for want in full["choices"]:
         mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == want["index"]]
         assert mine[-1]["finish_reason"] == "length" and mine[0]["logprobs"] is not None
@@ -485,9 +490,12 @@ def test_echo_returns_the_prompt_and_its_logprobs(server):
 
 
 def test_logit_bias_and_allowed_token_ids_reach_the_engine(server):
+    from llmhal.entrypoints.openai_protocol import _logit_bias
+
+    assert _logit_bias({"9": 250, "3": -1e3, "4": 0.5}) == {9: 100.0, 3: -100.0, 4: 0.5}  # vLLM's
     base, llm = server
     body = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
-    status, resp = post(base + "/v1/completions", {**body, "logit_bias": {"9": 250}})  # clamped
+    status, resp = post(base + "/v1/completions", {**body, "logit_bias": {"9": 250}})
     assert status == 200, resp
     forced = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(
         temperature=0, max_tokens=3, ignore_eos=True, logit_bias={9: 100.0}))[0]  # fmt: skip
@@ -497,3 +505,19 @@ def test_logit_bias_and_allowed_token_ids_reach_the_engine(server):
         base + "/v1/completions", {**body, "allowed_token_ids": [11], "logprobs": 0}
     )
     assert status == 200 and resp["choices"][0]["logprobs"]["token_ids"] == [11, 11, 11]
+
+
+def test_a_request_that_could_sample_nothing_is_refused_not_run(server):
+    # Only EOS allowed while min_tokens bans it: the step holding it would fail every request
+    # in it; it is a 400 at submission instead, and a request running alongside is unharmed.
+    base, llm = server
+    eos = sorted(llm.engine.eos_token_ids)[0]
+    done: dict[str, object] = {}
+    body = {"prompt": [9, 10, 11], "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+    other = threading.Thread(target=lambda: done.update(r=post(base + "/v1/completions", body)))
+    other.start()
+    bad = {"prompt": [5, 6, 7], "allowed_token_ids": [eos], "min_tokens": 2, "max_tokens": 3}
+    status, resp = post(base + "/v1/completions", bad)
+    assert status == 400 and "allow another token or set min_tokens=0" in resp["error"]["message"]
+    other.join(60)
+    assert done["r"][0] == 200

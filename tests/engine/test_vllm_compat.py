@@ -296,6 +296,9 @@ def test_logit_bias_and_allowed_token_ids_shape_sampling(tiny):
     [
         ({"logit_bias": {"a": 1.0}}, "logit_bias keys must be token ids"),
         ({"logit_bias": {1: float("nan")}}, "logit_bias values must be finite numbers"),
+        ({"logit_bias": {1: 10**400}}, "logit_bias values must be finite numbers"),
+        ({"logit_bias": {1: 1e39}}, r"logit_bias values must be in \[-100, 100\]"),
+        ({"temperature": 10**400}, "temperature must be finite"),
         ({"logit_bias": [1, 2]}, "logit_bias must map token ids to numbers"),
         ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty list"),
         ({"allowed_token_ids": [1, "2"]}, "allowed_token_ids must be token ids"),
@@ -312,4 +315,8 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_any_work(tiny):
         name = next(iter(kwargs))
         with pytest.raises(ValueError, match=f"{name} contain ids outside the vocabulary"):
             _gen(llm, [5, 6], **kwargs)
+    # Nothing could be sampled: the only allowed tokens are stop tokens min_tokens forbids.
+    with pytest.raises(ValueError, match="are all stop or EOS tokens"):
+        _gen(llm, [5, 6], allowed_token_ids=[7], stop_token_ids=[7], min_tokens=1)
+    assert _gen(llm, [5, 6], allowed_token_ids=[7], stop_token_ids=[7], max_tokens=2).outputs
     assert not llm.engine.has_unfinished_requests()

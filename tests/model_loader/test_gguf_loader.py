@@ -256,6 +256,10 @@ def test_the_converted_tokenizer_is_cached_and_reads_the_same(smol, tmp_path, mo
     assert len(calls) == 2
     _same_tokenizer(fresh, rebuilt)
     assert GGUFFile(smol.path).tokenizer() and len(calls) == 2  # repaired
+    # An entry left incomplete (no completion marker: a writer died) is not trusted either.
+    (entry / "complete").unlink()
+    GGUFFile(smol.path).tokenizer()
+    assert len(calls) == 3 and (entry / "complete").is_file()
 
 
 def test_an_unwritable_cache_only_costs_the_conversion(smol, tmp_path, monkeypatch):
@@ -282,3 +286,8 @@ def test_the_tokenizer_cache_keeps_the_most_recently_used_entries(tmp_path, monk
         gguf_loader._save_atomically(Saved(), root / name)
         os.utime(root / name, (i, i))  # a before b before c
     assert sorted(p.name for p in root.iterdir()) == ["b", "c"]
+    # Another process's complete entry is kept, not replaced under its readers.
+    (root / "c" / "tokenizer.json").write_text('{"theirs": 1}')
+    gguf_loader._save_atomically(Saved(), root / "c")
+    assert (root / "c" / "tokenizer.json").read_text() == '{"theirs": 1}'
+    assert sorted(p.name for p in root.iterdir()) == ["b", "c"]  # no temporary left behind
