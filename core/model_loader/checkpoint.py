@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmhal.model_loader.source import GGUF, ModelSource
@@ -95,25 +96,43 @@ class Checkpoint:
 class SafetensorsCheckpoint(Checkpoint):
     def __init__(self, source: ModelSource) -> None:
         super().__init__(source)
-        from transformers import AutoConfig
+        import json
 
+        from llmhal.model_loader.hf_config import DEFAULTS, config_for
+
+        path = source.folder / "config.json"
         try:
-            self.hf_config = AutoConfig.from_pretrained(str(source.folder), local_files_only=True)
-        except (AttributeError, TypeError):
-            # transformers fails obscurely on a quantization_config that is not an object; the
-            # file is read again only then, to say so.
-            import json
-
-            path = source.folder / "config.json"
-            qc = json.loads(path.read_text()).get("quantization_config")
+            fields = json.loads(path.read_text())
+        except (OSError, ValueError):
+            fields = None  # AutoConfig says what is wrong with it, as before
+        if isinstance(fields, dict):
+            qc = fields.get("quantization_config")
             if qc is not None and not isinstance(qc, dict):
+                # (transformers fails obscurely on one that is not an object)
                 raise ValueError(
                     f"{path}: quantization_config must be an object with a quant_method, got {qc!r}"
-                ) from None
-            raise
+                )
+            # The built-in architectures without importing their config classes (~1.6 s); any
+            # other model type, or remote code, through AutoConfig.
+            if fields.get("model_type") in DEFAULTS and "auto_map" not in fields:
+                self.hf_config = config_for(fields["model_type"], fields)
+                self.hf_config._name_or_path = str(source.folder)  # as AutoConfig sets it
+                self._light_config = True
+                return
+        from transformers import AutoConfig
+
+        self.hf_config = AutoConfig.from_pretrained(str(source.folder), local_files_only=True)
+        self._light_config = False
 
     def tokenizer(self, override: str | None = None) -> Any:
-        return _local_tokenizer(override or str(self.source.folder), override is not None)
+        where = override or str(self.source.folder)
+        # AutoTokenizer loads the model's config (importing its class) unless given one. Ours is
+        # given only where it cannot change the choice of tokenizer class: tokenizer_config.json
+        # names the class and no remote code is involved (otherwise transformers consults its
+        # per-class tables, which know the config by its class).
+        declared = _declared_tokenizer_class(Path(where))
+        config = self.hf_config if self._light_config and declared else None
+        return _local_tokenizer(where, override is not None, config=config)
 
     def weights(self, progress: LoadProgress | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         from llmhal.model_loader.safetensors_loader import iter_safetensors_weights
@@ -154,12 +173,10 @@ class GGUFCheckpoint(Checkpoint):
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def _local_tokenizer(where: str, explicit: bool) -> Any:
+def _local_tokenizer(where: str, explicit: bool, config: Any = None) -> Any:
     """transformers' tokenizer from a local folder; a missing folder or one without tokenizer files
     is an error naming them and the remedy (transformers' own words are about hub repo ids or
     missing libraries)."""
-    from pathlib import Path
-
     from transformers import AutoTokenizer
 
     folder = Path(where)
@@ -174,7 +191,19 @@ def _local_tokenizer(where: str, explicit: bool) -> Any:
             f"{where} ({whose}) has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); copy them "
             f"there, or pass tokenizer=<a folder with them> (CLI: --tokenizer)"
         )
-    return AutoTokenizer.from_pretrained(where, local_files_only=True)
+    extra = {} if config is None else {"config": config}
+    return AutoTokenizer.from_pretrained(where, local_files_only=True, **extra)
+
+
+def _declared_tokenizer_class(folder: Path) -> bool:
+    """Whether ``folder``'s tokenizer_config.json names its tokenizer class, without remote code."""
+    import json
+
+    try:
+        cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and bool(cfg.get("tokenizer_class")) and "auto_map" not in cfg
 
 
 def open_checkpoint(source: ModelSource) -> Checkpoint:

@@ -19,7 +19,6 @@ and merges; the HF config is built here from the metadata.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import struct
@@ -33,6 +32,7 @@ import numpy as np
 import torch
 
 from llmhal.logger import init_logger
+from llmhal.model_loader.hf_config import config_for
 from llmhal.quantization.gguf_dequant import GGMLType, ggml_type
 
 logger = init_logger(__name__)
@@ -54,27 +54,6 @@ _CONFIG_KEYS = {  # "<arch>.<key>" -> HF config field
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "rope.freq_base": "rope_theta",
 }
-# What transformers' config classes (LlamaConfig, Qwen2Config, Qwen3Config) default to for the
-# fields a GGUF file may leave out: config_for builds the config without importing those classes.
-# `from transformers import LlamaConfig` took ~1.7 s of the default model's ~6 s load (it pulls in
-# torch.distributed.tensor and sympy through transformers.activations).
-# tests/model_loader/test_gguf_config.py checks every field the engine reads, the RoPE table and
-# sliding windows it derives, and every other field of to_dict() (a model class registered out of
-# tree may read more), against AutoConfig.for_model.
-_COMMON = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "initializer_range": 0.02,
-           "use_cache": True, "attention_dropout": 0.0}  # fmt: skip
-_QWEN = {**_COMMON, "max_position_embeddings": 32768, "use_sliding_window": False,
-         "sliding_window": None, "max_window_layers": 28, "bos_token_id": None,
-         "eos_token_id": None, "pad_token_id": None}  # fmt: skip
-_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {**_COMMON, "max_position_embeddings": 2048, "attention_bias": False,
-              "mlp_bias": False, "pretraining_tp": 1, "bos_token_id": 1, "eos_token_id": 2,
-              "pad_token_id": None},
-    "qwen2": _QWEN,
-    "qwen3": {**_QWEN, "attention_bias": False, "head_dim": 128},
-}  # fmt: skip
-
-
 # Converted tokenizers kept at most (a few MB each for real vocabularies).
 TOKENIZER_CACHE_ENTRIES = 16
 
@@ -118,33 +97,6 @@ def _touch(folder: Path) -> None:
         os.utime(folder)
     except OSError:
         pass
-
-
-def config_for(model_type: str, fields: dict[str, Any]) -> Any:
-    """A transformers ``PreTrainedConfig`` for a GGUF file's ``model_type`` with ``fields`` over
-    that architecture's defaults: what ``AutoConfig.for_model`` gives, without importing the
-    architecture's config class."""
-    fields = {**_ARCH_DEFAULTS[model_type], **fields}
-    if model_type == "llama" and fields.get("head_dim") is None:  # LlamaConfig's own rule
-        fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
-    if "rope_scaling" in fields:  # transformers 5's form (the old one is a FutureWarning there)
-        theta = fields.pop("rope_theta", None) or 10000.0
-        fields["rope_parameters"] = {**fields.pop("rope_scaling"), "rope_theta": theta}
-    config = _config_class(model_type)(**fields)
-    for name, value in fields.items():  # what the base class sets aside (use_cache)
-        if name not in vars(config):
-            setattr(config, name, value)
-    return config
-
-
-@functools.cache
-def _config_class(model_type: str) -> type:
-    """A bare ``PreTrainedConfig`` subclass named for ``model_type`` (its ``to_dict`` and
-    ``model_type`` read as the architecture's own class's do)."""
-    from transformers.configuration_utils import PreTrainedConfig
-
-    name = f"GGUF{model_type.capitalize()}Config"
-    return type(name, (PreTrainedConfig,), {"model_type": model_type, "__module__": __name__})
 
 
 _TOKEN_IDS = {
@@ -321,7 +273,8 @@ class GGUFFile:
     def hf_config(self) -> Any:
         """The config the engine reads (``architectures`` set, so it can pick the model): a plain
         transformers ``PreTrainedConfig``, not the architecture's own class (see
-        :func:`config_for`); build ``LlamaConfig(**self.config_dict())`` for a transformers model."""
+        :func:`llmhal.model_loader.hf_config.config_for`); build ``LlamaConfig(**self.config_dict())``
+        for a transformers model."""
         return config_for(self._arch()[0], self.config_dict())
 
     def config_dict(self) -> dict[str, Any]:

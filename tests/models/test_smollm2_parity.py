@@ -43,7 +43,7 @@ def hf_reference():
             w = unpermute_rows(w, heads[hf_name.split(".")[-2]])
         state[hf_name] = w
     # transformers' own config class over the file's fields (llmhal's config carries only what the
-    # engine reads; see tests/model_loader/test_gguf_config.py).
+    # engine reads; see tests/model_loader/test_hf_config.py).
     hf = LlamaForCausalLM(LlamaConfig(**cfg)).float().eval()
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert unexpected == [] and missing in ([], ["lm_head.weight"])
