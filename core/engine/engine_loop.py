@@ -85,8 +85,7 @@ class EngineLoop:
             self._cv.notify()
         self._thread.join(timeout=30)
         with self._cv:
-            groups = self._fail_all(EngineStopped(reason))
-        return groups
+            return self._fail_all(EngineStopped(reason))
 
     def _run(self) -> None:
         while True:

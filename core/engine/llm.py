@@ -112,7 +112,7 @@ class LLM:
         engine = self.engine
         # n > 1: n requests of one completion each (vLLM's parallel sampling), joined below. Every
         # child's parameters are built (and so checked) before any request is added.
-        children = [[p.child(i) for i in range(p.n)] if p.n > 1 else [p] for p in params]
+        children = [p.children() for p in params]
         # Tokenized once: the requests below (n per prompt) get the ids, not the text again.
         inputs = []
         for prompt, p in zip(prompts, params, strict=True):
@@ -191,10 +191,8 @@ class LLM:
         them, and generate; the arguments are vLLM's. Message content may be a string or a list of
         text parts (see :func:`~llmhal.engine.chat.normalize_chat_messages`)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        tok = self.engine.tokenizer
-        prompts = []
-        for conv in convs:
-            text = self.apply_chat_template(
+        prompts = [
+            self.chat_prompt(
                 conv,  # type: ignore[arg-type]
                 add_generation_prompt,
                 chat_template=chat_template,
@@ -202,11 +200,19 @@ class LLM:
                 tools=tools,
                 chat_template_kwargs=chat_template_kwargs,
             )
-            # The template already holds the special tokens; do not let encode() add a second BOS.
-            prompts.append(
-                {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
-            )
+            for conv in convs
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat_prompt(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> dict[str, Any]:
+        """One conversation as a prompt dict for :meth:`generate`: the templated text and its
+        token ids (``kwargs`` as :meth:`apply_chat_template` takes them)."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        # The template already holds the special tokens; do not let encode() add a second BOS.
+        ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+        return {"prompt": text, "prompt_token_ids": ids}
 
 
 def _joined(outs: list[RequestOutput]) -> RequestOutput:

@@ -89,6 +89,10 @@ class LLMEngine:
             lambda t: tokenizer.decode([t], skip_special_tokens=False)
         )
 
+    def _eos_for(self, params: SamplingParams) -> frozenset[int]:
+        """The EOS ids that end (and, under min_tokens, are banned from) a request with ``params``."""
+        return frozenset() if params.ignore_eos else self.eos_token_ids
+
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
         for src in (
@@ -156,15 +160,12 @@ class LLMEngine:
         if allowed is not None and params.min_tokens:
             # min_tokens bans these until then (the sampler's rule): with nothing else allowed,
             # no token could be sampled, and the step holding the request would fail.
-            banned = set(params.stop_token_ids) | (
-                set() if params.ignore_eos else self.eos_token_ids
-            )
-        if allowed is not None and params.min_tokens and set(allowed) <= banned:
-            raise ValueError(
-                f"allowed_token_ids {sorted(set(allowed))} are all stop or EOS tokens, which "
-                f"min_tokens={params.min_tokens} forbids at first; allow another token or set "
-                "min_tokens=0"
-            )
+            if set(allowed) <= self._eos_for(params) | set(params.stop_token_ids):
+                raise ValueError(
+                    f"allowed_token_ids {sorted(set(allowed))} are all stop or EOS tokens, which "
+                    f"min_tokens={params.min_tokens} forbids at first; allow another token or set "
+                    "min_tokens=0"
+                )
         if vocab is not None:
             for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
                 if any(t < 0 or t >= vocab for t in getattr(params, name) or ()):
@@ -200,7 +201,7 @@ class LLMEngine:
             prompt_token_ids=ids,
             params=params,
             max_tokens=max_tokens,
-            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            eos_token_ids=self._eos_for(params),
             detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
             generator=gen,
             logprobs=[] if params.logprobs is not None else None,
@@ -259,8 +260,7 @@ class LLMEngine:
             result = self.sampler(logits, sample_reqs) if sample_reqs else None
         for req, entries in prompt_lps:
             for entry in entries:
-                for t, lp in entry.items():
-                    lp.decoded_token = self.token_text(t)
+                self._name_tokens(entry)
             req.prompt_logprobs.extend(entries)  # type: ignore[union-attr]
         prefill = sum(
             n for r, n in batch.items if n > 1 or r.num_computed_tokens < len(r.prompt_token_ids)
@@ -302,6 +302,11 @@ class LLMEngine:
             self.stats.decode_seconds += dt
         return dt
 
+    def _name_tokens(self, entry: dict[int, Logprob]) -> None:
+        """Fill each log-probability's ``decoded_token`` (the sampler has no tokenizer)."""
+        for t, lp in entry.items():
+            lp.decoded_token = self.token_text(t)
+
     @staticmethod
     def _hold_back(req: Request) -> int:
         stops = req.params.stop or []
@@ -313,8 +318,7 @@ class LLMEngine:
             req.metrics.first_token_time = now
         req.output_token_ids.append(token)
         if logprobs is not None and req.logprobs is not None:
-            for t, entry in logprobs.items():
-                entry.decoded_token = self.token_text(t)
+            self._name_tokens(logprobs)
             req.logprobs.append(logprobs)
             req.cumulative_logprob += logprobs[token].logprob
         status = None

@@ -117,9 +117,7 @@ class SamplingParams:
         ):  # fmt: skip
             value = getattr(self, name)
             optional = name in ("max_tokens", "seed", "logprobs", "prompt_logprobs")
-            if (value is None and optional) or (
-                isinstance(value, Integral) and not isinstance(value, bool)
-            ):
+            if (value is None and optional) or _is_int(value):
                 continue
             raise _bad(f"{name} must be an integer{' or None' if optional else ''}, got {value!r}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
@@ -129,9 +127,7 @@ class SamplingParams:
                 raise _bad(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not all(isinstance(s, str) for s in self.stop):  # type: ignore[union-attr]
             raise _bad(f"stop must be a string or a list of strings, got {self.stop!r}")
-        if not all(
-            isinstance(t, Integral) and not isinstance(t, bool) for t in self.stop_token_ids
-        ):
+        if not all(_is_int(t) for t in self.stop_token_ids):
             raise _bad(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
 
     def _validate(self) -> None:
@@ -166,6 +162,11 @@ class SamplingParams:
         """The parameters of the ``index``-th of ``n`` completions: n=1, seed + index."""
         seed = None if self.seed is None else self.seed + index
         return dataclasses.replace(self, n=1, seed=seed)
+
+    def children(self) -> list[SamplingParams]:
+        """One request's parameters per completion (vLLM's parallel sampling): ``[self]`` when
+        n=1, else :meth:`child` 0..n-1."""
+        return [self.child(i) for i in range(self.n)] if self.n > 1 else [self]
 
     @property
     def greedy(self) -> bool:

@@ -165,9 +165,8 @@ def choices(prompts: list[Any], params: SamplingParams) -> list[tuple[Any, Sampl
             f"{len(prompts)} prompt(s) x n={params.n} is over {MAX_CHOICES} choices per request; "
             "send fewer prompts or a smaller n, or split the request"
         )
-    return [
-        (p, params.child(i) if params.n > 1 else params) for p in prompts for i in range(params.n)
-    ]
+    children = params.children()
+    return [(p, c) for p in prompts for c in children]
 
 
 def chat_messages(body: dict[str, Any]) -> list[Any]:

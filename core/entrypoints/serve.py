@@ -156,7 +156,10 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                     return
                 params = api.sampling_params(body, chat=chat, defaults=state.defaults)
                 include_usage = api.stream_options(body)
-                prompts = [self._chat_prompt(body)] if chat else api.completion_prompts(body)
+                if chat:
+                    prompts = [state.llm.chat_prompt(api.chat_messages(body))]
+                else:
+                    prompts = api.completion_prompts(body)
                 rids, q = state.loop.submit(api.choices(prompts, params))
             except EngineStopped as e:
                 self._error(503, str(e), "service_unavailable")
@@ -180,12 +183,6 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
             except OSError:  # the client went away or stalled: stop generating for it
                 self.close_connection = True
                 state.loop.abort(rids)
-
-        def _chat_prompt(self, body: dict[str, Any]) -> dict[str, Any]:
-            messages = api.chat_messages(body)
-            text = state.llm.apply_chat_template(messages)
-            ids = state.llm.get_tokenizer().encode(text, add_special_tokens=False)
-            return {"prompt": text, "prompt_token_ids": ids}
 
         def _prompt_text(self, out: Any) -> str:
             """An echoed prompt: as sent, or a token-id prompt's decoded text."""
