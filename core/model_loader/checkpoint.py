@@ -117,12 +117,10 @@ class SafetensorsCheckpoint(Checkpoint):
             if fields.get("model_type") in DEFAULTS and "auto_map" not in fields:
                 self.hf_config = config_for(fields["model_type"], fields)
                 self.hf_config._name_or_path = str(source.folder)  # as AutoConfig sets it
-                self._light_config = True
                 return
         from transformers import AutoConfig
 
         self.hf_config = AutoConfig.from_pretrained(str(source.folder), local_files_only=True)
-        self._light_config = False
 
     def tokenizer(self, override: str | None = None) -> Any:
         where = override or str(self.source.folder)
@@ -130,8 +128,10 @@ class SafetensorsCheckpoint(Checkpoint):
         # given only where it cannot change the choice of tokenizer class: tokenizer_config.json
         # names the class and no remote code is involved (otherwise transformers consults its
         # per-class tables, which know the config by its class).
+        from llmhal.model_loader.hf_config import built_here
+
         declared = _declared_tokenizer_class(Path(where))
-        config = self.hf_config if self._light_config and declared else None
+        config = self.hf_config if built_here(self.hf_config) and declared else None
         return _local_tokenizer(where, override is not None, config=config)
 
     def weights(self, progress: LoadProgress | None = None) -> Iterator[tuple[str, torch.Tensor]]:

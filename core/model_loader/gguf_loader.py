@@ -19,8 +19,6 @@ and merges; the HF config is built here from the metadata.
 
 from __future__ import annotations
 
-import hashlib
-import os
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,11 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmhal.logger import init_logger
 from llmhal.model_loader.hf_config import config_for
 from llmhal.quantization.gguf_dequant import GGMLType, ggml_type
-
-logger = init_logger(__name__)
 
 # GGUF architecture -> (transformers model_type, HF architecture)
 ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -54,51 +49,6 @@ _CONFIG_KEYS = {  # "<arch>.<key>" -> HF config field
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "rope.freq_base": "rope_theta",
 }
-# Converted tokenizers kept at most (a few MB each for real vocabularies).
-TOKENIZER_CACHE_ENTRIES = 16
-
-
-# Written last into a cache entry: an entry without it is incomplete or damaged.
-_COMPLETE = "complete"
-
-
-def _save_atomically(tok: Any, folder: Path, *, replace: bool = False) -> None:
-    """Save ``tok`` to ``folder`` through a temporary sibling renamed into place, so a reader never
-    sees half a tokenizer. An entry already there stays (another process wrote it first) unless
-    ``replace`` (it failed to load). A cache that cannot be written is skipped: the next load
-    converts again."""
-    import shutil
-    import tempfile
-
-    try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
-        try:
-            os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep a shared cache from other users
-            tok.save_pretrained(str(tmp))
-            (tmp / _COMPLETE).write_text("")
-            if replace and folder.exists():  # move the damaged entry aside in one step
-                os.replace(folder, tmp.with_name(tmp.name + ".old"))
-                shutil.rmtree(tmp.with_name(tmp.name + ".old"), ignore_errors=True)
-            os.replace(tmp, folder)  # fails if another process's entry is there: it is kept
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        # The least recently used entries beyond the limit go (files move, tests write many).
-        entries = sorted(folder.parent.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
-        for old in entries[TOKENIZER_CACHE_ENTRIES:]:
-            shutil.rmtree(old, ignore_errors=True)
-    except OSError as e:
-        logger.debug("Not caching the tokenizer in %s: %s", folder, e)
-
-
-def _touch(folder: Path) -> None:
-    """Mark a cache entry used (its modification time orders the evictions)."""
-    try:
-        os.utime(folder)
-    except OSError:
-        pass
-
-
 _TOKEN_IDS = {
     "bos_token_id": "bos",
     "eos_token_id": "eos",
@@ -337,40 +287,19 @@ class GGUFFile:
                 f"{self.path.name} has no tokenizer (no tokenizer.ggml.* metadata); pass "
                 f"tokenizer=<a folder with the model's tokenizer files> (CLI: --tokenizer)"
             )
-        cached = self._tokenizer_cache()
-        damaged = cached is not None and cached.exists()
-        if cached is not None and (cached / _COMPLETE).is_file():
-            try:
-                tok = PreTrainedTokenizerFast.from_pretrained(str(cached), local_files_only=True)
-                _touch(cached)
-                return tok
-            except Exception as e:  # a damaged cache entry: rebuild it from the file
-                logger.warning("Rebuilding the cached tokenizer of %s (%s)", self.path.name, e)
+        from llmhal.model_loader import tokenizer_cache
+
+        entry = tokenizer_cache.entry_for(self.path)
+        damaged = entry is not None and entry.exists()
+        tok = tokenizer_cache.load(entry, self.path.name) if entry is not None else None
+        if tok is not None:
+            return tok
         tok = PreTrainedTokenizerFast.from_pretrained(
             str(self.path.parent), gguf_file=self.path.name, local_files_only=True
         )
-        if cached is not None:
-            _save_atomically(tok, cached, replace=damaged)
+        if entry is not None:
+            tokenizer_cache.save(tok, entry, replace=damaged)
         return tok
-
-    def _tokenizer_cache(self) -> Path | None:
-        """Where this file's converted tokenizer is kept: building it from the GGUF vocabulary took
-        ~1.8 s of the default model's load (transformers re-reads the file's metadata and scans its
-        model modules), loading the saved one ~0.6 s. Keyed by the file (path, size, mtime) and the
-        transformers and tokenizers versions that built it."""
-        import tokenizers
-        import transformers
-
-        from llmhal.envs import cache_root
-
-        try:
-            st = self.path.stat()
-        except OSError:
-            return None
-        key = "|".join(map(str, (self.path.resolve(), st.st_size, st.st_mtime_ns,
-                                 transformers.__version__, tokenizers.__version__)))  # fmt: skip
-        digest = hashlib.sha256(key.encode()).hexdigest()[:20]
-        return cache_root() / "tokenizers" / f"{self.path.stem}-{digest}"
 
     def quant_config(self) -> Any:
         """A :class:`~llmhal.quantization.gguf.GGUFConfig`: each weight's type by HF module name."""

@@ -72,6 +72,11 @@ def config_for(model_type: str, fields: dict[str, Any]) -> Any:
     return config
 
 
+def built_here(config: Any) -> bool:
+    """Whether ``config`` came from :func:`config_for` (not from transformers' own class)."""
+    return type(config).__module__ == __name__
+
+
 @functools.cache
 def _config_class(model_type: str) -> type:
     """A bare ``PreTrainedConfig`` subclass named for ``model_type`` (its ``to_dict`` and

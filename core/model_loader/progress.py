@@ -1,7 +1,8 @@
 """What loading a model is doing, on one rewritten stderr line.
 
-Loading the default model takes several seconds, most of them before a single tensor is read
-(transformers' config and tokenizer imports take ~3 s of the ~5.5 s on a 2-core machine), so a
+Loading a model takes seconds, most of them before a single tensor is read (on a 2-core machine
+the default model spent ~3 s of ~5.5 s importing transformers' config class and converting its
+tokenizer, before llmhal avoided both; importing transformers itself still takes ~1 s), so a
 tensor counter alone appeared only for the last fraction of a second. :class:`LoadProgress` names
 each stage as it starts (config, tokenizer, weights with a tensor count, preparing kernels, KV
 cache) and ends with one line saying what was loaded and how long it took.

@@ -274,20 +274,20 @@ def test_an_unwritable_cache_only_costs_the_conversion(smol, tmp_path, monkeypat
 def test_the_tokenizer_cache_keeps_the_most_recently_used_entries(tmp_path, monkeypatch):
     import os
 
-    from llmhal.model_loader import gguf_loader
+    from llmhal.model_loader import tokenizer_cache
 
     class Saved:
         def save_pretrained(self, folder: str) -> None:
             (Path(folder) / "tokenizer.json").write_text("{}")
 
-    monkeypatch.setattr(gguf_loader, "TOKENIZER_CACHE_ENTRIES", 2)
+    monkeypatch.setattr(tokenizer_cache, "MAX_ENTRIES", 2)
     root = tmp_path / "tokenizers"
     for i, name in enumerate(("a", "b", "c")):
-        gguf_loader._save_atomically(Saved(), root / name)
+        tokenizer_cache.save(Saved(), root / name)
         os.utime(root / name, (i, i))  # a before b before c
     assert sorted(p.name for p in root.iterdir()) == ["b", "c"]
     # Another process's complete entry is kept, not replaced under its readers.
     (root / "c" / "tokenizer.json").write_text('{"theirs": 1}')
-    gguf_loader._save_atomically(Saved(), root / "c")
+    tokenizer_cache.save(Saved(), root / "c")
     assert (root / "c" / "tokenizer.json").read_text() == '{"theirs": 1}'
     assert sorted(p.name for p in root.iterdir()) == ["b", "c"]  # no temporary left behind
