@@ -23,7 +23,13 @@ from llmhal.engine.request import Request, RequestStatus
 from llmhal.engine.sampler import Sampler
 from llmhal.engine.sampling_params import SamplingParams
 from llmhal.engine.scheduler import Scheduler
-from llmhal.engine.stat_loggers import IterationStats, SchedulerStats, load_stat_loggers, record_all
+from llmhal.engine.stat_loggers import (
+    FinishedRequestStats,
+    IterationStats,
+    SchedulerStats,
+    load_stat_loggers,
+    record_all,
+)
 from llmhal.logger import init_logger
 
 logger = init_logger(__name__)
@@ -216,6 +222,10 @@ class LLMEngine:
         req = self._requests.pop(request_id, None)
         if req is not None and not req.status.finished:
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            req.metrics.finished_time = time.monotonic()
+            if self.stat_loggers:
+                # Reported at once, as a step that ran nothing: an idle engine has no next step.
+                self._record_stats(0.0, 0, [], [req], 0)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -237,12 +247,14 @@ class LLMEngine:
         token = min(self.eos_token_ids, default=0)
         params = SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True)
         rid = self.add_request({"prompt_token_ids": [token] * n_prompt}, params, WARMUP_REQUEST_ID)
+        loggers, self.stat_loggers = self.stat_loggers, []  # no user request: nothing to report
         try:
             while self.has_unfinished_requests():
                 self.step()
         finally:
             self.abort_request(rid)  # also forgets it (a finished one is already forgotten)
             self.stats = EngineStats()
+            self.stat_loggers = loggers
 
     # --------------------------------------------------------------------------- steps
     def step(self) -> list[RequestOutput]:
@@ -268,25 +280,54 @@ class LLMEngine:
         for req, n in batch.items:
             req.num_computed_tokens += n
         outputs: list[RequestOutput] = []
+        # Each sampled request's previous token time, for the stat loggers' latencies.
+        before = [r.metrics.last_token_time for r in sample_reqs] if self.stat_loggers else []
         if result is not None:
             for i, req in enumerate(sample_reqs):
                 self._append_token(req, result.token_ids[i], result.logprobs[i])
                 outputs.append(req.to_output(self._hold_back(req)))
         dt = self._account(t0, prefill, batch.num_tokens, len(batch.preempted))
         if self.stat_loggers:
-            self._record_stats(dt, prefill, len(sample_reqs), outputs, len(batch.preempted))
+            sampled = list(zip(sample_reqs, before, strict=True))
+            ended = [r for r in sample_reqs if r.status.finished]
+            self._record_stats(dt, prefill, sampled, ended, len(batch.preempted))
         return outputs
 
     def _record_stats(
-        self, dt: float, prefill: int, sampled: int, outputs: list[RequestOutput], preempted: int
+        self,
+        dt: float,
+        prefill: int,
+        sampled: list[tuple[Request, float | None]],
+        ended: list[Request],
+        preempted: int,
     ) -> None:
+        """Feed the stat loggers one step: ``sampled`` pairs each request that got a token with
+        the time of its previous one (None: this was its first); ``ended`` are the requests that
+        finished (or were aborted)."""
         sched = self.scheduler
         used = 1.0 - self.kv.num_free_blocks / self.kv.num_blocks
+        ttfts = tuple(
+            r.metrics.first_token_time - r.metrics.arrival_time  # type: ignore[operator]
+            for r, prev in sampled
+            if prev is None
+        )
+        itls = tuple(
+            r.metrics.last_token_time - prev  # type: ignore[operator]
+            for r, prev in sampled
+            if prev is not None
+        )
         record_all(
             self.stat_loggers,
             SchedulerStats(len(sched.running), len(sched.waiting), used, sched.num_preemptions),
             IterationStats(
-                dt, prefill, sampled, tuple(o.request_id for o in outputs if o.finished), preempted
+                dt,
+                prefill,
+                len(sampled),
+                tuple(r.request_id for r in ended),
+                preempted,
+                time_to_first_tokens=ttfts,
+                inter_token_latencies=itls,
+                finished_requests=tuple(_finished_stats(r) for r in ended),
             ),
         )
 
@@ -316,6 +357,7 @@ class LLMEngine:
         now = time.monotonic()
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
+        req.metrics.last_token_time = now
         req.output_token_ids.append(token)
         if logprobs is not None and req.logprobs is not None:
             self._name_tokens(logprobs)
@@ -365,3 +407,18 @@ class LLMEngine:
         req.detokenizer.text = text[:end]
         req.stop_reason = stop
         return RequestStatus.FINISHED_STOPPED
+
+
+def _finished_stats(req: Request) -> FinishedRequestStats:
+    m = req.metrics
+    end = m.finished_time if m.finished_time is not None else time.monotonic()
+    return FinishedRequestStats(
+        request_id=req.request_id,
+        finish_reason=req.status.value,
+        num_prompt_tokens=len(req.prompt_token_ids),
+        num_generation_tokens=len(req.output_token_ids),
+        e2e_latency=end - m.arrival_time,
+        time_to_first_token=None
+        if m.first_token_time is None
+        else m.first_token_time - m.arrival_time,
+    )

@@ -34,6 +34,7 @@ class CompletionOutput:
 class RequestMetrics:
     arrival_time: float
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
 

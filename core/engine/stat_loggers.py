@@ -30,14 +30,33 @@ class SchedulerStats:
 
 
 @dataclass(frozen=True)
+class FinishedRequestStats:
+    """One request that ended: how (``"stop"``, ``"length"`` or ``"abort"``), its token counts, and
+    its latencies in seconds from arrival (``time_to_first_token`` None: it produced none)."""
+
+    request_id: str
+    finish_reason: str
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    e2e_latency: float
+    time_to_first_token: float | None
+
+
+@dataclass(frozen=True)
 class IterationStats:
-    """What one step did."""
+    """What one step did. The per-request fields are filled only when stat loggers are loaded;
+    ``finished_requests`` also holds requests aborted since the previous step."""
 
     step_seconds: float
     num_prompt_tokens: int  # tokens of prompts (prefill or recompute) processed this step
     num_generation_tokens: int  # tokens sampled this step
     finished_request_ids: tuple[str, ...] = field(default_factory=tuple)
     num_preempted: int = 0
+    # Seconds from arrival, for each request whose first token came this step.
+    time_to_first_tokens: tuple[float, ...] = ()
+    # Seconds since the previous token, for each request that got a later token this step.
+    inter_token_latencies: tuple[float, ...] = ()
+    finished_requests: tuple[FinishedRequestStats, ...] = ()
 
 
 class StatLoggerBase(ABC):

@@ -1,8 +1,10 @@
 """``llmhal serve``: an OpenAI-compatible HTTP server over the engine (stdlib only).
 
-Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
-(``"stream": true`` answers with server-sent events, with the token log-probabilities when asked,
-and a usage event under ``stream_options.include_usage``). A request may ask for ``n`` completions,
+Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
+and vLLM's ``GET /metrics`` (Prometheus; :mod:`llmhal.entrypoints.metrics`), ``GET /version``,
+``POST /tokenize`` and ``POST /detokenize`` (:mod:`llmhal.entrypoints.tokenization`).
+``"stream": true`` answers with server-sent events, with the token log-probabilities when asked,
+and a usage event under ``stream_options.include_usage``. A request may ask for ``n`` completions,
 and a completions request may send several prompts; every one is a request to the engine, and
 requests from concurrent clients are batched by the engine loop. The ``model`` field must name the
 served model (or be left out), else 404, as in vLLM. Bad input is a 400 whose message says what to
@@ -27,7 +29,9 @@ from typing import Any
 
 from llmhal.engine.engine_loop import EngineStopped
 from llmhal.entrypoints import openai_protocol as api
+from llmhal.entrypoints import tokenization
 from llmhal.entrypoints.engine_args import add_engine_args, build_llm
+from llmhal.entrypoints.metrics import CONTENT_TYPE, PrometheusStatLogger
 from llmhal.logger import init_logger
 
 logger = init_logger(__name__)
@@ -40,6 +44,10 @@ MAX_BODY_BYTES = 32 << 20
 # On Ctrl-C or SIGTERM, requests in flight are ended and their clients told so; their handlers get
 # this long to write that before the process exits.
 SHUTDOWN_GRACE_S = 5.0
+ROUTES = (
+    "the routes are GET /health, /v1/models, /metrics, /version and POST /v1/completions, "
+    "/v1/chat/completions, /tokenize, /detokenize"
+)
 
 
 class ServerState:
@@ -58,6 +66,10 @@ class ServerState:
         self.active = 0
         self.idle = threading.Condition()
         self.token_text = llm.engine.token_text  # OpenAI's `token` of a log-probability entry
+        # GET /metrics: vLLM adds its Prometheus logger to the engine's unless one is supplied;
+        # here it joins any plugin loggers.
+        self.metrics = PrometheusStatLogger(llm.engine.config, model_name=model_name)
+        llm.engine.stat_loggers.append(self.metrics)
 
 
 def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
@@ -106,10 +118,21 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                     "owned_by": "llmhal",
                 }
                 self._json(200, {"object": "list", "data": [model]})
+            elif self.path == "/metrics":
+                data = state.metrics.render().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            elif self.path == "/version":
+                from llmhal import __version__
+
+                self._json(200, {"version": __version__})
             else:
                 self._error(
                     404,
-                    f"no route {self.path}; see GET /v1/models, POST /v1/completions, POST /v1/chat/completions",
+                    f"no route {self.path}; {ROUTES}",
                     "not_found",
                 )
 
@@ -123,11 +146,9 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                     state.active -= 1
                     state.idle.notify_all()
 
-        def _post(self) -> None:
-            chat = self.path == "/v1/chat/completions"
-            if not chat and self.path != "/v1/completions":
-                self._error(404, f"no route {self.path}", "not_found")
-                return
+        def _body(self) -> dict[str, Any] | None:
+            """The request's JSON object, its ``model`` checked; None once an error is sent (or
+            the client is gone)."""
             try:
                 length = int(self.headers.get("Content-Length") or 0)
                 if length < 0:
@@ -136,24 +157,53 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                     self._error(
                         413, f"the body is over {MAX_BODY_BYTES} bytes", "payload_too_large"
                     )
-                    return
+                    return None
                 raw = self.rfile.read(length)
                 if len(raw) < length:
                     self.close_connection = True  # the client closed mid-body
-                    return
+                    return None
                 body = json.loads(raw or b"{}")
                 if not isinstance(body, dict):
                     raise api.BadRequest("the request body must be a JSON object")
-                model = body.get("model")
-                if model is not None and model != state.model_name:
-                    # vLLM's answer: the model field must name the served model (or be left out).
-                    self._error(
-                        404,
-                        f"The model `{model}` does not exist; this server serves "
-                        f"`{state.model_name}` (GET /v1/models)",
-                        "NotFoundError",
-                    )
-                    return
+            except (api.BadRequest, ValueError) as e:
+                self._error(400, str(e))
+                return None
+            except RecursionError:
+                self._error(400, "the JSON body is nested too deeply")
+                return None
+            except OSError:  # a read timeout or a reset: drop the connection quietly
+                self.close_connection = True
+                return None
+            model = body.get("model")
+            if model is not None and model != state.model_name:
+                # vLLM's answer: the model field must name the served model (or be left out).
+                self._error(
+                    404,
+                    f"The model `{model}` does not exist; this server serves "
+                    f"`{state.model_name}` (GET /v1/models)",
+                    "NotFoundError",
+                )
+                return None
+            return body
+
+        def _post(self) -> None:
+            chat = self.path == "/v1/chat/completions"
+            tokens = {"/tokenize": tokenization.tokenize, "/detokenize": tokenization.detokenize}.get(self.path)  # fmt: skip
+            if not chat and tokens is None and self.path != "/v1/completions":
+                self._error(404, f"no route {self.path}; {ROUTES}", "not_found")
+                return
+            body = self._body()
+            if body is None:
+                return
+            if tokens is not None:
+                try:
+                    self._json(200, tokens(body, state.llm))
+                except (api.BadRequest, ValueError, TypeError) as e:
+                    self._error(400, str(e))
+                except OSError:
+                    self.close_connection = True
+                return
+            try:
                 params = api.sampling_params(body, chat=chat, defaults=state.defaults)
                 include_usage = api.stream_options(body)
                 if chat:
@@ -166,12 +216,6 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                 return
             except (api.BadRequest, ValueError, TypeError) as e:
                 self._error(400, str(e))
-                return
-            except RecursionError:
-                self._error(400, "the JSON body is nested too deeply")
-                return
-            except OSError:  # a read timeout or a reset: drop the connection quietly
-                self.close_connection = True
                 return
             echo = self._prompt_text if body.get("echo") else None
             answer = Answer(rids[0], len(rids), params.n, chat, echo, api.echo_only(body))

@@ -13,19 +13,6 @@ from llmhal import LLM, SamplingParams
 from llmhal.entrypoints.serve import build_server
 
 
-@pytest.fixture(scope="module")
-def server(tiny_models):
-    folder, _ = tiny_models("llama")
-    llm = LLM(folder, dtype="float32", max_model_len=128)
-    srv = build_server(llm, "127.0.0.1", 0, model_name="tiny")
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}", llm
-    srv.shutdown()
-    srv.server_close()
-    srv.state.loop.shutdown()
-
-
 def post(url: str, body: dict, raw: bool = False):
     req = urllib.request.Request(
         url, json.dumps(body).encode(), {"Content-Type": "application/json"}
