@@ -57,6 +57,8 @@ class EngineConfig:
     attention_backend: str | None = None
     quant_config: QuantizationConfig | None = None
     device: torch.device | None = None
+    # "auto", "xgrammar" or "guidance" (llmhal.structured_output.manager).
+    structured_outputs_backend: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
 

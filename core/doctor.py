@@ -7,7 +7,7 @@ of :func:`main` is 0 when a platform is usable, 1 otherwise.
 Report keys: ``llmhal`` (versions), ``platform`` {name, class, selected_by, reason, device, probes},
 ``plugins`` [{group, name, value, distribution, version, status, reason}], ``attention_backends``
 [{name, provider, class_path, available, reasons}], ``quantization_methods`` [{name, provider,
-class_path, supported, reasons}], ``ops`` [{name, implementation, source, note}],
+class_path, supported, reasons}], ``structured_output_backends`` [{name, available, reasons}], ``ops`` [{name, implementation, source, note}],
 ``attention_selections`` [{name, selected_by, reason, requirements}] (this process's selections, then
 the one the default model would get, marked ``model``), ``env`` {name: value}, ``errors`` [str].
 """
@@ -293,6 +293,7 @@ def collect() -> dict[str, Any]:
         "plugins": _plugins_section(probes),
         "attention_backends": [],
         "quantization_methods": [],
+        "structured_output_backends": [],
         "ops": [],
         "attention_selections": [],
         "env": envs.in_effect(),
@@ -319,6 +320,12 @@ def collect() -> dict[str, Any]:
         "supported",
         errors,
     )
+    try:
+        from llmhal.structured_output.manager import backend_status
+
+        report["structured_output_backends"] = backend_status()
+    except Exception as e:
+        errors.append(f"structured-output backends: {_error(e)}")
     if usable:
         report["ops"] = _ops_section()
     report["attention_selections"] = _selections_section()
@@ -384,6 +391,13 @@ def format_report(report: dict[str, Any]) -> str:
         [
             [q["name"], q["provider"], "yes" if q["supported"] else "no", "; ".join(q["reasons"])]
             for q in report["quantization_methods"]
+        ]
+    )
+    lines += ["", "Structured-output backends:"]
+    lines += _table(
+        [
+            [b["name"], "yes" if b["available"] else "no", "; ".join(b["reasons"])]
+            for b in report["structured_output_backends"]
         ]
     )
     lines += ["", "Custom ops:"]

@@ -52,6 +52,7 @@ def test_report_has_every_section_with_its_fields(cli_report):
         "attention_backends": {"name", "provider", "class_path", "available", "reasons"},
         "quantization_methods": {"name", "provider", "supported", "reasons"},
         "ops": {"name", "implementation", "source"},
+        "structured_output_backends": {"name", "available", "reasons"},
     }
     for section, keys in fields.items():
         assert report[section], section
@@ -202,3 +203,15 @@ def test_a_refused_explicit_backend_is_reported_for_the_default_model():
     model = [s for s in json.loads(proc.stdout)["attention_selections"] if "model" in s][0]
     assert model["name"] is None
     assert "cuda platform" in model["reason"] and "cpu_attn" in model["reason"]
+
+
+def test_structured_output_backends_say_what_to_install(monkeypatch):
+    import llmhal.utils.imports as imports
+    from llmhal.structured_output.manager import backend_status
+
+    monkeypatch.setattr(imports, "is_available", lambda module: module != "xgrammar")
+    rows = {r["name"]: r for r in backend_status()}
+    assert rows["xgrammar"] == {"name": "xgrammar", "available": False,
+                                "reasons": ["xgrammar is not installed (pip install xgrammar)"]}  # fmt: skip
+    assert rows["guidance"]["available"] is True
+    assert rows["outlines"]["reasons"] == ["not implemented in llmhal"]

@@ -47,6 +47,7 @@ class EngineArgs:
     seed: int = 0
     enforce_eager: bool = False
     load_progress: bool | None = None  # None: only when stderr is a terminal
+    structured_outputs_backend: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -238,6 +239,7 @@ def _build(
         attention_backend=args.attention_backend,
         quant_config=quant_config,
         device=None,
+        structured_outputs_backend=args.structured_outputs_backend,
         extra=dict(args.extra),
     )  # fmt: skip
     # The platform may adjust the config (block size, cache dtype, ...): from here on every value

@@ -22,6 +22,9 @@ class LLM:
     the platform's memory budget does. ``enforce_eager=True`` runs every step through Python, never
     replaying a recorded decode step (see :mod:`llmhal.engine.decode_graphs`). ``load_progress``
     shows the loading stages on stderr (default: only when stderr is a terminal).
+    ``structured_outputs_config={"backend": "auto" | "xgrammar" | "guidance"}`` (vLLM's) picks what
+    compiles requests' ``SamplingParams(structured_outputs=...)``; see
+    :mod:`llmhal.structured_output.manager`.
 
     Of vLLM's other engine arguments, ``trust_remote_code`` and ``disable_log_stats`` are accepted
     and change nothing (llmhal never runs a checkpoint's own code, and logs no per-step stats), and
@@ -47,6 +50,7 @@ class LLM:
         seed: int = 0,
         enforce_eager: bool = False,
         load_progress: bool | None = None,
+        structured_outputs_config: dict[str, Any] | None = None,
         trust_remote_code: bool = False,
         disable_log_stats: bool = True,
         tensor_parallel_size: int = 1,
@@ -61,12 +65,13 @@ class LLM:
             raise ValueError(
                 f"tensor_parallel_size={tensor_parallel_size}: llmhal runs a model on one device"
             )
+        so_backend = _structured_outputs_backend(structured_outputs_config)
         args = EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, attention_backend=attention_backend,
             quantization=quantization, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             kv_cache_memory_bytes=kv_cache_memory_bytes, seed=seed, enforce_eager=enforce_eager,
-            load_progress=load_progress,
+            load_progress=load_progress, structured_outputs_backend=so_backend,
         )  # fmt: skip
         self.engine, self.load_report = build_engine(args)
 
@@ -213,6 +218,20 @@ class LLM:
         # The template already holds the special tokens; do not let encode() add a second BOS.
         ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
         return {"prompt": text, "prompt_token_ids": ids}
+
+
+def _structured_outputs_backend(config: dict[str, Any] | None) -> str:
+    """The backend named by vLLM's ``structured_outputs_config`` (``{"backend": ...}``), checked
+    before the model loads."""
+    from llmhal.structured_output.manager import check_backend_name
+
+    if config is None:
+        return "auto"
+    if not isinstance(config, dict) or set(config) - {"backend"}:
+        raise ValueError(
+            f"structured_outputs_config takes {{'backend': name}} in llmhal, got {config!r}"
+        )
+    return check_backend_name(config.get("backend", "auto"))
 
 
 def _joined(outs: list[RequestOutput]) -> RequestOutput:

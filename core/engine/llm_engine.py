@@ -31,6 +31,7 @@ from llmhal.engine.stat_loggers import (
     record_all,
 )
 from llmhal.logger import init_logger
+from llmhal.structured_output.manager import StructuredOutputManager
 
 logger = init_logger(__name__)
 
@@ -89,6 +90,7 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self.eos_token_ids = self._eos_ids()
         self.stat_loggers = load_stat_loggers(config)
+        self._structured: StructuredOutputManager | None = None  # made on first use
         # A token's own text (special tokens included), for log-probability entries; one decode
         # per id. The server's OpenAI shapes use it too.
         self.token_text = functools.lru_cache(maxsize=65536)(
@@ -137,6 +139,19 @@ class LLMEngine:
 
     def check_prompt(self, token_ids: Sequence[int], params: SamplingParams) -> int:
         """Validate before any work starts; returns the resolved max_tokens."""
+        return self._check(token_ids, params)[0]
+
+    def structured_outputs(self) -> StructuredOutputManager:
+        """The engine's structured-output manager (made on the first constrained request)."""
+        if self._structured is None:
+            vocab = getattr(self.config.model.hf_config, "vocab_size", None) or len(self.tokenizer)
+            self._structured = StructuredOutputManager(
+                self.tokenizer, vocab, self.eos_token_ids, self.config.structured_outputs_backend
+            )
+        return self._structured
+
+    def _check(self, token_ids: Sequence[int], params: SamplingParams) -> tuple[int, Any]:
+        """check_prompt's work: (max_tokens, the request's compiled grammar or None)."""
         limit = self.config.model.max_model_len
         n = len(token_ids)
         if n == 0:
@@ -186,7 +201,10 @@ class LLMEngine:
                 f"{self.kv.block_size}) but the cache holds only {self.kv.capacity_tokens} tokens "
                 f"({self.kv.num_blocks} blocks). Raise kv_cache_memory_bytes, or lower max_tokens."
             )
-        return max_tokens
+        grammar = None
+        if params.structured_outputs is not None:  # compiled now: a bad constraint is refused here
+            grammar = self.structured_outputs().compile(params.structured_outputs)
+        return max_tokens, grammar
 
     def add_request(
         self,
@@ -196,7 +214,7 @@ class LLMEngine:
     ) -> str:
         params = params or SamplingParams()
         text, ids = self.tokenize(prompt)
-        max_tokens = self.check_prompt(ids, params)
+        max_tokens, grammar = self._check(ids, params)
         rid = request_id or str(next(self._ids))
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -213,6 +231,7 @@ class LLMEngine:
             logprobs=[] if params.logprobs is not None else None,
             # The first prompt token has none: nothing before it predicts it (vLLM's shape).
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            grammar=grammar,
         )
         self._requests[rid] = req
         self.scheduler.add(req)
@@ -269,6 +288,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         with self.platform.inference_mode():
             logits, sample_reqs, prompt_lps = self.runner.execute(batch)
+            if self._structured is not None:  # before the sampler: logprobs are constrained too
+                self._structured.apply(logits, [r.grammar for r in sample_reqs])
             result = self.sampler(logits, sample_reqs) if sample_reqs else None
         for req, entries in prompt_lps:
             for entry in entries:
@@ -363,15 +384,27 @@ class LLMEngine:
             self._name_tokens(logprobs)
             req.logprobs.append(logprobs)
             req.cumulative_logprob += logprobs[token].logprob
-        status = None
-        if token in req.eos_token_ids and len(req.output_token_ids) > req.params.min_tokens - 1:
+        # A structured output ends when its grammar is complete, ignore_eos or not; the token
+        # that completes it is text (a choice's last word) unless it is a stop or EOS token.
+        status = None if req.grammar is None else self._advance_grammar(req, token)
+        is_text = (
+            status is not None
+            and req.grammar.is_terminated()
+            and token not in self.eos_token_ids
+            and token not in req.params.stop_token_ids
+        )
+        if status is None and (
+            token in req.eos_token_ids and len(req.output_token_ids) > req.params.min_tokens - 1
+        ):
             status = RequestStatus.FINISHED_STOPPED
-        elif token in req.params.stop_token_ids:
+        elif status is None and token in req.params.stop_token_ids:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
         # A stop token stays in token_ids but, as in vLLM, its text joins the output only with
         # include_stop_str_in_output (a stop_token_ids token's text, or an EOS kept by
         # skip_special_tokens=False, showed up at the end of the text).
-        stopped_by_token = status is not None and not req.params.include_stop_str_in_output
+        stopped_by_token = (
+            status is not None and not is_text and not req.params.include_stop_str_in_output
+        )
         delta = "" if stopped_by_token else req.detokenizer.add([token])
         # Stop strings count only once min_tokens are out, as in vLLM.
         if (
@@ -392,6 +425,22 @@ class LLMEngine:
             req.metrics.finished_time = now
             self.scheduler.finish(req, status)
             self._requests.pop(req.request_id, None)
+
+    @staticmethod
+    def _advance_grammar(req: Request, token: int) -> RequestStatus | None:
+        """Feed the sampled token to the request's grammar: STOPPED once the output is complete
+        (the grammar took its stop token) or if the token was refused, else None."""
+        if not req.grammar.accept_tokens(req.request_id, [token]):
+            # Only when other settings masked out all the grammar allows (min_tokens banning the
+            # EOS that would end a complete output): the output cannot go on within the grammar.
+            logger.warning(
+                "request %s: token %d breaks its structured-output constraint (did min_tokens "
+                "or allowed_token_ids rule out every token it allows?); ending it",
+                req.request_id,
+                token,
+            )
+            return RequestStatus.FINISHED_STOPPED
+        return RequestStatus.FINISHED_STOPPED if req.grammar.is_terminated() else None
 
     @staticmethod
     def _check_stop_strings(req: Request, delta: str) -> RequestStatus | None:

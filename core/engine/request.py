@@ -55,6 +55,8 @@ class Request:
     # a preempted request's recomputed prompt adds nothing twice (see ModelRunner.execute).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     cumulative_logprob: float = 0.0
+    # The request's StructuredOutputGrammar, when its params ask for structured outputs.
+    grammar: Any = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
     _emitted_chars: int = 0
 

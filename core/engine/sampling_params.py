@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
+from llmhal.structured_output.params import StructuredOutputsParams
+
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): logits / 1e-40 overflow to inf,
 # and the softmax of a row of infs is NaN, which failed every request in the batch.
 GREEDY_BELOW = 1e-5
@@ -39,6 +41,10 @@ class SamplingParams:
         (OpenAI's ``logit_bias``; the server clamps larger ones into that range, as vLLM does).
     allowed_token_ids: only these tokens can be sampled (vLLM's; every other logit is -inf).
     Like penalties, neither changes the returned log-probabilities, which are the model's own.
+    structured_outputs: a :class:`~llmhal.structured_output.StructuredOutputsParams` (or a dict of
+        its fields): the output follows a JSON schema, a regex, a choice or a grammar, and ends
+        when it is complete. As in vLLM, the returned log-probabilities are those of the
+        constrained distribution (tokens the constraint rules out are -inf).
     """
 
     temperature: float = 1.0
@@ -61,6 +67,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,6 +83,13 @@ class SamplingParams:
         ):
             raise _bad(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        elif not isinstance(self.structured_outputs, StructuredOutputsParams | None):
+            raise _bad(
+                "structured_outputs must be a StructuredOutputsParams (or a dict of its fields), "
+                f"got {self.structured_outputs!r}"
+            )
         self._check_types()
         self._check_token_maps()
         self._validate()

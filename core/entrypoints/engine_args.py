@@ -38,6 +38,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="context length in tokens (default: the model's max_position_embeddings)",
     )
     p.add_argument(
+        "--structured-outputs-backend",
+        default="auto",
+        choices=("auto", "xgrammar", "guidance"),
+        help="what compiles requests' structured outputs (default auto: xgrammar, else guidance)",
+    )
+    p.add_argument(
         "--enforce-eager",
         action="store_true",
         help="run every step eagerly (no recorded decode-step graphs)",
@@ -57,7 +63,9 @@ def build_llm(prog: str, args: argparse.Namespace, **extra: Any) -> LLM | None:
             args.model, dtype=args.dtype, attention_backend=args.attention_backend,
             quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
             max_model_len=args.max_model_len, enforce_eager=getattr(args, "enforce_eager", False),
-            tokenizer=args.tokenizer, **extra,
+            tokenizer=args.tokenizer,
+            structured_outputs_config={"backend": getattr(args, "structured_outputs_backend", "auto")},
+            **extra,
         )  # fmt: skip
     except (ValueError, OSError, ImportError, RuntimeError) as e:  # OSError: unreadable files
         print(f"{prog}: {e}", file=sys.stderr)

@@ -2,7 +2,8 @@
 
 Only what the engine really supports is accepted; anything else is a 400 that names the field.
 vLLM's extensions ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``,
-``repetition_penalty`` and ``allowed_token_ids`` are accepted too.
+``repetition_penalty`` and ``allowed_token_ids`` are accepted too, and structured outputs as
+OpenAI's ``response_format`` (``json_object``, ``json_schema``) or vLLM's ``structured_outputs``.
 
 A response has one choice per prompt and completion: ``n`` completions of each of a completions
 request's prompts, choice ``index`` = prompt number * n + completion number (vLLM's numbering).
@@ -20,6 +21,7 @@ from typing import Any
 
 from llmhal.engine.outputs import Logprob, RequestOutput
 from llmhal.engine.sampling_params import SamplingParams, finite
+from llmhal.structured_output.params import StructuredOutputsParams
 
 
 class BadRequest(ValueError):
@@ -54,7 +56,10 @@ def sampling_params(
 ) -> SamplingParams:
     """The request's SamplingParams; ``defaults`` (the model's generation_config.json settings,
     under SamplingParams' names) fill what the body leaves out, as in vLLM."""
-    unknown = sorted(set(body) - set(_SAMPLING_FIELDS) - _IGNORED - {"echo", "logit_bias"})
+    unknown = sorted(
+        set(body) - set(_SAMPLING_FIELDS) - _IGNORED
+        - {"echo", "logit_bias", "response_format", "structured_outputs"}
+    )  # fmt: skip
     if unknown:
         raise BadRequest(f"unsupported field(s): {', '.join(unknown)}")
     echo = body.get("echo")
@@ -80,9 +85,38 @@ def sampling_params(
     if echo_only(body):
         kwargs["max_tokens"] = 1  # one token is generated, then left out of the answer
     try:
+        so = structured_outputs(body)
+        if so is not None:
+            kwargs["structured_outputs"] = so
         return SamplingParams(**kwargs)
     except (TypeError, ValueError) as e:
         raise BadRequest(str(e)) from None
+
+
+def structured_outputs(body: dict[str, Any]) -> StructuredOutputsParams | None:
+    """OpenAI's ``response_format`` (``text``, ``json_object``, or ``json_schema`` with its
+    ``schema``) or vLLM's ``structured_outputs`` object, as SamplingParams takes them."""
+    fmt, so = body.get("response_format"), body.get("structured_outputs")
+    if fmt is not None and so is not None:
+        raise BadRequest("send response_format or structured_outputs, not both")
+    if so is not None:
+        return StructuredOutputsParams.from_dict(so)
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise BadRequest("response_format json_schema needs json_schema.schema, an object")
+        return StructuredOutputsParams(json=schema)
+    raise BadRequest(
+        f"response_format type must be 'text', 'json_object' or 'json_schema', got {fmt!r}"
+    )
 
 
 def _logit_bias(value: Any) -> dict[int, float]:

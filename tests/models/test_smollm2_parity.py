@@ -78,3 +78,38 @@ def test_smollm2_gguf_matches_hf(backend, hf_reference, monkeypatch):
     result.raise_on_failure()
     answer = engine.tokenizer.decode(result.tokens[0])
     assert "Paris" in answer, answer
+
+
+def test_smollm2_json_answer_matches_hf_with_xgrammars_logits_processor(hf_reference, monkeypatch):
+    """Structured outputs against a reference: transformers' greedy ``generate`` masked by
+    xgrammar's own HF logits processor, and our engine with the xgrammar backend, give the same
+    tokens for a JSON-schema answer (same weights, dequantized, in float32)."""
+    xgr = pytest.importorskip("xgrammar")
+    import json
+
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    from llmhal import LLM, SamplingParams
+    from llmhal.structured_output import StructuredOutputsParams
+
+    monkeypatch.setenv("LLMHAL_GGUF_KERNEL", "dequant")
+    hf, prompts = hf_reference
+    schema = {"type": "object", "properties": {"capital": {"type": "string"}},
+              "required": ["capital"], "additionalProperties": False}  # fmt: skip
+    llm = LLM(max_model_len=256, kv_cache_memory_bytes=8 << 20, load_progress=False,
+              structured_outputs_config={"backend": "xgrammar"})  # fmt: skip
+    so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    params = SamplingParams(temperature=0, max_tokens=30, structured_outputs=so)
+    ours = llm.generate({"prompt_token_ids": prompts[0]}, params)[0].outputs[0]
+    tok = llm.get_tokenizer()
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=hf.config.vocab_size, stop_token_ids=[tok.eos_token_id])  # fmt: skip
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=False)  # fmt: skip
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([prompts[0]]), attention_mask=torch.ones(1, len(prompts[0]), dtype=torch.long),
+            max_new_tokens=30, do_sample=False, logits_processor=[LogitsProcessor(compiled)],
+            eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+        )  # fmt: skip
+    theirs = out[0, len(prompts[0]) :].tolist()
+    assert ours.token_ids == theirs, (ours.text, tok.decode(theirs))
+    assert ours.finish_reason == "stop" and "Paris" in json.loads(ours.text)["capital"]

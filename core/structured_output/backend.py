@@ -1,0 +1,105 @@
+"""The structured-output contract: a backend compiles a request's constraint into a grammar, and
+the grammar (one per request) says which tokens may come next.
+
+Bitmasks are vLLM's and xgrammar's format: int32 rows of ``ceil(vocab / 32)`` words, bit ``t % 32``
+of word ``t // 32`` set when token ``t`` is allowed; an all-ones row (-1) is "no constraint".
+
+When the engine calls what:
+
+* :meth:`StructuredOutputBackend.compile_grammar` when a request is submitted (the request is
+  refused, with the backend's reason, if its constraint does not compile), once per request;
+* :meth:`StructuredOutputGrammar.fill_bitmask` before each token of the request is sampled;
+* :meth:`StructuredOutputGrammar.accept_tokens` with the sampled token; False means the grammar
+  rejected it (only possible when another setting, e.g. ``min_tokens`` banning EOS, masked out
+  every token the grammar allows), and the request ends;
+* :meth:`StructuredOutputGrammar.is_terminated` after that: True once the grammar has accepted its
+  stop token, which ends the request (``ignore_eos`` or not: the output is complete).
+
+``validate_tokens`` and ``rollback`` are for callers that try tokens ahead (speculative decoding):
+the engine's own decoding never takes a token back (a preempted request keeps its tokens).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from llmhal.structured_output.params import StructuredOutputOptions
+
+
+class StructuredOutputGrammar(ABC):
+    """One request's constraint, with its position in the output so far."""
+
+    @abstractmethod
+    def accept_tokens(self, request_id: str, tokens: Sequence[int]) -> bool:
+        """Advance over ``tokens``; False (and the state unspecified) if one is not allowed."""
+
+    @abstractmethod
+    def validate_tokens(self, tokens: Sequence[int]) -> list[int]:
+        """The longest prefix of ``tokens`` the grammar would accept, without advancing."""
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Take back the last ``num_tokens`` accepted tokens."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        """Write row ``index`` of ``bitmask``: the tokens allowed next."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """Whether the grammar has accepted its stop token (the output is complete)."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Back to the start (no tokens accepted)."""
+
+
+class StructuredOutputBackend(ABC):
+    """One per engine and backend name: compiles constraints for its tokenizer.
+
+    ``tokenizer`` is the engine's HF tokenizer, ``vocab_size`` the model's logits width (it may
+    exceed the tokenizer's vocabulary: padding rows are never allowed), ``stop_token_ids`` the
+    tokens that end a completed output (the model's EOS ids).
+    """
+
+    name: str = ""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+
+    @abstractmethod
+    def compile_grammar(
+        self, request_type: StructuredOutputOptions, grammar_spec: str, *, compact: bool = False
+    ) -> StructuredOutputGrammar:
+        """A fresh grammar for one request. ``compact``: JSON without optional whitespace.
+        Raises ValueError, saying why, for a constraint this backend cannot compile."""
+
+    def allocate_token_bitmask(self, max_num_seqs: int) -> torch.Tensor:
+        return torch.full((max_num_seqs, bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
+
+    def destroy(self) -> None:
+        """Release what the backend holds (compiled-grammar caches)."""
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set ``logits[i, t]`` to -inf, in place, where bit ``t`` of ``bitmask[i]`` is clear
+    (``logits`` [rows, vocab], ``bitmask`` [rows, words])."""
+    vocab = logits.shape[-1]
+    allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).bool().flatten(1)[:, :vocab]
+    if allowed.shape[1] < vocab:  # a bitmask narrower than the logits allows nothing past it
+        pad = torch.zeros(allowed.shape[0], vocab - allowed.shape[1], dtype=torch.bool)
+        allowed = torch.cat([allowed, pad], 1)
+    logits.masked_fill_(~allowed, float("-inf"))
