@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from llmhal.engine.outputs import RequestOutput
@@ -52,19 +53,18 @@ class EngineLoop:
         if not requests:
             raise ValueError("no prompts were given")
         engine = self.engine
-        inputs = []
-        for prompt, params in requests:
-            text, ids = engine.tokenize(prompt)
-            engine.check_prompt(ids, params)
-            inputs.append(({"prompt": text, "prompt_token_ids": ids}, params))
+        # Prepared here, on the caller's thread and outside the lock the loop holds while it
+        # steps: tokenizing and compiling grammars must not stall everyone's decoding.
+        arrival = time.monotonic()
+        prepared = [engine.prepare_request(prompt, params, arrival) for prompt, params in requests]
         q: queue.Queue[Any] = queue.Queue()
-        group = _Group(q, len(inputs))
+        group = _Group(q, len(prepared))
         with self._cv:
             if self._stop:
                 raise EngineStopped(self._stop_reason)
-            rids = [f"req-{next(self._ids)}" for _ in inputs]
-            for i, (rid, (inp, params)) in enumerate(zip(rids, inputs, strict=True)):
-                engine.add_request(inp, params, request_id=rid)
+            rids = [f"req-{next(self._ids)}" for _ in prepared]
+            for i, (rid, prep) in enumerate(zip(rids, prepared, strict=True)):
+                engine.add_request(prep, request_id=rid)
                 self._routes[rid] = (group, i)
             self._cv.notify()
         return rids, q

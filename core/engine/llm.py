@@ -119,15 +119,14 @@ class LLM:
         # child's parameters are built (and so checked) before any request is added.
         children = [p.children() for p in params]
         # Tokenized once: the requests below (n per prompt) get the ids, not the text again.
-        inputs = []
-        for prompt, p in zip(prompts, params, strict=True):
+        # Every request (each child of each prompt) is prepared, so validated and its grammar
+        # compiled, before any is added.
+        prepared = []
+        for prompt, kids in zip(prompts, children, strict=True):
             text, ids = engine.tokenize(prompt)
-            engine.check_prompt(ids, p)
-            inputs.append({"prompt": text, "prompt_token_ids": ids})
-        groups = [
-            [engine.add_request(inp, c) for c in kids]
-            for inp, kids in zip(inputs, children, strict=True)
-        ]
+            inp = {"prompt": text, "prompt_token_ids": ids}
+            prepared.append([engine.prepare_request(inp, c) for c in kids])
+        groups = [[engine.add_request(prep) for prep in g] for g in prepared]
         owner = {rid: gi for gi, g in enumerate(groups) for rid in g}
         left = [len(g) for g in groups]  # completions each prompt still waits for
         final: dict[str, RequestOutput] = {}
@@ -170,15 +169,20 @@ class LLM:
                 "continue_final_message=True extends the last message; it needs "
                 "add_generation_prompt=False"
             )
-        return tok.apply_chat_template(
-            normalize_chat_messages(messages),
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            chat_template=chat_template,
-            tools=tools,
-            **(chat_template_kwargs or {}),
-        )
+        from jinja2 import TemplateError
+
+        try:
+            return tok.apply_chat_template(
+                normalize_chat_messages(messages),
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template=chat_template,
+                tools=tools,
+                **(chat_template_kwargs or {}),
+            )
+        except TemplateError as e:  # raise_exception() in a template: these messages are refused
+            raise ValueError(f"the chat template refused these messages: {e}") from None
 
     def chat(
         self,

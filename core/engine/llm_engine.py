@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from llmhal.config import EngineConfig
 from llmhal.engine.detokenizer import IncrementalDetokenizer
 from llmhal.engine.kv_cache_manager import KVCacheManager
 from llmhal.engine.model_runner import ModelRunner
-from llmhal.engine.outputs import Logprob, RequestOutput
+from llmhal.engine.outputs import Logprob, RequestMetrics, RequestOutput
 from llmhal.engine.request import Request, RequestStatus
 from llmhal.engine.sampler import Sampler
 from llmhal.engine.sampling_params import SamplingParams
@@ -64,6 +65,18 @@ MAX_LOGPROBS = 20
 WARMUP_REQUEST_ID = "__warmup__"
 
 
+@dataclass
+class PreparedRequest:
+    """A tokenized, validated request, ready for :meth:`LLMEngine.add_request`."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    grammar: Any  # a StructuredOutputGrammar, or None
+    arrival_time: float
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -91,6 +104,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self.stat_loggers = load_stat_loggers(config)
         self._structured: StructuredOutputManager | None = None  # made on first use
+        self._structured_lock = threading.Lock()
         # A token's own text (special tokens included), for log-probability entries; one decode
         # per id. The server's OpenAI shapes use it too.
         self.token_text = functools.lru_cache(maxsize=65536)(
@@ -143,12 +157,17 @@ class LLMEngine:
 
     def structured_outputs(self) -> StructuredOutputManager:
         """The engine's structured-output manager (made on the first constrained request)."""
-        if self._structured is None:
-            vocab = getattr(self.config.model.hf_config, "vocab_size", None) or len(self.tokenizer)
-            self._structured = StructuredOutputManager(
-                self.tokenizer, vocab, self.eos_token_ids, self.config.structured_outputs_backend
-            )
-        return self._structured
+        with self._structured_lock:  # requests are prepared on the server's handler threads
+            if self._structured is None:
+                hf = self.config.model.hf_config
+                vocab = getattr(hf, "vocab_size", None) or len(self.tokenizer)
+                self._structured = StructuredOutputManager(
+                    self.tokenizer,
+                    vocab,
+                    self.eos_token_ids,
+                    self.config.structured_outputs_backend,
+                )
+            return self._structured
 
     def _check(self, token_ids: Sequence[int], params: SamplingParams) -> tuple[int, Any]:
         """check_prompt's work: (max_tokens, the request's compiled grammar or None)."""
@@ -206,15 +225,36 @@ class LLMEngine:
             grammar = self.structured_outputs().compile(params.structured_outputs)
         return max_tokens, grammar
 
-    def add_request(
+    def prepare_request(
         self,
         prompt: str | dict[str, Any],
         params: SamplingParams | None = None,
-        request_id: str | None = None,
-    ) -> str:
+        arrival_time: float | None = None,
+    ) -> PreparedRequest:
+        """Tokenize and validate a request (compiling its structured-output grammar) without
+        touching the engine's state: callers may do this on their own threads, outside the lock
+        that serialises steps. ``arrival_time`` (time.monotonic(); default now) starts its
+        latencies."""
+        arrival = time.monotonic() if arrival_time is None else arrival_time
         params = params or SamplingParams()
         text, ids = self.tokenize(prompt)
         max_tokens, grammar = self._check(ids, params)
+        return PreparedRequest(text, ids, params, max_tokens, grammar, arrival)
+
+    def add_request(
+        self,
+        prompt: str | dict[str, Any] | PreparedRequest,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request: a prompt with its params, or one :meth:`prepare_request` made."""
+        if isinstance(prompt, PreparedRequest):
+            if params is not None:
+                raise ValueError("a prepared request carries its own SamplingParams")
+            prep = prompt
+        else:
+            prep = self.prepare_request(prompt, params)
+        text, ids, params, max_tokens = prep.prompt, prep.prompt_token_ids, prep.params, prep.max_tokens  # fmt: skip
         rid = request_id or str(next(self._ids))
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -231,7 +271,8 @@ class LLMEngine:
             logprobs=[] if params.logprobs is not None else None,
             # The first prompt token has none: nothing before it predicts it (vLLM's shape).
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
-            grammar=grammar,
+            grammar=prep.grammar,
+            metrics=RequestMetrics(prep.arrival_time),
         )
         self._requests[rid] = req
         self.scheduler.add(req)
@@ -305,7 +346,10 @@ class LLMEngine:
         before = [r.metrics.last_token_time for r in sample_reqs] if self.stat_loggers else []
         if result is not None:
             for i, req in enumerate(sample_reqs):
-                self._append_token(req, result.token_ids[i], result.logprobs[i])
+                if i in result.dead:
+                    self._end_without_token(req)
+                else:
+                    self._append_token(req, result.token_ids[i], result.logprobs[i])
                 outputs.append(req.to_output(self._hold_back(req)))
         dt = self._account(t0, prefill, batch.num_tokens, len(batch.preempted))
         if self.stat_loggers:
@@ -327,16 +371,14 @@ class LLMEngine:
         finished (or were aborted)."""
         sched = self.scheduler
         used = 1.0 - self.kv.num_free_blocks / self.kv.num_blocks
+        # Only requests that got a token (a row with nothing to sample ends without one).
+        sampled = [(r, p) for r, p in sampled if r.metrics.last_token_time not in (None, p)]
         ttfts = tuple(
             r.metrics.first_token_time - r.metrics.arrival_time  # type: ignore[operator]
             for r, prev in sampled
             if prev is None
         )
-        itls = tuple(
-            r.metrics.last_token_time - prev  # type: ignore[operator]
-            for r, prev in sampled
-            if prev is not None
-        )
+        itls = tuple(r.metrics.last_token_time - prev for r, prev in sampled if prev is not None)  # type: ignore[operator]  # fmt: skip
         record_all(
             self.stat_loggers,
             SchedulerStats(len(sched.running), len(sched.waiting), used, sched.num_preemptions),
@@ -375,6 +417,20 @@ class LLMEngine:
         return max((len(s) for s in stops), default=1) - 1
 
     def _append_token(self, req: Request, token: int, logprobs: dict[int, Logprob] | None) -> None:
+        # A structured output ends when its grammar is complete, ignore_eos or not; the token
+        # that completes it is text (a choice's last word) unless it is a stop or EOS token.
+        status, is_text = None, False
+        if req.grammar is not None:
+            if not req.grammar.accept_tokens(req.request_id, [token]):
+                # Unreachable while the mask holds (the sampler only picks allowed tokens; a row
+                # with none is ended before this); kept so a broken backend cannot emit text
+                # outside the grammar.
+                logger.warning("request %s: its grammar refused token %d", req.request_id, token)
+                self._end_without_token(req)
+                return
+            if req.grammar.is_terminated():
+                status = RequestStatus.FINISHED_STOPPED
+                is_text = token not in self.eos_token_ids | set(req.params.stop_token_ids)
         now = time.monotonic()
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
@@ -384,15 +440,6 @@ class LLMEngine:
             self._name_tokens(logprobs)
             req.logprobs.append(logprobs)
             req.cumulative_logprob += logprobs[token].logprob
-        # A structured output ends when its grammar is complete, ignore_eos or not; the token
-        # that completes it is text (a choice's last word) unless it is a stop or EOS token.
-        status = None if req.grammar is None else self._advance_grammar(req, token)
-        is_text = (
-            status is not None
-            and req.grammar.is_terminated()
-            and token not in self.eos_token_ids
-            and token not in req.params.stop_token_ids
-        )
         if status is None and (
             token in req.eos_token_ids and len(req.output_token_ids) > req.params.min_tokens - 1
         ):
@@ -420,27 +467,26 @@ class LLMEngine:
         ):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
-            if req.stop_reason is None or isinstance(req.stop_reason, int):
-                req.detokenizer.flush()
-            req.metrics.finished_time = now
-            self.scheduler.finish(req, status)
-            self._requests.pop(req.request_id, None)
+            self._finish(req, status)
 
-    @staticmethod
-    def _advance_grammar(req: Request, token: int) -> RequestStatus | None:
-        """Feed the sampled token to the request's grammar: STOPPED once the output is complete
-        (the grammar took its stop token) or if the token was refused, else None."""
-        if not req.grammar.accept_tokens(req.request_id, [token]):
-            # Only when other settings masked out all the grammar allows (min_tokens banning the
-            # EOS that would end a complete output): the output cannot go on within the grammar.
+    def _end_without_token(self, req: Request) -> None:
+        """End a request whose settings left no token to sample (see SampleResult.dead): its
+        output so far is what it gets, as "stop"; the rest of the batch goes on."""
+        if req.grammar is None or not req.grammar.is_terminated():
             logger.warning(
-                "request %s: token %d breaks its structured-output constraint (did min_tokens "
-                "or allowed_token_ids rule out every token it allows?); ending it",
+                "request %s: no token is allowed by its settings together (structured output, "
+                "min_tokens, allowed_token_ids, logit_bias); ending it after %d tokens",
                 req.request_id,
-                token,
+                len(req.output_token_ids),
             )
-            return RequestStatus.FINISHED_STOPPED
-        return RequestStatus.FINISHED_STOPPED if req.grammar.is_terminated() else None
+        self._finish(req, RequestStatus.FINISHED_STOPPED)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.stop_reason is None or isinstance(req.stop_reason, int):
+            req.detokenizer.flush()
+        req.metrics.finished_time = time.monotonic()
+        self.scheduler.finish(req, status)
+        self._requests.pop(req.request_id, None)
 
     @staticmethod
     def _check_stop_strings(req: Request, delta: str) -> RequestStatus | None:

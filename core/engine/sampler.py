@@ -19,6 +19,10 @@ class SampleResult:
     # per row: the sampled token's and the top-k asked for, by token id (None if not asked);
     # decoded_token is left for the engine, which has the tokenizer
     logprobs: list[dict[int, Logprob] | None]
+    # Rows where nothing could be sampled: every token was ruled out (a complete structured output
+    # whose stop token min_tokens still bans, allowed_token_ids the grammar forbids, ...). Their
+    # token is meaningless; the engine ends those requests instead of appending it.
+    dead: frozenset[int] = frozenset()
 
 
 def _filter_logits(
@@ -104,7 +108,10 @@ class Sampler:
         params = [r.params for r in requests]
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw = logits[want].float() if want else None  # logprobs are the model's own (a copy)
+        masked = []  # rows some rule masked: they may have no token left
         for i, r in enumerate(requests):
+            if r.params.shaped or r.grammar is not None or len(r.output_token_ids) < r.params.min_tokens:  # fmt: skip
+                masked.append(i)
             if r.params.shaped:
                 apply_logit_shaping(logits[i], r.params)
             if r.params.penalized:
@@ -113,6 +120,13 @@ class Sampler:
                 banned = list(r.eos_token_ids | set(r.params.stop_token_ids))
                 if banned:
                     logits[i, banned] = float("-inf")
+        dead = frozenset()
+        if masked:
+            rows = torch.tensor(masked)
+            alive = torch.isinf(logits.index_select(0, rows)).logical_not().any(-1)
+            dead = frozenset(i for i, ok in zip(masked, alive.tolist(), strict=True) if not ok)
+            for i in dead:  # a row of -inf has no softmax (NaN): sample anything, then drop it
+                logits[i] = 0.0
         tokens = greedy_tokens(logits)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
@@ -140,7 +154,7 @@ class Sampler:
             )
             for i, entry in zip(want, entries, strict=True):
                 logprobs[i] = entry
-        return SampleResult(token_list, logprobs)
+        return SampleResult(token_list, logprobs, dead)
 
 
 def logprob_entries(

@@ -39,6 +39,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--structured-outputs-backend",
+        "--structured-outputs-config.backend",  # vLLM's spelling
+        dest="structured_outputs_backend",
         default="auto",
         choices=("auto", "xgrammar", "guidance"),
         help="what compiles requests' structured outputs (default auto: xgrammar, else guidance)",

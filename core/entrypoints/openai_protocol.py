@@ -61,7 +61,10 @@ def sampling_params(
         - {"echo", "logit_bias", "response_format", "structured_outputs"}
     )  # fmt: skip
     if unknown:
-        raise BadRequest(f"unsupported field(s): {', '.join(unknown)}")
+        hint = ""
+        if any(u.startswith("guided_") for u in unknown):  # vLLM's older names
+            hint = "; constrain the output with structured_outputs (json, regex, choice, grammar) or response_format"  # fmt: skip
+        raise BadRequest(f"unsupported field(s): {', '.join(unknown)}{hint}")
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
         raise BadRequest(f"echo must be true or false, got {echo!r}")
@@ -230,7 +233,7 @@ def logprobs_of(
 
     def entry(t: int, lp: Logprob) -> dict[str, Any]:
         text = token_text(t)
-        return {"token": text, "token_id": t, "logprob": lp.logprob, "bytes": list(text.encode())}
+        return {"token": text, "token_id": t, "logprob": _finite(lp.logprob), "bytes": list(text.encode())}  # fmt: skip
 
     if chat:
         return {
@@ -247,13 +250,22 @@ def logprobs_of(
     return {
         "tokens": tokens,
         "token_ids": [t for t, _ in chosen],
-        "token_logprobs": [None if lps is None else lps[t].logprob for t, lps in chosen],
+        "token_logprobs": [None if lps is None else _finite(lps[t].logprob) for t, lps in chosen],
         "top_logprobs": [
-            None if lps is None else {token_text(k): v.logprob for k, v in lps.items()}
+            None if lps is None else {token_text(k): _finite(v.logprob) for k, v in lps.items()}
             for _, lps in chosen
         ],
         "text_offset": offsets,
     }
+
+
+# A token a constraint rules out has log-probability -inf, which JSON cannot hold (json.dumps
+# writes -Infinity, which strict parsers reject); vLLM sends this floor instead.
+LOGPROB_FLOOR = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
 
 
 def choice_view(

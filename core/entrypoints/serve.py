@@ -202,6 +202,8 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                     self._error(400, str(e))
                 except OSError:
                     self.close_connection = True
+                except Exception as e:  # e.g. a chat template that raises
+                    self._error(400, f"{self.path[1:]} failed: {e}")
                 return
             try:
                 params = api.sampling_params(body, chat=chat, defaults=state.defaults)
@@ -216,6 +218,10 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                 return
             except (api.BadRequest, ValueError, TypeError) as e:
                 self._error(400, str(e))
+                return
+            except Exception as e:  # never leave the client without an answer
+                logger.exception("Could not queue a request")
+                self._error(500, f"could not queue the request: {e}", "server_error")
                 return
             echo = self._prompt_text if body.get("echo") else None
             answer = Answer(rids[0], len(rids), params.n, chat, echo, api.echo_only(body))

@@ -98,8 +98,9 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set ``logits[i, t]`` to -inf, in place, where bit ``t`` of ``bitmask[i]`` is clear
     (``logits`` [rows, vocab], ``bitmask`` [rows, words])."""
     vocab = logits.shape[-1]
-    allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).bool().flatten(1)[:, :vocab]
+    bits = _BITS.to(bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab]
     if allowed.shape[1] < vocab:  # a bitmask narrower than the logits allows nothing past it
-        pad = torch.zeros(allowed.shape[0], vocab - allowed.shape[1], dtype=torch.bool)
+        pad = torch.zeros(allowed.shape[0], vocab - allowed.shape[1], dtype=torch.bool, device=allowed.device)  # fmt: skip
         allowed = torch.cat([allowed, pad], 1)
     logits.masked_fill_(~allowed, float("-inf"))

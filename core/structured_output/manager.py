@@ -9,6 +9,7 @@ request, unlike vLLM, whose first request fixes the backend for the engine. vLLM
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ from llmhal.structured_output.backend import (
     bitmask_words,
 )
 from llmhal.structured_output.params import StructuredOutputsParams
-from llmhal.utils.imports import MissingDependencyError, resolve_obj_by_qualname
+from llmhal.utils.imports import resolve_obj_by_qualname
 
 BACKENDS = {
     "xgrammar": "llmhal.structured_output.xgrammar_backend:XgrammarBackend",
@@ -50,7 +51,15 @@ def backend_status() -> list[dict[str, Any]]:
 
 
 def check_backend_name(name: str) -> str:
-    if name == "auto" or name in BACKENDS:
+    """``name`` if it is a backend llmhal has; for an explicit one, its library must import
+    (MissingDependencyError naming the package, before any model loads)."""
+    if name == "auto":
+        return name
+    if name in BACKENDS:
+        from llmhal.utils.imports import require
+
+        module, package = _MODULES[name]
+        require(module, package=package, purpose=f"the {name} structured-output backend")
         return name
     if name in NOT_IMPLEMENTED:
         raise ValueError(
@@ -74,26 +83,42 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self._backends: dict[str, StructuredOutputBackend] = {}
+        self._failed: dict[str, str] = {}  # backends that could not start, and why (not retried)
+        self._lock = threading.Lock()  # requests are compiled on the callers' threads
         self._bitmask = torch.empty(0, bitmask_words(vocab_size), dtype=torch.int32)
 
     def backend(self, name: str) -> StructuredOutputBackend:
-        if name not in self._backends:
-            cls = resolve_obj_by_qualname(BACKENDS[name])
-            self._backends[name] = cls(self.tokenizer, self.vocab_size, self.stop_token_ids)
-        return self._backends[name]
+        """The engine's instance of backend ``name``; ValueError if it cannot start here."""
+        with self._lock:
+            if name not in self._backends and name not in self._failed:
+                try:
+                    cls = resolve_obj_by_qualname(BACKENDS[name])
+                    self._backends[name] = cls(self.tokenizer, self.vocab_size, self.stop_token_ids)
+                except Exception as e:  # a missing library, or one that rejects this tokenizer
+                    self._failed[name] = f"the {name} backend cannot start: {e}"
+            if name in self._failed:
+                raise ValueError(self._failed[name])
+            return self._backends[name]
 
     def compile(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
         """A new grammar for one request; ValueError (every backend's reason) if none compiles it."""
         kind, spec = params.key()
         compact = params.disable_any_whitespace
-        if self.backend_name != "auto":
-            return self.backend(self.backend_name).compile_grammar(kind, spec, compact=compact)
+        names = AUTO_ORDER if self.backend_name == "auto" else (self.backend_name,)
         reasons = []
-        for name in AUTO_ORDER:
+        for name in names:
             try:
                 return self.backend(name).compile_grammar(kind, spec, compact=compact)
-            except (ValueError, MissingDependencyError) as e:
+            except RecursionError:
+                raise ValueError("the structured-output constraint is nested too deeply") from None
+            except ValueError as e:
                 reasons.append(str(e))
+            except Exception as e:  # a backend's own failure: under auto, the next one may serve
+                if self.backend_name != "auto":
+                    raise ValueError(f"the {name} backend failed on this constraint: {e}") from e
+                reasons.append(f"the {name} backend failed on this constraint: {e}")
+        if len(reasons) == 1:
+            raise ValueError(reasons[0])
         raise ValueError("no structured-output backend can serve this request: " + "; ".join(reasons))  # fmt: skip
 
     def apply(
@@ -109,9 +134,9 @@ class StructuredOutputManager:
         mask.fill_(-1)
         for j, i in enumerate(rows):
             grammars[i].fill_bitmask(mask, j)  # type: ignore[union-attr]
-        index = torch.tensor(rows)
+        index = torch.tensor(rows, device=logits.device)
         sub = logits.index_select(0, index)
-        apply_token_bitmask(sub, mask)
+        apply_token_bitmask(sub, mask.to(logits.device))
         logits.index_copy_(0, index, sub)
 
     def destroy(self) -> None:

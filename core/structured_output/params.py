@@ -87,9 +87,8 @@ class StructuredOutputsParams:
     def key(self) -> tuple[StructuredOutputOptions, str]:
         """(kind, spec text): what a backend compiles, and the compiled grammars' cache key."""
         if self.json is not None:
-            spec = (
-                self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
-            )
+            # Not sort_keys: the backends generate properties in the schema's order.
+            spec = self.json if isinstance(self.json, str) else json.dumps(self.json)
             return StructuredOutputOptions.JSON, spec
         if self.json_object:
             return StructuredOutputOptions.JSON_OBJECT, ""

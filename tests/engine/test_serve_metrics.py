@@ -4,6 +4,7 @@ POST /tokenize and /detokenize, on a tiny model."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -47,9 +48,15 @@ def test_metrics_count_a_completions_tokens_and_latencies(server):
     base, _ = server
     before = scrape(base)
     body = {"prompt": [5, 6, 7, 8], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    t0 = time.monotonic()
     status, resp = post(base + "/v1/completions", body)
+    elapsed = time.monotonic() - t0
     assert status == 200, resp
     after = scrape(base)
+    # Latencies are real: first token <= end to end <= what the client waited.
+    ttft = delta(after, before, "vllm:time_to_first_token_seconds_sum")
+    e2e = delta(after, before, "vllm:e2e_request_latency_seconds_sum")
+    assert 0 < ttft <= e2e <= elapsed
     assert delta(after, before, "vllm:prompt_tokens_total") == 4
     assert delta(after, before, "vllm:generation_tokens_total") == 5
     assert delta(after, before, "vllm:request_success_total", (("finished_reason", "length"),)) == 1
