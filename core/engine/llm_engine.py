@@ -169,6 +169,17 @@ class LLMEngine:
                 )
             return self._structured
 
+    def bad_words_token_ids(self, words: Sequence[str] | None) -> list[list[int]]:
+        """Each bad word's token sequences: as written (leading spaces stripped) and after a space,
+        where that tokenizes differently (a word inside a sentence); duplicates dropped."""
+        seqs: list[list[int]] = []
+        for word in words or ():
+            for prefix in ("", " "):
+                ids = self.tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False)
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return seqs
+
     def _check(self, token_ids: Sequence[int], params: SamplingParams) -> tuple[int, Any]:
         """check_prompt's work: (max_tokens, the request's compiled grammar or None)."""
         limit = self.config.model.max_model_len
@@ -272,6 +283,7 @@ class LLMEngine:
             # The first prompt token has none: nothing before it predicts it (vLLM's shape).
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             grammar=prep.grammar,
+            bad_words_token_ids=self.bad_words_token_ids(params.bad_words),
             metrics=RequestMetrics(prep.arrival_time),
         )
         self._requests[rid] = req

@@ -98,6 +98,20 @@ def apply_logit_shaping(row: torch.Tensor, params: SamplingParams) -> None:
         )
 
 
+def ban_bad_words(row: torch.Tensor, req: Request) -> None:
+    """Set to -inf, in place, each token that would complete one of ``req``'s bad-word token
+    sequences after its output so far (a one-token word always; vLLM's rule)."""
+    out = req.output_token_ids
+    banned = [
+        seq[-1]
+        for seq in req.bad_words_token_ids
+        if len(seq) == 1
+        or (len(out) >= len(seq) - 1 and out[len(out) - len(seq) + 1 :] == seq[:-1])
+    ]
+    if banned:
+        row[banned] = float("-inf")
+
+
 class Sampler:
     def __init__(self, default_generator: torch.Generator) -> None:
         self.default_generator = default_generator
@@ -114,6 +128,7 @@ class Sampler:
                 masked.append(i)
             if r.params.shaped:
                 apply_logit_shaping(logits[i], r.params)
+                ban_bad_words(logits[i], r)
             if r.params.penalized:
                 apply_penalties(logits[i], r)
             if len(r.output_token_ids) < r.params.min_tokens:

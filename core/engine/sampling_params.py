@@ -41,6 +41,8 @@ class SamplingParams:
         (OpenAI's ``logit_bias``; the server clamps larger ones into that range, as vLLM does).
     allowed_token_ids: only these tokens can be sampled (vLLM's; every other logit is -inf).
     Like penalties, neither changes the returned log-probabilities, which are the model's own.
+    bad_words: words (or phrases) never to generate (vLLM's): each is tokenized as written and
+        with a leading space, and the token that would complete either sequence is banned.
     structured_outputs: a :class:`~llmhal.structured_output.StructuredOutputsParams` (or a dict of
         its fields): the output follows a JSON schema, a regex, a choice or a grammar, and ends
         when it is complete. As in vLLM, the returned log-probabilities are those of the
@@ -67,6 +69,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -106,6 +109,13 @@ class SamplingParams:
                 if not -100 <= b <= 100:  # OpenAI's range; a float32 logit stays finite
                     raise _bad(f"logit_bias values must be in [-100, 100], got {b} for {t}")
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
+        if self.bad_words is not None:
+            words = self.bad_words
+            if isinstance(words, str) or not isinstance(words, list | tuple):
+                raise _bad(f"bad_words must be a list of strings, got {words!r}")
+            if not all(isinstance(w, str) and w.strip() for w in words):
+                raise _bad(f"bad_words must be non-empty strings, got {words!r}")
+            self.bad_words = list(words) or None
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
             if isinstance(ids, str | bytes) or not isinstance(ids, list | tuple) or not ids:
@@ -188,8 +198,12 @@ class SamplingParams:
 
     @property
     def shaped(self) -> bool:
-        """Whether logit_bias or allowed_token_ids change the logits before sampling."""
-        return self.logit_bias is not None or self.allowed_token_ids is not None
+        """Whether logit_bias, allowed_token_ids or bad_words change the logits before sampling."""
+        return (
+            self.logit_bias is not None
+            or self.allowed_token_ids is not None
+            or self.bad_words is not None
+        )
 
     @property
     def penalized(self) -> bool:

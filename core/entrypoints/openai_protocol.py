@@ -2,7 +2,7 @@
 
 Only what the engine really supports is accepted; anything else is a 400 that names the field.
 vLLM's extensions ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``,
-``repetition_penalty`` and ``allowed_token_ids`` are accepted too, and structured outputs as
+``repetition_penalty``, ``allowed_token_ids`` and ``bad_words`` are accepted too, and structured outputs as
 OpenAI's ``response_format`` (``json_object``, ``json_schema``) or vLLM's ``structured_outputs``.
 
 A response has one choice per prompt and completion: ``n`` completions of each of a completions
@@ -34,6 +34,7 @@ _SAMPLING_FIELDS = {
     "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids", "min_tokens": "min_tokens",
     "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
     "repetition_penalty": "repetition_penalty", "allowed_token_ids": "allowed_token_ids",
+    "bad_words": "bad_words",
 }  # fmt: skip
 _IGNORED = {
     "model",
