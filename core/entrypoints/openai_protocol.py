@@ -34,10 +34,12 @@ _SAMPLING_FIELDS = {
     "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids", "min_tokens": "min_tokens",
     "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
     "repetition_penalty": "repetition_penalty", "allowed_token_ids": "allowed_token_ids",
-    "bad_words": "bad_words",
+    "bad_words": "bad_words", "skip_special_tokens": "skip_special_tokens",
 }  # fmt: skip
 _IGNORED = {
     "model",
+    "tools",  # chat_tools reads these two
+    "tool_choice",
     "stream",
     "user",
     "n",
@@ -312,17 +314,25 @@ def full_response(
     n: int = 1,
     token_text: Callable[[int], str] = str,
     echo: Callable[[RequestOutput], str] | None = None,
+    tools: Any = None,
+    body: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The whole answer: ``outs`` are the final outputs, one per choice, in index order."""
+    """The whole answer: ``outs`` are the final outputs, one per choice, in index order; with
+    ``tools`` (a chat_tools.ToolPlan), each message's tool calls are read from its text."""
     choices = []
     for index, out in enumerate(outs):
         text, ids, entries = choice_view(out, echo)
         choice: dict[str, Any] = {"index": index}
+        finish = out.outputs[0].finish_reason
         if chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tools is not None:
+                content, calls, finish = tools.final(text, finish, body or {})
+                message = {"role": "assistant", "content": content, "tool_calls": [c.to_dict() for c in calls]}  # fmt: skip
+            choice["message"] = message
         else:
             choice["text"] = text
-        choice["finish_reason"] = out.outputs[0].finish_reason
+        choice["finish_reason"] = finish
         choice["logprobs"] = logprobs_of(ids, entries, chat, token_text)
         choices.append(choice)
     kind = "chat.completion" if chat else "text_completion"
@@ -339,13 +349,16 @@ def stream_chunk(
     index: int = 0,
     first: bool = False,
     logprobs: Any = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One server-sent event of a stream: choice ``index``'s new text (and its tokens' log
-    probabilities, when asked for)."""
+    probabilities, when asked for, and pieces of tool calls)."""
     if chat:
         d: dict[str, Any] = {"content": delta}
         if first:
             d["role"] = "assistant"
+        if tool_calls:
+            d["tool_calls"] = tool_calls
         choice = {"index": index, "delta": d, "finish_reason": finish}
     else:
         choice = {"index": index, "text": delta, "finish_reason": finish}

@@ -14,6 +14,7 @@ change; the server keeps serving.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import queue
 import select
@@ -22,14 +23,15 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from llmhal.engine.engine_loop import EngineStopped
+from llmhal.entrypoints import chat_tools, tokenization
 from llmhal.entrypoints import openai_protocol as api
-from llmhal.entrypoints import tokenization
 from llmhal.entrypoints.engine_args import add_engine_args, build_llm
 from llmhal.entrypoints.metrics import CONTENT_TYPE, PrometheusStatLogger
 from llmhal.logger import init_logger
@@ -70,6 +72,8 @@ class ServerState:
         # here it joins any plugin loggers.
         self.metrics = PrometheusStatLogger(llm.engine.config, model_name=model_name)
         llm.engine.stat_loggers.append(self.metrics)
+        self.tool_parser_cls: Any = None  # build_server's tool_call_parser
+        self.auto_tools = False
 
 
 def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
@@ -205,11 +209,23 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                 except Exception as e:  # e.g. a chat template that raises
                     self._error(400, f"{self.path[1:]} failed: {e}")
                 return
+            tools = None
             try:
+                if chat:
+                    tools = chat_tools.plan(body, state.llm.get_tokenizer(), state.tool_parser_cls, state.auto_tools)  # fmt: skip
+                    if tools is not None and tools.parser_cls is not None:
+                        body = tools.parser().adjust_request(body)  # type: ignore[union-attr]
+                elif "tools" in body or "tool_choice" in body:
+                    raise api.BadRequest("tools are only supported on /v1/chat/completions")
                 params = api.sampling_params(body, chat=chat, defaults=state.defaults)
+                if tools is not None and tools.structured is not None:
+                    if params.structured_outputs is not None:
+                        raise api.BadRequest("a named or required tool_choice already constrains the output; drop response_format/structured_outputs")  # fmt: skip
+                    params = dataclasses.replace(params, structured_outputs=tools.structured)
                 include_usage = api.stream_options(body)
                 if chat:
-                    prompts = [state.llm.chat_prompt(api.chat_messages(body))]
+                    template_tools = tools.tools if tools is not None else None
+                    prompts = [state.llm.chat_prompt(api.chat_messages(body), tools=template_tools)]
                 else:
                     prompts = api.completion_prompts(body)
                 rids, q = state.loop.submit(api.choices(prompts, params))
@@ -224,7 +240,9 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                 self._error(500, f"could not queue the request: {e}", "server_error")
                 return
             echo = self._prompt_text if body.get("echo") else None
-            answer = Answer(rids[0], len(rids), params.n, chat, echo, api.echo_only(body))
+            # OpenAI's id shapes, unique across restarts (the engine's request ids are not).
+            rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            answer = Answer(rid, len(rids), params.n, chat, echo, api.echo_only(body), tools, body)  # fmt: skip
             try:
                 if body.get("stream"):
                     self._stream(answer, q, include_usage)
@@ -287,6 +305,8 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                     n=answer.n,
                     token_text=state.token_text,
                     echo=answer.echo,
+                    tools=answer.tools,
+                    body=answer.body,
                 ),
             )
 
@@ -301,6 +321,7 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
             tokens = [0] * answer.size
             offsets = [0] * answer.size
             last: list[Any] = [None] * answer.size
+            streams = [chat_tools.ToolStream(answer.tools, answer.body) for _ in range(answer.size)] if answer.tools else None  # fmt: skip
             try:
                 for index, out in self._updates(q, answer):
                     last[index] = out
@@ -308,6 +329,11 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                     delta = text[chars[index] :]
                     if not delta and not out.finished:
                         continue  # bytes of a character still incomplete: send them with it
+                    finish, calls = out.outputs[0].finish_reason, []
+                    if streams is not None:
+                        delta, calls, finish = streams[index].step(text, ids, finish)
+                        if not delta and not calls and finish is None:
+                            continue  # held back (a call being written)
                     logprobs = api.logprobs_of(
                         ids[tokens[index] :],
                         None if entries is None else entries[tokens[index] :],
@@ -321,11 +347,12 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                         answer.id,
                         state.model_name,
                         delta,
-                        out.outputs[0].finish_reason,
+                        finish,
                         chat=answer.chat,
                         index=index,
                         first=chars[index] == 0 and tokens[index] == 0,
                         logprobs=logprobs,
+                        tool_calls=[c.to_dict() for c in calls],
                     )
                     chars[index], tokens[index] = len(text), len(ids)
                     if include_usage:
@@ -360,7 +387,7 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
 
 @dataclass(frozen=True)
 class Answer:
-    """What a response is built around: its id (its first request's), how many choices, how many
+    """What a response is built around: its id, how many choices, how many
     completions per prompt, whether it is a chat completion, and for ``echo`` what gives a
     choice's prompt text and whether only the prompt comes back."""
 
@@ -370,6 +397,8 @@ class Answer:
     chat: bool
     echo: Callable[[Any], str] | None = None
     echo_only: bool = False
+    tools: Any = None  # chat_tools.ToolPlan: how the choices' tool calls are read
+    body: Any = None  # the request, for the tool parser
 
 
 class _Server(ThreadingHTTPServer):
@@ -378,11 +407,24 @@ class _Server(ThreadingHTTPServer):
 
 
 def build_server(
-    llm: Any, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None
+    llm: Any,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    model_name: str | None = None,
+    *,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> ThreadingHTTPServer:
     """The server of ``llm``; clients name the model ``model_name`` (default: the model's path,
-    or ``SmolLM2-135M-Instruct.Q4_1`` for the default model, as the CLI does)."""
+    or ``SmolLM2-135M-Instruct.Q4_1`` for the default model, as the CLI does).
+    ``tool_call_parser`` names the parser that reads ``tool_choice: "auto"`` calls, which
+    ``enable_auto_tool_choice`` allows (vLLM's two flags); unknown names are a KeyError."""
     state = ServerState(llm, model_name or _default_name(llm.load_report.model_path))
+    if tool_call_parser is not None:
+        from llmhal.tool_parsers.manager import ToolParserManager
+
+        state.tool_parser_cls = ToolParserManager.get_tool_parser(tool_call_parser)
+    state.auto_tools = enable_auto_tool_choice
     server = _Server((host, port), make_handler(state))
     server.daemon_threads = True
     server.state = state  # type: ignore[attr-defined]
@@ -449,7 +491,30 @@ def main(argv: list[str] | None = None) -> int:
         default=64,
         help="requests batched together at most (default 64)",
     )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let chat requests use tool_choice "auto" (needs --tool-call-parser)',
+    )
+    p.add_argument("--tool-call-parser", help="how the model writes tool calls, e.g. hermes")
+    p.add_argument(
+        "--tool-parser-plugin", help="a Python file that registers more tool-call parsers"
+    )
     a = p.parse_args(argv)
+    if a.tool_parser_plugin:
+        from llmhal.tool_parsers.manager import ToolParserManager
+
+        ToolParserManager.import_tool_parser(a.tool_parser_plugin)
+    if a.enable_auto_tool_choice and not a.tool_call_parser:
+        print("llmhal serve: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
+        return 2
+    if a.tool_call_parser:
+        from llmhal.tool_parsers.manager import ToolParserManager
+
+        if a.tool_call_parser not in ToolParserManager.list_registered():
+            known = ", ".join(ToolParserManager.list_registered())
+            print(f"llmhal serve: unknown --tool-call-parser {a.tool_call_parser!r} (known: {known})", file=sys.stderr)  # fmt: skip
+            return 2
     # A taken port or a bad address is reported before the model loads (seconds), not after.
     why = _cannot_listen(a.host, a.port)
     if why:
@@ -459,7 +524,10 @@ def main(argv: list[str] | None = None) -> int:
     if llm is None:
         return 2
     try:
-        server = build_server(llm, a.host, a.port, a.served_model_name or a.model)
+        server = build_server(
+            llm, a.host, a.port, a.served_model_name or a.model,
+            tool_call_parser=a.tool_call_parser, enable_auto_tool_choice=a.enable_auto_tool_choice,
+        )  # fmt: skip
     except OSError as e:  # taken between the check and now
         print(f"llmhal serve: cannot listen on {a.host}:{a.port}: {e}", file=sys.stderr)
         return 2

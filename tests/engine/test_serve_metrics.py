@@ -180,3 +180,12 @@ def test_the_engine_reports_aborts_and_skips_its_warmup(tiny_models):
     assert (done.num_prompt_tokens, done.num_generation_tokens) == (3, 2)
     assert done.time_to_first_token is not None and done.e2e_latency >= done.time_to_first_token
     assert seen[-1].step_seconds == 0 and seen[-1].num_generation_tokens == 0
+
+
+def test_response_ids_have_openais_shape_and_are_unique(server):
+    base, _ = server
+    body = {"prompt": [5, 6], "max_tokens": 1}
+    ids = {post(base + "/v1/completions", body)[1]["id"] for _ in range(2)}
+    assert len(ids) == 2 and all(i.startswith("cmpl-") for i in ids)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    assert post(base + "/v1/chat/completions", chat)[1]["id"].startswith("chatcmpl-")

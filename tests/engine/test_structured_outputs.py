@@ -14,6 +14,7 @@ from llmhal import LLM, SamplingParams
 from llmhal.structured_output import StructuredOutputsParams as S
 from llmhal.structured_output.backend import apply_token_bitmask, bitmask_words
 from llmhal.structured_output.manager import StructuredOutputManager
+from llmhal.testing.http_client import post_json
 from llmhal.utils.imports import MissingDependencyError
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -270,28 +271,14 @@ def test_bitmask_application_matches_the_bits():
         assert torch.isfinite(logits[row]).nonzero().flatten().tolist() == ids
 
 
-def _post(url: str, body: dict, stream: bool = False):
-    import urllib.error
-    import urllib.request
-
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})  # fmt: skip
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            data = resp.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-    if not stream:
-        return 200, json.loads(data)
-    events = [line[6:] for line in data.splitlines() if line.startswith("data: ")]
-    return 200, [json.loads(e) for e in events if e != "[DONE]"]
-
-
 def test_the_server_takes_response_format_and_structured_outputs(server):
     base, _ = server
     chat = {"messages": [{"role": "user", "content": "hi"}], "temperature": 1.0, "seed": 3,
             "max_tokens": 100}  # fmt: skip
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
-    status, resp = _post(base + "/v1/chat/completions", {**chat, "response_format": fmt, "n": 4})
+    status, resp = post_json(
+        base + "/v1/chat/completions", {**chat, "response_format": fmt, "n": 4}
+    )
     assert status == 200, resp
     # Optional whitespace is allowed here (OpenAI's format has no switch): a random model may
     # spend all 100 tokens on it, but not every time.
@@ -301,10 +288,10 @@ def test_the_server_takes_response_format_and_structured_outputs(server):
         jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
     body = {"prompt": [5, 6], "structured_outputs": {"choice": ["left", "right"]}, "n": 3,
             "temperature": 1.0, "seed": 1}  # fmt: skip
-    status, resp = _post(base + "/v1/completions", body)
+    status, resp = post_json(base + "/v1/completions", body)
     assert status == 200 and all(c["text"] in ("left", "right") for c in resp["choices"]), resp
     stream = {**chat, "stream": True, "structured_outputs": {"regex": "[xyz]{3}!"}}
-    status, events = _post(base + "/v1/chat/completions", stream, stream=True)
+    status, events = post_json(base + "/v1/chat/completions", stream, stream=True)
     text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
     assert status == 200 and re.fullmatch("[xyz]{3}!", text), text
 
@@ -321,7 +308,7 @@ def test_the_server_takes_response_format_and_structured_outputs(server):
 )  # fmt: skip
 def test_the_server_names_what_is_wrong_with_a_constraint(server, extra, words):
     base, _ = server
-    status, resp = _post(base + "/v1/completions", {"prompt": "a", "max_tokens": 3, **extra})
+    status, resp = post_json(base + "/v1/completions", {"prompt": "a", "max_tokens": 3, **extra})
     assert status == 400 and words in resp["error"]["message"], resp
 
 
@@ -345,7 +332,7 @@ def test_server_logprobs_under_a_constraint_are_strict_json(server):
 
 def test_vllms_old_guided_fields_get_a_pointer(server):
     base, _ = server
-    status, resp = _post(
+    status, resp = post_json(
         base + "/v1/completions", {"prompt": "a", "guided_json": {"type": "object"}}
     )
     assert status == 400 and "structured_outputs" in resp["error"]["message"]

@@ -1,0 +1,167 @@
+"""Tool calling for ``/v1/chat/completions``: OpenAI's ``tools`` and ``tool_choice``, as vLLM serves them.
+
+* ``tools`` go to the chat template (a model whose template ignores them sees only the messages).
+* ``tool_choice: "none"`` answers in text.
+* A named function (``{"type": "function", "function": {"name": ...}}``) constrains the output to
+  that function's ``parameters`` schema (structured outputs, compact JSON: a small model otherwise
+  spends its tokens on whitespace), so any model produces a valid call;
+  the answer's ``tool_calls`` holds it, ``content`` is empty.
+* ``"required"`` constrains the output to a JSON list of ``{"name", "parameters"}`` objects, one of
+  the tools each, and at least one; each becomes a call (finish_reason ``tool_calls``).
+* ``"auto"`` (the default with tools) lets the model choose, and a tool-call parser reads its
+  calls from the text; it needs ``llmhal serve --enable-auto-tool-choice --tool-call-parser NAME``
+  (vLLM's rule), else the request is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmhal.entrypoints.openai_protocol import BadRequest
+from llmhal.structured_output.params import StructuredOutputsParams
+from llmhal.tool_parsers.base import DeltaToolCall, FunctionCall, ToolCall, ToolParser
+
+AUTO_NEEDS = (
+    '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+)
+
+
+def _functions(tools: Any) -> dict[str, dict[str, Any]]:
+    """name -> function object of OpenAI's ``tools`` list, checked."""
+    if not isinstance(tools, list) or not tools:
+        raise BadRequest("tools must be a non-empty list of {type: function, function: {...}}")
+    out = {}
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise BadRequest(
+                f"tools[{i}] must be {{type: function, function: {{name, parameters}}}}"
+            )
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise BadRequest(f"tools[{i}].function.parameters must be a JSON schema object")
+        out[fn["name"]] = {**fn, "parameters": params}
+    return out
+
+
+@dataclass
+class ToolPlan:
+    mode: str  # "none", "auto", "named" or "required"
+    tools: list[dict[str, Any]]
+    functions: dict[str, dict[str, Any]]
+    name: str | None = None  # the named function
+    parser_cls: type[ToolParser] | None = None
+    tokenizer: Any = None
+    structured: StructuredOutputsParams | None = field(default=None)
+
+    def parser(self) -> ToolParser | None:
+        return self.parser_cls(self.tokenizer) if self.parser_cls is not None else None
+
+    def final(self, text: str, finish: str | None, body: dict[str, Any]) -> tuple[str | None, list[ToolCall], str | None]:  # fmt: skip
+        """(content, calls, finish_reason) of a finished choice."""
+        if self.mode == "named":
+            return "", [ToolCall(FunctionCall(self.name, text))], finish  # type: ignore[arg-type]
+        if self.mode == "required":
+            calls = _required_calls(text)
+            return "", calls, "tool_calls" if calls and finish == "stop" else finish
+        if self.mode == "auto":
+            info = self.parser().extract_tool_calls(text, body)  # type: ignore[union-attr]
+            if info.tools_called:
+                return info.content, info.tool_calls, "tool_calls" if finish == "stop" else finish
+        return text, [], finish
+
+
+def _required_calls(text: str) -> list[ToolCall]:
+    """The calls of a "required" answer (a JSON list of {name, parameters}); none if the output
+    was cut short (max_tokens) before the list closed."""
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return []
+    return [
+        ToolCall(FunctionCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)))
+        for c in items
+    ]
+
+
+def plan(
+    body: dict[str, Any], tokenizer: Any, parser_cls: type[ToolParser] | None, auto_enabled: bool
+) -> ToolPlan | None:
+    """The request's tool handling, or None when it has no tools (then ``tool_choice`` may only
+    be absent or "none")."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None:
+        if choice not in (None, "none"):
+            raise BadRequest("tool_choice needs tools")
+        return None
+    functions = _functions(tools)
+    choice = "auto" if choice is None else choice
+    p = ToolPlan("none", tools, functions, tokenizer=tokenizer)
+    if choice == "none":
+        return p
+    if choice == "auto":
+        if not (auto_enabled and parser_cls is not None):
+            raise BadRequest(AUTO_NEEDS)
+        p.mode, p.parser_cls = "auto", parser_cls
+        return p
+    if choice == "required":
+        p.mode = "required"
+        p.structured = StructuredOutputsParams(json=_required_schema(functions), disable_any_whitespace=True)  # fmt: skip
+        return p
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not (
+        isinstance(choice, dict) and choice.get("type") == "function" and isinstance(name, str)
+    ):
+        raise BadRequest(f'tool_choice must be "none", "auto", "required" or {{type: function, function: {{name}}}}, got {choice!r}')  # fmt: skip
+    if name not in functions:
+        raise BadRequest(
+            f"tool_choice names {name!r}, which is not in tools ({', '.join(functions)})"
+        )
+    p.mode, p.name = "named", name
+    p.structured = StructuredOutputsParams(json=functions[name]["parameters"], disable_any_whitespace=True)  # fmt: skip
+    return p
+
+
+def _required_schema(functions: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    one_of = [
+        {"type": "object", "properties": {"name": {"enum": [n]}, "parameters": f["parameters"]},
+         "required": ["name", "parameters"], "additionalProperties": False}
+        for n, f in functions.items()
+    ]  # fmt: skip
+    return {"type": "array", "minItems": 1, "items": {"anyOf": one_of}}
+
+
+class ToolStream:
+    """One streamed choice's tool handling: what each update sends (content, call pieces)."""
+
+    def __init__(self, plan: ToolPlan, body: dict[str, Any]) -> None:
+        self.plan, self.body = plan, body
+        self.parser = plan.parser() if plan.mode == "auto" else None
+        self.text = ""
+        self.ids: list[int] = []
+        self.sent_calls = False
+
+    def step(self, text: str, ids: list[int], finish: str | None) -> tuple[str, list[DeltaToolCall], str | None]:  # fmt: skip
+        prev_text, prev_ids = self.text, self.ids
+        self.text, self.ids = text, ids
+        mode = self.plan.mode
+        if mode in ("named", "required"):  # the calls are whole only at the end
+            if finish is None:
+                return "", [], None
+            _, calls, reason = self.plan.final(text, finish, self.body)
+            return "", self._deltas(calls), reason
+        if mode == "auto":
+            dm = self.parser.extract_tool_calls_streaming(  # type: ignore[union-attr]
+                prev_text, text, text[len(prev_text) :], prev_ids, ids, ids[len(prev_ids) :], self.body
+            )  # fmt: skip
+            content = (dm.content or "") if dm else ""
+            calls = dm.tool_calls if dm else []
+            self.sent_calls |= bool(calls)
+            reason = "tool_calls" if finish == "stop" and self.sent_calls else finish
+            return content, calls, reason
+        return text[len(prev_text) :], [], finish
+
+    def _deltas(self, calls: list[ToolCall]) -> list[DeltaToolCall]:
+        return [DeltaToolCall(i, c.id, c.function.name, c.function.arguments) for i, c in enumerate(calls)]  # fmt: skip
