@@ -63,6 +63,8 @@ MAX_LOGPROBS = 20
 
 # The warm-up request's id: stat loggers see its steps (they run at load, before any user request).
 WARMUP_REQUEST_ID = "__warmup__"
+# Bad words' token sequences per request, in all (vLLM's newest limit).
+MAX_BAD_WORD_TOKENS = 1024
 
 
 @dataclass
@@ -75,6 +77,7 @@ class PreparedRequest:
     max_tokens: int
     grammar: Any  # a StructuredOutputGrammar, or None
     arrival_time: float
+    bad_words_token_ids: list[list[int]]
 
 
 class LLMEngine:
@@ -170,14 +173,24 @@ class LLMEngine:
             return self._structured
 
     def bad_words_token_ids(self, words: Sequence[str] | None) -> list[list[int]]:
-        """Each bad word's token sequences: as written (leading spaces stripped) and after a space,
-        where that tokenizes differently (a word inside a sentence); duplicates dropped."""
+        """Each bad word's token sequences (vLLM's rule): as written (leading spaces stripped),
+        and after a space when that is the same number of tokens with a different first one (the
+        word inside a sentence; a longer form would be a space token and the word, already
+        covered). ValueError past MAX_BAD_WORD_TOKENS tokens in all (each sequence is matched
+        against the output at every step)."""
         seqs: list[list[int]] = []
         for word in words or ():
-            for prefix in ("", " "):
-                ids = self.tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False)
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            for ids in (plain, spaced):
+                if ids is spaced and (len(spaced) != len(plain) or spaced[:1] == plain[:1]):
+                    continue
                 if ids and ids not in seqs:
                     seqs.append(ids)
+        if sum(map(len, seqs)) > MAX_BAD_WORD_TOKENS:
+            raise ValueError(
+                f"bad_words come to more than {MAX_BAD_WORD_TOKENS} tokens; send fewer"
+            )
         return seqs
 
     def _check(self, token_ids: Sequence[int], params: SamplingParams) -> tuple[int, Any]:
@@ -250,7 +263,8 @@ class LLMEngine:
         params = params or SamplingParams()
         text, ids = self.tokenize(prompt)
         max_tokens, grammar = self._check(ids, params)
-        return PreparedRequest(text, ids, params, max_tokens, grammar, arrival)
+        bad = self.bad_words_token_ids(params.bad_words)
+        return PreparedRequest(text, ids, params, max_tokens, grammar, arrival, bad)
 
     def add_request(
         self,
@@ -283,7 +297,7 @@ class LLMEngine:
             # The first prompt token has none: nothing before it predicts it (vLLM's shape).
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             grammar=prep.grammar,
-            bad_words_token_ids=self.bad_words_token_ids(params.bad_words),
+            bad_words_token_ids=prep.bad_words_token_ids,
             metrics=RequestMetrics(prep.arrival_time),
         )
         self._requests[rid] = req

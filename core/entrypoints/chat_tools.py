@@ -39,9 +39,11 @@ def _functions(tools: Any) -> dict[str, dict[str, Any]]:
             raise BadRequest(
                 f"tools[{i}] must be {{type: function, function: {{name, parameters}}}}"
             )
-        params = fn.get("parameters", {"type": "object", "properties": {}})
+        params = fn.get("parameters") or {"type": "object", "properties": {}}  # null: none (vLLM)
         if not isinstance(params, dict):
             raise BadRequest(f"tools[{i}].function.parameters must be a JSON schema object")
+        if fn["name"] in out:
+            raise BadRequest(f"tools[{i}] repeats the function name {fn['name']!r}")
         out[fn["name"]] = {**fn, "parameters": params}
     return out
 
@@ -65,7 +67,9 @@ class ToolPlan:
             return "", [ToolCall(FunctionCall(self.name, text))], finish  # type: ignore[arg-type]
         if self.mode == "required":
             calls = _required_calls(text)
-            return "", calls, "tool_calls" if calls and finish == "stop" else finish
+            if not calls:  # cut short (max_tokens) before the list closed: the text as it is
+                return text, [], finish
+            return "", calls, "tool_calls" if finish == "stop" else finish
         if self.mode == "auto":
             info = self.parser().extract_tool_calls(text, body)  # type: ignore[union-attr]
             if info.tools_called:
@@ -84,6 +88,11 @@ def _required_calls(text: str) -> list[ToolCall]:
         ToolCall(FunctionCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)))
         for c in items
     ]
+
+
+def can_stream(parser_cls: type[ToolParser]) -> bool:
+    """Whether the parser has a streaming path (the base's only raises)."""
+    return parser_cls.extract_tool_calls_streaming is not ToolParser.extract_tool_calls_streaming
 
 
 def plan(
@@ -110,7 +119,8 @@ def plan(
         p.mode = "required"
         p.structured = StructuredOutputsParams(json=_required_schema(functions), disable_any_whitespace=True)  # fmt: skip
         return p
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
     if not (
         isinstance(choice, dict) and choice.get("type") == "function" and isinstance(name, str)
     ):
@@ -125,12 +135,22 @@ def plan(
 
 
 def _required_schema(functions: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    one_of = [
-        {"type": "object", "properties": {"name": {"enum": [n]}, "parameters": f["parameters"]},
-         "required": ["name", "parameters"], "additionalProperties": False}
-        for n, f in functions.items()
-    ]  # fmt: skip
-    return {"type": "array", "minItems": 1, "items": {"anyOf": one_of}}
+    """A JSON list of calls, each one tool's ``{"name", "parameters"}``. Each tool's ``$defs``
+    (and ``definitions``) move to the top, where its ``#/$defs/...`` references point once its
+    schema is nested; two tools defining one name differently are refused (vLLM's rule)."""
+    hoisted: dict[str, dict[str, Any]] = {}
+    one_of = []
+    for n, f in functions.items():
+        params = dict(f["parameters"])
+        for key in ("$defs", "definitions"):
+            for def_name, schema in (params.pop(key, None) or {}).items():
+                seen = hoisted.setdefault(key, {})
+                if def_name in seen and seen[def_name] != schema:
+                    raise BadRequest(f"tools define {key}/{def_name} differently; rename one")
+                seen[def_name] = schema
+        one_of.append({"type": "object", "properties": {"name": {"enum": [n]}, "parameters": params},
+                       "required": ["name", "parameters"], "additionalProperties": False})  # fmt: skip
+    return {"type": "array", "minItems": 1, "items": {"anyOf": one_of}, **hoisted}
 
 
 class ToolStream:
@@ -141,7 +161,19 @@ class ToolStream:
         self.parser = plan.parser() if plan.mode == "auto" else None
         self.text = ""
         self.ids: list[int] = []
-        self.sent_calls = False
+        self.sent_content = ""
+        self.sent_calls = 0
+
+    def _rest(self, text: str, finish: str) -> tuple[str, list[DeltaToolCall]]:
+        """At the end: the content and calls of the finished text's reading beyond what was sent
+        (text held back as a possible tag, a call left unclosed at EOS)."""
+        content, calls, _ = self.plan.final(text, finish, self.body)
+        content = content or ""
+        more = content[len(self.sent_content) :] if content.startswith(self.sent_content) else ""
+        extra = [DeltaToolCall(i, c.id, c.function.name, c.function.arguments) for i, c in enumerate(calls)][self.sent_calls :]  # fmt: skip
+        self.sent_content += more
+        self.sent_calls += len(extra)
+        return more, extra
 
     def step(self, text: str, ids: list[int], finish: str | None) -> tuple[str, list[DeltaToolCall], str | None]:  # fmt: skip
         prev_text, prev_ids = self.text, self.ids
@@ -157,8 +189,12 @@ class ToolStream:
                 prev_text, text, text[len(prev_text) :], prev_ids, ids, ids[len(prev_ids) :], self.body
             )  # fmt: skip
             content = (dm.content or "") if dm else ""
-            calls = dm.tool_calls if dm else []
-            self.sent_calls |= bool(calls)
+            calls = list(dm.tool_calls) if dm else []
+            self.sent_content += content
+            self.sent_calls += len(calls)
+            if finish is not None:  # what the finished text holds and the stream has not sent
+                more, extra = self._rest(text, finish)
+                content, calls = content + more, calls + extra
             reason = "tool_calls" if finish == "stop" and self.sent_calls else finish
             return content, calls, reason
         return text[len(prev_text) :], [], finish

@@ -314,11 +314,11 @@ def full_response(
     n: int = 1,
     token_text: Callable[[int], str] = str,
     echo: Callable[[RequestOutput], str] | None = None,
-    tools: Any = None,
-    body: dict[str, Any] | None = None,
+    output: Any = None,
 ) -> dict[str, Any]:
     """The whole answer: ``outs`` are the final outputs, one per choice, in index order; with
-    ``tools`` (a chat_tools.ToolPlan), each message's tool calls are read from its text."""
+    ``output`` (a chat_output.ChatOutput), each message's reasoning and tool calls are read from
+    its text."""
     choices = []
     for index, out in enumerate(outs):
         text, ids, entries = choice_view(out, echo)
@@ -326,9 +326,8 @@ def full_response(
         finish = out.outputs[0].finish_reason
         if chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
-            if tools is not None:
-                content, calls, finish = tools.final(text, finish, body or {})
-                message = {"role": "assistant", "content": content, "tool_calls": [c.to_dict() for c in calls]}  # fmt: skip
+            if output is not None:
+                message, finish = output.message(text, finish)
             choice["message"] = message
         else:
             choice["text"] = text
@@ -350,6 +349,7 @@ def stream_chunk(
     first: bool = False,
     logprobs: Any = None,
     tool_calls: list[dict[str, Any]] | None = None,
+    reasoning: str = "",
 ) -> dict[str, Any]:
     """One server-sent event of a stream: choice ``index``'s new text (and its tokens' log
     probabilities, when asked for, and pieces of tool calls)."""
@@ -359,6 +359,8 @@ def stream_chunk(
             d["role"] = "assistant"
         if tool_calls:
             d["tool_calls"] = tool_calls
+        if reasoning:  # vLLM's older and newer names for it
+            d["reasoning_content"] = d["reasoning"] = reasoning
         choice = {"index": index, "delta": d, "finish_reason": finish}
     else:
         choice = {"index": index, "text": delta, "finish_reason": finish}

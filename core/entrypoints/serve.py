@@ -32,6 +32,7 @@ from typing import Any
 from llmhal.engine.engine_loop import EngineStopped
 from llmhal.entrypoints import chat_tools, tokenization
 from llmhal.entrypoints import openai_protocol as api
+from llmhal.entrypoints.chat_output import ChatOutput
 from llmhal.entrypoints.engine_args import add_engine_args, build_llm
 from llmhal.entrypoints.metrics import CONTENT_TYPE, PrometheusStatLogger
 from llmhal.logger import init_logger
@@ -73,7 +74,9 @@ class ServerState:
         self.metrics = PrometheusStatLogger(llm.engine.config, model_name=model_name)
         llm.engine.stat_loggers.append(self.metrics)
         self.tool_parser_cls: Any = None  # build_server's tool_call_parser
+        self.tool_parser_name = ""
         self.auto_tools = False
+        self.reasoning_cls: Any = None  # build_server's reasoning_parser
 
 
 def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
@@ -214,6 +217,8 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                 if chat:
                     tools = chat_tools.plan(body, state.llm.get_tokenizer(), state.tool_parser_cls, state.auto_tools)  # fmt: skip
                     if tools is not None and tools.parser_cls is not None:
+                        if body.get("stream") and not chat_tools.can_stream(tools.parser_cls):
+                            raise api.BadRequest(f"the {state.tool_parser_name} tool parser cannot read a stream; send stream: false")  # fmt: skip
                         body = tools.parser().adjust_request(body)  # type: ignore[union-attr]
                 elif "tools" in body or "tool_choice" in body:
                     raise api.BadRequest("tools are only supported on /v1/chat/completions")
@@ -242,7 +247,10 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
             echo = self._prompt_text if body.get("echo") else None
             # OpenAI's id shapes, unique across restarts (the engine's request ids are not).
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            answer = Answer(rid, len(rids), params.n, chat, echo, api.echo_only(body), tools, body)  # fmt: skip
+            output = None
+            if chat and (tools is not None or state.reasoning_cls is not None):
+                output = ChatOutput(tools, state.reasoning_cls, state.llm.get_tokenizer(), body)
+            answer = Answer(rid, len(rids), params.n, chat, echo, api.echo_only(body), output)
             try:
                 if body.get("stream"):
                     self._stream(answer, q, include_usage)
@@ -295,9 +303,8 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
             except Exception as e:
                 self._error(500, f"generation failed: {e}", "server_error")
                 return
-            self._json(
-                200,
-                api.full_response(
+            try:  # a parser plugin may fail on this text
+                body = api.full_response(
                     answer.id,
                     state.model_name,
                     last,
@@ -305,10 +312,13 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                     n=answer.n,
                     token_text=state.token_text,
                     echo=answer.echo,
-                    tools=answer.tools,
-                    body=answer.body,
-                ),
-            )
+                    output=answer.output,
+                )
+            except Exception as e:
+                logger.exception("Could not read the answer's reasoning or tool calls")
+                self._error(500, f"reading the answer failed: {e}", "server_error")
+                return
+            self._json(200, body)
 
         def _stream(self, answer: Answer, q: Any, include_usage: bool) -> None:
             self.send_response(200)
@@ -321,7 +331,7 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
             tokens = [0] * answer.size
             offsets = [0] * answer.size
             last: list[Any] = [None] * answer.size
-            streams = [chat_tools.ToolStream(answer.tools, answer.body) for _ in range(answer.size)] if answer.tools else None  # fmt: skip
+            streams = [answer.output.stream() for _ in range(answer.size)] if answer.output else None  # fmt: skip
             try:
                 for index, out in self._updates(q, answer):
                     last[index] = out
@@ -329,11 +339,11 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                     delta = text[chars[index] :]
                     if not delta and not out.finished:
                         continue  # bytes of a character still incomplete: send them with it
-                    finish, calls = out.outputs[0].finish_reason, []
+                    finish, calls, reasoning = out.outputs[0].finish_reason, [], ""
                     if streams is not None:
-                        delta, calls, finish = streams[index].step(text, ids, finish)
-                        if not delta and not calls and finish is None:
-                            continue  # held back (a call being written)
+                        delta, reasoning, calls, finish = streams[index].step(text, ids, finish)
+                        if not delta and not reasoning and not calls and finish is None:
+                            continue  # held back (a tag or a call being written)
                     logprobs = api.logprobs_of(
                         ids[tokens[index] :],
                         None if entries is None else entries[tokens[index] :],
@@ -353,6 +363,7 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                         first=chars[index] == 0 and tokens[index] == 0,
                         logprobs=logprobs,
                         tool_calls=[c.to_dict() for c in calls],
+                        reasoning=reasoning,
                     )
                     chars[index], tokens[index] = len(text), len(ids)
                     if include_usage:
@@ -397,8 +408,7 @@ class Answer:
     chat: bool
     echo: Callable[[Any], str] | None = None
     echo_only: bool = False
-    tools: Any = None  # chat_tools.ToolPlan: how the choices' tool calls are read
-    body: Any = None  # the request, for the tool parser
+    output: Any = None  # chat_output.ChatOutput: reasoning and tool calls read from the text
 
 
 class _Server(ThreadingHTTPServer):
@@ -414,17 +424,28 @@ def build_server(
     *,
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
+    reasoning_parser: str | None = None,
 ) -> ThreadingHTTPServer:
     """The server of ``llm``; clients name the model ``model_name`` (default: the model's path,
     or ``SmolLM2-135M-Instruct.Q4_1`` for the default model, as the CLI does).
     ``tool_call_parser`` names the parser that reads ``tool_choice: "auto"`` calls, which
-    ``enable_auto_tool_choice`` allows (vLLM's two flags); unknown names are a KeyError."""
+    ``enable_auto_tool_choice`` allows (vLLM's two flags); ``reasoning_parser`` splits chat
+    answers' reasoning off (it is checked against the model's vocabulary now). Unknown names are a
+    KeyError."""
     state = ServerState(llm, model_name or _default_name(llm.load_report.model_path))
     if tool_call_parser is not None:
         from llmhal.tool_parsers.manager import ToolParserManager
 
         state.tool_parser_cls = ToolParserManager.get_tool_parser(tool_call_parser)
+        state.tool_parser_name = tool_call_parser
     state.auto_tools = enable_auto_tool_choice
+    if reasoning_parser is not None:
+        from llmhal.reasoning.manager import ReasoningParserManager
+
+        state.reasoning_cls = ReasoningParserManager.get_reasoning_parser(reasoning_parser)
+        state.reasoning_cls(
+            llm.get_tokenizer()
+        )  # a model without its tags fails here, not per request
     server = _Server((host, port), make_handler(state))
     server.daemon_threads = True
     server.state = state  # type: ignore[attr-defined]
@@ -500,7 +521,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--tool-parser-plugin", help="a Python file that registers more tool-call parsers"
     )
+    p.add_argument("--reasoning-parser", help="split reasoning off chat answers, e.g. deepseek_r1, qwen3")  # fmt: skip
+    p.add_argument(
+        "--reasoning-parser-plugin", help="a Python file that registers more reasoning parsers"
+    )
     a = p.parse_args(argv)
+    if a.reasoning_parser_plugin:
+        from llmhal.reasoning.manager import ReasoningParserManager
+
+        ReasoningParserManager.import_reasoning_parser(a.reasoning_parser_plugin)
+    if a.reasoning_parser:
+        from llmhal.reasoning.manager import ReasoningParserManager
+
+        if a.reasoning_parser not in ReasoningParserManager.list_registered():
+            known = ", ".join(ReasoningParserManager.list_registered())
+            print(f"llmhal serve: unknown --reasoning-parser {a.reasoning_parser!r} (known: {known})", file=sys.stderr)  # fmt: skip
+            return 2
     if a.tool_parser_plugin:
         from llmhal.tool_parsers.manager import ToolParserManager
 
@@ -527,7 +563,11 @@ def main(argv: list[str] | None = None) -> int:
         server = build_server(
             llm, a.host, a.port, a.served_model_name or a.model,
             tool_call_parser=a.tool_call_parser, enable_auto_tool_choice=a.enable_auto_tool_choice,
+            reasoning_parser=a.reasoning_parser,
         )  # fmt: skip
+    except (ValueError, RuntimeError) as e:  # a reasoning parser whose tags the model lacks
+        print(f"llmhal serve: {e}", file=sys.stderr)
+        return 2
     except OSError as e:  # taken between the check and now
         print(f"llmhal serve: cannot listen on {a.host}:{a.port}: {e}", file=sys.stderr)
         return 2

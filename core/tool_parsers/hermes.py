@@ -63,12 +63,15 @@ class HermesToolParser(ToolParser):
         start = model_output.find(START)
         if start < 0:
             return ExtractedToolCallInformation(False, [], model_output)
-        try:
-            calls = [_call(a if a else b) for a, b in _CALLS.findall(model_output)]
-        except ValueError:  # a malformed call: the text is the answer, as it stands
+        calls = []
+        for a, b in _CALLS.findall(model_output):
+            try:
+                calls.append(_call(a if a else b))
+            except ValueError:  # a malformed call is dropped (a stream skips it too)
+                continue
+        if not calls:  # nothing readable: the text is the answer, as it stands
             return ExtractedToolCallInformation(False, [], model_output)
-        content = model_output[:start].strip() or None
-        return ExtractedToolCallInformation(bool(calls), calls, content)
+        return ExtractedToolCallInformation(True, calls, model_output[:start] or None)
 
     def extract_tool_calls_streaming(
         self,
@@ -93,7 +96,7 @@ class HermesToolParser(ToolParser):
                 try:
                     call = _call(body)
                 except ValueError:
-                    continue  # a malformed call is skipped, as the finished output drops it
+                    continue  # a malformed call is skipped, as the finished text's reading drops it
                 self.current_tool_id += 1
                 self.prev_tool_call_arr.append({"name": call.function.name})
                 self.streamed_args_for_tool.append(call.function.arguments)

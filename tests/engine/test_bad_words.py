@@ -76,3 +76,38 @@ def test_the_server_takes_bad_words(server):
         token_ids = json.load(r)["choices"][0]["logprobs"]["token_ids"]
     assert token_ids == greedy(llm, prompt, bad_words=[word]).token_ids
     assert banned not in token_ids
+
+
+class _Tok:
+    """A tokenizer of fixed answers, to pin the rule for the with-a-space form."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def encode(self, text, add_special_tokens=False):
+        return self.table[text]
+
+
+@pytest.mark.parametrize(
+    "table, expected",
+    [
+        ({"nasty": [1, 2], " nasty": [3]}, [[1, 2]]),  # another length: only as written
+        ({"nasty": [1, 2], " nasty": [3, 2]}, [[1, 2], [3, 2]]),  # same length, another start
+        ({"nasty": [1, 2], " nasty": [1, 2]}, [[1, 2]]),  # the same: once
+        ({"nasty": [1, 2], " nasty": [1, 5]}, [[1, 2]]),  # same first token: not added (vLLM)
+    ],
+)
+def test_the_spaced_form_follows_vllms_rule(table, expected):
+    from types import SimpleNamespace
+
+    from llmhal.engine.llm_engine import LLMEngine
+
+    stub = SimpleNamespace(tokenizer=_Tok(table))
+    assert LLMEngine.bad_words_token_ids(stub, ["nasty"]) == expected
+
+
+def test_too_many_bad_words_are_refused_before_any_work(llm):
+    words = [f"w{i} x{i} y{i}" for i in range(400)]
+    with pytest.raises(ValueError, match="more than 1024 tokens"):
+        llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(bad_words=words))
+    assert not llm.engine.has_unfinished_requests()

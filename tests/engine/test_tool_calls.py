@@ -195,3 +195,81 @@ def test_auto_needs_the_servers_parser(server):
     assert (
         e.value.code == 400 and "only supported on /v1/chat/completions" in e.value.read().decode()
     )
+
+
+def test_hermes_keeps_the_good_calls_and_the_content_as_written():
+    text = (
+        'Sure.\n\n<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{bad}</tool_call>'
+    )
+    info = HermesToolParser(None).extract_tool_calls(text, {})
+    assert [c.function.name for c in info.tool_calls] == ["f"] and info.content == "Sure.\n\n"
+
+
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        ("a < b <", "a < b <", []),  # held back as a possible tag, then owed at the end
+        ('Hi <tool_call>{"name": "f", "arguments": {}}', "Hi ", [("f", "{}")]),  # unclosed at EOS
+        ("Use the <tool_call> tag please", "Use the <tool_call> tag please", []),
+    ],
+)
+def test_a_stream_ends_with_what_the_finished_text_holds(text, content, calls):
+    from llmhal.entrypoints.chat_tools import ToolPlan, ToolStream
+
+    plan = ToolPlan("auto", TOOLS, {}, parser_cls=HermesToolParser)
+    stream, got, got_calls, finish = ToolStream(plan, {}), "", [], None
+    for k in range(1, len(text) + 1):
+        delta, deltas, finish = stream.step(text[:k], [], "stop" if k == len(text) else None)
+        got += delta
+        got_calls += [(d.name, d.arguments) for d in deltas]
+    assert (got, got_calls) == (content, calls)
+    assert finish == ("tool_calls" if calls else "stop")
+
+
+def test_required_handles_defs_and_streams(tool_server):
+    loc = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}}, "required": ["city"], "additionalProperties": False}  # fmt: skip
+    tool = {"type": "function", "function": {"name": "visit", "parameters": {
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/Loc"}}, "required": ["to"],
+        "additionalProperties": False, "$defs": {"Loc": loc}}}}  # fmt: skip
+    body = {"tools": [tool, TIME], "tool_choice": "required", "max_tokens": 200}
+    status, resp = chat(tool_server, body)
+    assert status == 200, resp
+    for c in resp["choices"][0]["message"]["tool_calls"]:
+        schema = tool["function"]["parameters"] if c["function"]["name"] == "visit" else SCHEMAS["get_time"]  # fmt: skip
+        jsonschema.validate(json.loads(c["function"]["arguments"]), schema)
+    status, events = chat(tool_server, body, stream=True)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    content, calls, finish = assembled(events)
+    assert calls and finish == "tool_calls" and content == ""
+    other = {"type": "function", "function": {"name": "other", "parameters": {"$defs": {"Loc": {"type": "string"}}}}}  # fmt: skip
+    status, resp = chat(tool_server, {"tools": [tool, other], "tool_choice": "required"})
+    assert status == 400 and "define $defs/Loc differently" in resp["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"tool_choice": {"type": "function", "function": "get_time"}}, "tool_choice must be"),
+        ({"tool_choice": {"type": "function", "function": None}}, "tool_choice must be"),
+        ({"tools": [WEATHER, WEATHER]}, "repeats the function name"),
+    ],
+)
+def test_malformed_tool_requests_are_a_400(tool_server, extra, words):
+    status, resp = chat(tool_server, extra)
+    assert status == 400 and words in resp["error"]["message"], resp
+
+
+def test_null_parameters_mean_none(tool_server):
+    bare = {"type": "function", "function": {"name": "ping", "parameters": None}}
+    status, resp = chat(tool_server, {"tools": [bare], "tool_choice": {"type": "function", "function": {"name": "ping"}}})  # fmt: skip
+    assert status == 200 and json.loads(resp["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]) == {}  # fmt: skip
+
+
+def test_a_parser_without_a_streaming_path_is_known():
+    from llmhal.entrypoints.chat_tools import can_stream
+
+    class FinishedOnly(ToolParser):
+        def extract_tool_calls(self, model_output, request):
+            raise NotImplementedError
+
+    assert can_stream(HermesToolParser) and not can_stream(FinishedOnly)

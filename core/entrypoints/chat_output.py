@@ -1,0 +1,60 @@
+"""A chat choice's text as OpenAI's message: reasoning split off by the server's reasoning parser
+(``reasoning_content``, and vLLM's newer ``reasoning`` with the same text), then tool calls read
+from what remains (:mod:`llmhal.entrypoints.chat_tools`). Streams get the same pieces as deltas."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmhal.entrypoints.chat_tools import ToolPlan, ToolStream
+
+
+class ChatOutput:
+    def __init__(
+        self, tools: ToolPlan | None, reasoning_cls: Any, tokenizer: Any, body: dict[str, Any]
+    ) -> None:
+        self.tools, self.reasoning_cls, self.tokenizer, self.body = tools, reasoning_cls, tokenizer, body  # fmt: skip
+
+    def message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """(the message, the finish reason) of a finished choice."""
+        msg: dict[str, Any] = {"role": "assistant"}
+        if self.reasoning_cls is not None:
+            reasoning, text = self.reasoning_cls(self.tokenizer).extract_reasoning(text, self.body)
+            text = text or ""
+            msg["reasoning_content"] = msg["reasoning"] = reasoning
+        msg["content"] = text
+        if self.tools is not None:
+            content, calls, finish = self.tools.final(text, finish, self.body)
+            msg["content"], msg["tool_calls"] = content, [c.to_dict() for c in calls]
+        return msg, finish
+
+    def stream(self) -> ChoiceStream:
+        return ChoiceStream(self)
+
+
+class ChoiceStream:
+    """One streamed choice: each update's (content, reasoning, tool-call deltas, finish)."""
+
+    def __init__(self, out: ChatOutput) -> None:
+        self.reasoning = out.reasoning_cls(out.tokenizer) if out.reasoning_cls is not None else None
+        self.tools = ToolStream(out.tools, out.body) if out.tools is not None else None
+        self.text, self.content = "", ""
+        self._sent = 0  # characters of content sent (when no tool handling does it)
+
+    def step(self, text: str, ids: list[int], finish: str | None) -> tuple[str, str, list[Any], str | None]:  # fmt: skip
+        prev, self.text = self.text, text
+        reasoning = ""
+        if self.reasoning is None:
+            self.content = text
+        else:
+            pieces = [self.reasoning.extract_reasoning_streaming(prev, text, text[len(prev) :], [], ids, [])]  # fmt: skip
+            if finish is not None:
+                pieces.append(self.reasoning.flush(text))
+            for dm in filter(None, pieces):
+                reasoning += dm.reasoning or ""
+                self.content += dm.content or ""
+        if self.tools is None:
+            delta, self._sent = self.content[self._sent :], len(self.content)
+            return delta, reasoning, [], finish
+        delta, calls, finish = self.tools.step(self.content, ids, finish)
+        return delta, reasoning, calls, finish

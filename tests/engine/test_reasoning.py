@@ -1,0 +1,130 @@
+"""Reasoning parsers: streamed pieces add up to the finished split, the id-based answers, the
+registry, and the server's reasoning_content (a tiny model whose tokenizer has <think> tags,
+made to write them with a structured-output regex)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from llmhal import LLM
+from llmhal.reasoning.base import ReasoningParser
+from llmhal.reasoning.manager import ReasoningParserManager
+from llmhal.reasoning.parsers import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
+from llmhal.testing.http_client import post_json
+from llmhal.testing.tiny_models import make_tiny_model, make_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    t = make_tokenizer(382)
+    t.add_tokens(["<think>", "</think>"])  # added, not special: they stay in the text (as R1's)
+    return t
+
+
+TEXTS = ["<think>hmm</think>Paris", "hmm</think>Paris", "Paris", "<think>still thinking",
+         "intro <think>a</think> b", "a <thin", "x</thi", "<think>a</think>b</think>c", ""]  # fmt: skip
+EXPECTED = {  # text -> (R1's split, Qwen3's split)
+    "<think>hmm</think>Paris": (("hmm", "Paris"), ("hmm", "Paris")),
+    "hmm</think>Paris": (("hmm", "Paris"), (None, "hmm</think>Paris")),
+    "Paris": (("Paris", None), (None, "Paris")),
+    "<think>still thinking": (("still thinking", None), ("still thinking", None)),
+    "intro <think>a</think> b": (("intro a", " b"), ("a", "intro  b")),
+}
+
+
+@pytest.mark.parametrize("cls", [DeepSeekR1ReasoningParser, Qwen3ReasoningParser])
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("step", [1, 2, 5])
+def test_streamed_pieces_add_up_to_the_finished_split(tok, cls, text, step):
+    whole = cls(tok).extract_reasoning(text)
+    if text in EXPECTED:
+        assert whole == EXPECTED[text][cls is Qwen3ReasoningParser]
+    p, prev, reasoning, content = cls(tok), "", "", ""
+    cuts = [*range(step, len(text), step), len(text)]
+    for k in cuts:
+        cur = text[:k]
+        for dm in (p.extract_reasoning_streaming(prev, cur, cur[len(prev) :], [], [], []),):
+            if dm is not None:
+                assert not (dm.reasoning and "<think>" in dm.reasoning)  # never a tag's text
+                reasoning += dm.reasoning or ""
+                content += dm.content or ""
+        prev = cur
+    dm = p.flush(text)
+    if dm is not None:
+        reasoning += dm.reasoning or ""
+        content += dm.content or ""
+    assert (reasoning or None, content or None) == whole
+
+
+def test_the_id_based_answers(tok):
+    p = DeepSeekR1ReasoningParser(tok)
+    s, e = p.start_token_id, p.end_token_id
+    assert (s, e) == tuple(tok.convert_tokens_to_ids(["<think>", "</think>"]))
+    assert p.is_reasoning_end([s, 5, e, 7]) and not p.is_reasoning_end([e, 5, s, 7])
+    assert not p.is_reasoning_end([5, 6])
+    assert p.is_reasoning_end_streaming([s, 5, e], [e]) and not p.is_reasoning_end_streaming(
+        [s, 5], [5]
+    )
+    assert p.extract_content_ids([s, 5, e, 7, 8]) == [7, 8]
+    assert p.extract_content_ids([s, 5, e]) == []  # the end token last: no content yet
+    assert p.count_reasoning_tokens([s, 5, 6, e, 7]) == 2
+    assert p.count_reasoning_tokens([5, 6, e, 7]) == 2  # R1 starts inside
+    assert Qwen3ReasoningParser(tok).count_reasoning_tokens([5, 6, 7]) == 0
+
+
+def test_parsers_refuse_a_model_without_their_tags():
+    with pytest.raises(RuntimeError, match="is this a reasoning model"):
+        Qwen3ReasoningParser(make_tokenizer())
+    with pytest.raises(ValueError, match="needs the model's tokenizer"):
+        DeepSeekR1ReasoningParser(None)
+
+
+def test_the_registry():
+    assert ReasoningParserManager.get_reasoning_parser("qwen3") is Qwen3ReasoningParser
+    assert {"deepseek_r1", "qwen3"} <= set(ReasoningParserManager.list_registered())
+    with pytest.raises(
+        KeyError, match="Reasoning parser 'nope' not found. Available parsers: deepseek_r1"
+    ):
+        ReasoningParserManager.get_reasoning_parser("nope")
+    assert issubclass(DeepSeekR1ReasoningParser, ReasoningParser)
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory, tok):
+    from llmhal.entrypoints.serve import build_server
+
+    folder = tmp_path_factory.mktemp("thinking")
+    make_tiny_model(folder, "llama")
+    tok.save_pretrained(folder)  # the same 384-entry vocabulary, two of them the tags
+    llm = LLM(str(folder), dtype="float32", max_model_len=256)
+    srv = build_server(llm, "127.0.0.1", 0, model_name="tiny", reasoning_parser="deepseek_r1")
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+    srv.state.loop.shutdown()
+
+
+def test_the_server_sends_reasoning_apart_from_content(thinking_server):
+    forced = {"regex": "Let me see[.]</think>It is Paris[.]"}
+    body = {"messages": [{"role": "user", "content": "capital?"}], "max_tokens": 60, "temperature": 1.0,
+            "structured_outputs": forced}  # fmt: skip
+    status, resp = post_json(thinking_server + "/v1/chat/completions", body)
+    assert status == 200, resp
+    msg = resp["choices"][0]["message"]
+    assert (msg["reasoning_content"], msg["reasoning"], msg["content"]) == ("Let me see.", "Let me see.", "It is Paris.")  # fmt: skip
+    status, events = post_json(thinking_server + "/v1/chat/completions", {**body, "stream": True}, stream=True)  # fmt: skip
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Let me see."
+    assert "".join(d.get("content") or "" for d in deltas) == "It is Paris."
+    assert not any(d.get("content") and d.get("reasoning_content") for d in deltas)
+
+
+def test_serve_refuses_a_reasoning_parser_the_model_cannot_use(tiny_models):
+    from llmhal.entrypoints.serve import build_server
+
+    folder, _ = tiny_models("llama")
+    with pytest.raises(RuntimeError, match="<think>"):
+        build_server(LLM(folder, dtype="float32", max_model_len=64), "127.0.0.1", 0, reasoning_parser="qwen3")  # fmt: skip
