@@ -39,6 +39,7 @@ class ChoiceStream:
         self.reasoning = out.reasoning_cls(out.tokenizer) if out.reasoning_cls is not None else None
         self.tools = ToolStream(out.tools, out.body) if out.tools is not None else None
         self.text, self.content = "", ""
+        self.ids: list[int] = []
         self._sent = 0  # characters of content sent (when no tool handling does it)
 
     def step(self, text: str, ids: list[int], finish: str | None) -> tuple[str, str, list[Any], str | None]:  # fmt: skip
@@ -47,9 +48,13 @@ class ChoiceStream:
         if self.reasoning is None:
             self.content = text
         else:
-            pieces = [self.reasoning.extract_reasoning_streaming(prev, text, text[len(prev) :], [], ids, [])]  # fmt: skip
-            if finish is not None:
-                pieces.append(self.reasoning.flush(text))
+            prev_ids, self.ids = self.ids, ids
+            pieces = [self.reasoning.extract_reasoning_streaming(prev, text, text[len(prev) :], prev_ids, ids, ids[len(prev_ids) :])]  # fmt: skip
+            flush = getattr(
+                self.reasoning, "flush", None
+            )  # llmhal's parsers; vLLM-style plugins lack it
+            if finish is not None and flush is not None:
+                pieces.append(flush(text))
             for dm in filter(None, pieces):
                 reasoning += dm.reasoning or ""
                 self.content += dm.content or ""

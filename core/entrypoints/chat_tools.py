@@ -143,7 +143,10 @@ def _required_schema(functions: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for n, f in functions.items():
         params = dict(f["parameters"])
         for key in ("$defs", "definitions"):
-            for def_name, schema in (params.pop(key, None) or {}).items():
+            defs = params.pop(key, None) or {}
+            if not isinstance(defs, dict):
+                raise BadRequest(f"tool {n!r}: parameters.{key} must be an object")
+            for def_name, schema in defs.items():
                 seen = hoisted.setdefault(key, {})
                 if def_name in seen and seen[def_name] != schema:
                     raise BadRequest(f"tools define {key}/{def_name} differently; rename one")

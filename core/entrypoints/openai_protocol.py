@@ -354,7 +354,8 @@ def stream_chunk(
     """One server-sent event of a stream: choice ``index``'s new text (and its tokens' log
     probabilities, when asked for, and pieces of tool calls)."""
     if chat:
-        d: dict[str, Any] = {"content": delta}
+        # Leave content out of a reasoning-only delta (vLLM's shape).
+        d: dict[str, Any] = {} if reasoning and not delta else {"content": delta}
         if first:
             d["role"] = "assistant"
         if tool_calls:

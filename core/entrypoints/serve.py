@@ -249,8 +249,14 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             output = None
             if chat and (tools is not None or state.reasoning_cls is not None):
-                output = ChatOutput(tools, state.reasoning_cls, state.llm.get_tokenizer(), body)
-            answer = Answer(rid, len(rids), params.n, chat, echo, api.echo_only(body), output)
+                # A JSON-constrained output (response_format, a named or required tool_choice)
+                # is JSON from its first token: no reasoning comes before it to split off (a
+                # regex or grammar may spell out a reasoning part, and is split as usual).
+                so = params.structured_outputs
+                is_json = so is not None and (so.json is not None or so.json_object is not None)
+                reasoning_cls = None if is_json else state.reasoning_cls
+                output = ChatOutput(tools, reasoning_cls, state.llm.get_tokenizer(), body)
+            answer = Answer(rid, len(rids), params.n, chat, echo, api.echo_only(body), output, rids)  # fmt: skip
             try:
                 if body.get("stream"):
                     self._stream(answer, q, include_usage)
@@ -353,22 +359,16 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                     )
                     if logprobs is not None and not answer.chat:
                         offsets[index] += sum(len(t) for t in logprobs["tokens"])
-                    chunk = api.stream_chunk(
-                        answer.id,
-                        state.model_name,
-                        delta,
-                        finish,
-                        chat=answer.chat,
-                        index=index,
-                        first=chars[index] == 0 and tokens[index] == 0,
-                        logprobs=logprobs,
-                        tool_calls=[c.to_dict() for c in calls],
-                        reasoning=reasoning,
-                    )
+                    first = chars[index] == 0 and tokens[index] == 0
+                    if reasoning and (delta or calls or finish):
+                        # A delta carries reasoning or an answer, never both (vLLM's rule).
+                        self._chunk(answer, index, "", None, include_usage, first=first, reasoning=reasoning)  # fmt: skip
+                        reasoning, first = "", False
+                    self._chunk(
+                        answer, index, delta, finish, include_usage, first=first,
+                        logprobs=logprobs, tool_calls=[c.to_dict() for c in calls], reasoning=reasoning,
+                    )  # fmt: skip
                     chars[index], tokens[index] = len(text), len(ids)
-                    if include_usage:
-                        chunk["usage"] = None  # OpenAI's shape: the counts come last
-                    self._event(chunk)
                 if include_usage:
                     self._event(
                         api.usage_chunk(
@@ -378,6 +378,7 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
             except OSError:
                 raise
             except Exception as e:
+                state.loop.abort(list(answer.rids))  # nobody will read the other choices now
                 stopped = isinstance(e, EngineStopped)
                 message = (
                     f"{e}; the request was ended unfinished"
@@ -388,6 +389,12 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                 self._event({"error": {"message": message, "type": kind}})
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
+
+        def _chunk(self, answer: Answer, index: int, delta: str, finish: str | None, include_usage: bool, **kw: Any) -> None:  # fmt: skip
+            chunk = api.stream_chunk(answer.id, state.model_name, delta, finish, chat=answer.chat, index=index, **kw)  # fmt: skip
+            if include_usage:
+                chunk["usage"] = None  # OpenAI's shape: the counts come last
+            self._event(chunk)
 
         def _event(self, body: dict[str, Any]) -> None:
             self.wfile.write(b"data: " + json.dumps(body).encode() + b"\n\n")
@@ -409,6 +416,7 @@ class Answer:
     echo: Callable[[Any], str] | None = None
     echo_only: bool = False
     output: Any = None  # chat_output.ChatOutput: reasoning and tool calls read from the text
+    rids: tuple[str, ...] | list[str] = ()  # the engine's requests behind the choices
 
 
 class _Server(ThreadingHTTPServer):

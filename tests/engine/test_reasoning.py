@@ -4,6 +4,7 @@ made to write them with a structured-output regex)."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -128,3 +129,33 @@ def test_serve_refuses_a_reasoning_parser_the_model_cannot_use(tiny_models):
     folder, _ = tiny_models("llama")
     with pytest.raises(RuntimeError, match="<think>"):
         build_server(LLM(folder, dtype="float32", max_model_len=64), "127.0.0.1", 0, reasoning_parser="qwen3")  # fmt: skip
+
+
+def test_a_constrained_answer_is_all_content(thinking_server):
+    """response_format (or a named tool) constrains the output from its first token, so there is
+    no reasoning before it: the JSON is the content, not reasoning."""
+    body = {"messages": [{"role": "user", "content": "json"}], "max_tokens": 60, "temperature": 1.0,
+            "structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "boolean"}},
+                                            "required": ["a"], "additionalProperties": False},
+                                   "disable_any_whitespace": True}}  # fmt: skip
+    status, resp = post_json(thinking_server + "/v1/chat/completions", body)
+    assert status == 200, resp
+    msg = resp["choices"][0]["message"]
+    assert msg.get("reasoning_content") is None and isinstance(
+        json.loads(msg["content"])["a"], bool
+    )
+
+
+def test_a_vllm_style_parser_without_flush_streams(tok):
+    from llmhal.entrypoints.chat_output import ChatOutput
+
+    class Plain(ReasoningParser):  # vLLM's contract only: no flush()
+        def extract_reasoning_streaming(self, prev, cur, delta, prev_ids, cur_ids, delta_ids):
+            from llmhal.reasoning.base import DeltaMessage
+
+            assert list(cur_ids[len(prev_ids) :]) == list(delta_ids)  # ids line up with the text
+            return DeltaMessage(content=delta)
+
+    stream = ChatOutput(None, Plain, tok, {}).stream()
+    got = [stream.step("ab", [1, 2], None), stream.step("abc", [1, 2, 3], "stop")]
+    assert [g[0] for g in got] == ["ab", "c"] and got[-1][3] == "stop"

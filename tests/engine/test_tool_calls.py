@@ -252,6 +252,15 @@ def test_required_handles_defs_and_streams(tool_server):
         ({"tool_choice": {"type": "function", "function": "get_time"}}, "tool_choice must be"),
         ({"tool_choice": {"type": "function", "function": None}}, "tool_choice must be"),
         ({"tools": [WEATHER, WEATHER]}, "repeats the function name"),
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"$defs": [1]}}}
+                ],
+                "tool_choice": "required",
+            },
+            "must be an object",
+        ),
     ],
 )
 def test_malformed_tool_requests_are_a_400(tool_server, extra, words):
