@@ -282,3 +282,21 @@ def test_a_parser_without_a_streaming_path_is_known():
             raise NotImplementedError
 
     assert can_stream(HermesToolParser) and not can_stream(FinishedOnly)
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--tool-call-parser", "nope"], "unknown --tool-call-parser 'nope' (known: hermes)"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+        (
+            ["--reasoning-parser", "nope"],
+            "unknown --reasoning-parser 'nope' (known: deepseek_r1, qwen3)",
+        ),
+    ],
+)
+def test_serve_checks_its_parser_flags_before_loading(argv, words, capsys):
+    from llmhal.entrypoints.serve import main
+
+    assert main(["--port", "0", *argv]) == 2
+    assert words in capsys.readouterr().err
