@@ -49,7 +49,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--json", action="store_true", help="print one JSON object per prompt and a summary object"
     )
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument(
+        "--json-schema",
+        metavar="SCHEMA",
+        help="answer in JSON following this schema (JSON text, or @file.json)",
+    )
+    shape.add_argument("--regex", help="answer with text matching this regular expression")
+    shape.add_argument("--choice", action="append", help="answer with one of these (repeat)")
     return p
+
+
+def _structured(args: argparse.Namespace) -> Any:
+    """The --json-schema / --regex / --choice constraint, or None."""
+    from llmhal.structured_output.params import StructuredOutputsParams
+
+    if args.json_schema is not None:
+        text = args.json_schema
+        if text.startswith("@"):
+            with open(text[1:], encoding="utf-8") as f:
+                text = f.read()
+        return StructuredOutputsParams(json=text, disable_any_whitespace=True)
+    if args.regex is not None:
+        return StructuredOutputsParams(regex=args.regex)
+    if args.choice:
+        return StructuredOutputsParams(choice=args.choice)
+    return None
 
 
 def _prompts(args: argparse.Namespace) -> list[str]:
@@ -94,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
             top_p=args.top_p,
             top_k=args.top_k,
             seed=args.seed,
+            structured_outputs=_structured(args),
         )
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # OSError: an unreadable @schema file
         print(f"llmhal generate: {e}", file=sys.stderr)
         return 2
     prompts = _prompts(args)

@@ -154,3 +154,25 @@ def test_tokenizer_option_and_unreadable_config_are_handled(tiny, tmp_path, caps
     assert generate.main([*args, "--tokenizer", tiny]) == 2
     err = capsys.readouterr().err
     assert err.startswith("llmhal generate: ") and "Traceback" not in err
+
+
+def test_generate_answers_within_a_json_schema_regex_or_choice(tiny_models, capsys, tmp_path):
+    pytest.importorskip("xgrammar")
+    import re
+
+    from llmhal.entrypoints.generate import main
+
+    folder, _ = tiny_models("llama")
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": false}')  # fmt: skip
+    base = ["--model", folder, "--dtype", "float32", "--no-chat", "--prompt", "hi", "--json", "--max-tokens", "40"]  # fmt: skip
+    for extra, check in (
+        (["--json-schema", f"@{schema}"], lambda t: isinstance(json.loads(t)["ok"], bool)),
+        (["--regex", "[ab]{3}"], lambda t: re.fullmatch("[ab]{3}", t)),
+        (["--choice", "left", "--choice", "right"], lambda t: t in ("left", "right")),
+    ):
+        assert main(base + extra) == 0
+        first = json.loads(capsys.readouterr().out.splitlines()[0])
+        assert first["finish_reason"] == "stop" and check(first["text"]), first
+    assert main(base + ["--json-schema", "{not json"]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
