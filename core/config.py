@@ -59,6 +59,8 @@ class EngineConfig:
     device: torch.device | None = None
     # "auto", "xgrammar" or "guidance" (llmhal.structured_output.manager).
     structured_outputs_backend: str = "auto"
+    # A reasoning parser's name: structured outputs then start once the reasoning has ended.
+    structured_outputs_reasoning_parser: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 

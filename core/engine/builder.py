@@ -48,6 +48,7 @@ class EngineArgs:
     enforce_eager: bool = False
     load_progress: bool | None = None  # None: only when stderr is a terminal
     structured_outputs_backend: str = "auto"
+    structured_outputs_reasoning_parser: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -240,6 +241,7 @@ def _build(
         quant_config=quant_config,
         device=None,
         structured_outputs_backend=args.structured_outputs_backend,
+        structured_outputs_reasoning_parser=args.structured_outputs_reasoning_parser,
         extra=dict(args.extra),
     )  # fmt: skip
     # The platform may adjust the config (block size, cache dtype, ...): from here on every value

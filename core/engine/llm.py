@@ -24,7 +24,9 @@ class LLM:
     shows the loading stages on stderr (default: only when stderr is a terminal).
     ``structured_outputs_config={"backend": "auto" | "xgrammar" | "guidance"}`` (vLLM's) picks what
     compiles requests' ``SamplingParams(structured_outputs=...)``; see
-    :mod:`llmhal.structured_output.manager`.
+    :mod:`llmhal.structured_output.manager`. With ``"reasoning_parser": name`` there too, a
+    constrained request reasons freely first: its grammar starts once the parser sees the
+    reasoning end (vLLM's behaviour; the model's vocabulary must have the parser's tags).
 
     Of vLLM's other engine arguments, ``trust_remote_code`` and ``disable_log_stats`` are accepted
     and change nothing (llmhal never runs a checkpoint's own code, and logs no per-step stats), and
@@ -65,13 +67,14 @@ class LLM:
             raise ValueError(
                 f"tensor_parallel_size={tensor_parallel_size}: llmhal runs a model on one device"
             )
-        so_backend = _structured_outputs_backend(structured_outputs_config)
+        so_backend, so_reasoning = _structured_outputs_config(structured_outputs_config)
         args = EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, attention_backend=attention_backend,
             quantization=quantization, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             kv_cache_memory_bytes=kv_cache_memory_bytes, seed=seed, enforce_eager=enforce_eager,
             load_progress=load_progress, structured_outputs_backend=so_backend,
+            structured_outputs_reasoning_parser=so_reasoning,
         )  # fmt: skip
         self.engine, self.load_report = build_engine(args)
 
@@ -224,18 +227,23 @@ class LLM:
         return {"prompt": text, "prompt_token_ids": ids}
 
 
-def _structured_outputs_backend(config: dict[str, Any] | None) -> str:
-    """The backend named by vLLM's ``structured_outputs_config`` (``{"backend": ...}``), checked
-    before the model loads."""
+def _structured_outputs_config(config: dict[str, Any] | None) -> tuple[str, str | None]:
+    """(backend, reasoning parser) of vLLM's ``structured_outputs_config`` (``{"backend": ...,
+    "reasoning_parser": ...}``), checked before the model loads."""
+    from llmhal.reasoning.manager import ReasoningParserManager
     from llmhal.structured_output.manager import check_backend_name
 
     if config is None:
-        return "auto"
-    if not isinstance(config, dict) or set(config) - {"backend"}:
+        return "auto", None
+    if not isinstance(config, dict) or set(config) - {"backend", "reasoning_parser"}:
         raise ValueError(
-            f"structured_outputs_config takes {{'backend': name}} in llmhal, got {config!r}"
+            "structured_outputs_config takes {'backend': name, 'reasoning_parser': name} in "
+            f"llmhal, got {config!r}"
         )
-    return check_backend_name(config.get("backend", "auto"))
+    reasoning = config.get("reasoning_parser")
+    if reasoning is not None:
+        ReasoningParserManager.get_reasoning_parser(reasoning)  # KeyError naming the known ones
+    return check_backend_name(config.get("backend", "auto")), reasoning
 
 
 def _joined(outs: list[RequestOutput]) -> RequestOutput:

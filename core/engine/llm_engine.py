@@ -107,6 +107,13 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self.stat_loggers = load_stat_loggers(config)
         self._structured: StructuredOutputManager | None = None  # made on first use
+        # structured_outputs_config's reasoning_parser: constrained requests reason freely first.
+        self.reasoner = None
+        if config.structured_outputs_reasoning_parser is not None:
+            from llmhal.reasoning.manager import ReasoningParserManager
+
+            parser = ReasoningParserManager.get_reasoning_parser(config.structured_outputs_reasoning_parser)  # fmt: skip
+            self.reasoner = parser(tokenizer)  # a model without the parser's tags fails here
         self._structured_lock = threading.Lock()
         # A token's own text (special tokens included), for log-probability entries; one decode
         # per id. The server's OpenAI shapes use it too.
@@ -297,6 +304,11 @@ class LLMEngine:
             # The first prompt token has none: nothing before it predicts it (vLLM's shape).
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             grammar=prep.grammar,
+            # Whether its reasoning is over (None: no reasoning gate): a prompt may end it already
+            # (a template that turns thinking off writes the empty <think></think> itself).
+            reasoning_ended=None
+            if prep.grammar is None or self.reasoner is None
+            else self.reasoner.is_reasoning_end(ids),
             bad_words_token_ids=prep.bad_words_token_ids,
             metrics=RequestMetrics(prep.arrival_time),
         )
@@ -356,7 +368,8 @@ class LLMEngine:
         with self.platform.inference_mode():
             logits, sample_reqs, prompt_lps = self.runner.execute(batch)
             if self._structured is not None:  # before the sampler: logprobs are constrained too
-                self._structured.apply(logits, [r.grammar for r in sample_reqs])
+                gated = [r.grammar if r.reasoning_ended is not False else None for r in sample_reqs]
+                self._structured.apply(logits, gated)
             result = self.sampler(logits, sample_reqs) if sample_reqs else None
         for req, entries in prompt_lps:
             for entry in entries:
@@ -446,7 +459,10 @@ class LLMEngine:
         # A structured output ends when its grammar is complete, ignore_eos or not; the token
         # that completes it is text (a choice's last word) unless it is a stop or EOS token.
         status, is_text = None, False
-        if req.grammar is not None:
+        if req.reasoning_ended is False:  # still reasoning: the grammar starts after the end
+            ids = [*req.prompt_token_ids, *req.output_token_ids, token]
+            req.reasoning_ended = self.reasoner.is_reasoning_end_streaming(ids, [token])  # type: ignore[union-attr]
+        elif req.grammar is not None:
             if not req.grammar.accept_tokens(req.request_id, [token]):
                 # Unreachable while the mask holds (the sampler only picks allowed tokens; a row
                 # with none is ended before this); kept so a broken backend cannot emit text

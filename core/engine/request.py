@@ -57,6 +57,9 @@ class Request:
     cumulative_logprob: float = 0.0
     # The request's StructuredOutputGrammar, when its params ask for structured outputs.
     grammar: Any = None
+    # With a grammar and the engine's reasoning gate: whether the reasoning has ended (the grammar
+    # applies only then); None without the gate.
+    reasoning_ended: bool | None = None
     # params.bad_words as token sequences (LLMEngine.bad_words_token_ids).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))

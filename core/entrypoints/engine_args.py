@@ -52,6 +52,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _structured_outputs_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The backend, and ``serve``'s ``--reasoning-parser`` (vLLM's rule: it also makes
+    constrained requests wait for the reasoning to end)."""
+    config: dict[str, Any] = {"backend": getattr(args, "structured_outputs_backend", "auto")}
+    if getattr(args, "reasoning_parser", None):
+        config["reasoning_parser"] = args.reasoning_parser
+    return config
+
+
 def build_llm(prog: str, args: argparse.Namespace, **extra: Any) -> LLM | None:
     """The engine for ``args`` (plus ``extra`` LLM arguments), or None after printing why not.
 
@@ -66,9 +75,15 @@ def build_llm(prog: str, args: argparse.Namespace, **extra: Any) -> LLM | None:
             quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
             max_model_len=args.max_model_len, enforce_eager=getattr(args, "enforce_eager", False),
             tokenizer=args.tokenizer,
-            structured_outputs_config={"backend": getattr(args, "structured_outputs_backend", "auto")},
+            structured_outputs_config=_structured_outputs_config(args),
             **extra,
         )  # fmt: skip
-    except (ValueError, OSError, ImportError, RuntimeError) as e:  # OSError: unreadable files
+    except (
+        ValueError,
+        OSError,
+        ImportError,
+        RuntimeError,
+        KeyError,
+    ) as e:  # OSError: unreadable files
         print(f"{prog}: {e}", file=sys.stderr)
         return None

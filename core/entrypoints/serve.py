@@ -249,12 +249,14 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             output = None
             if chat and (tools is not None or state.reasoning_cls is not None):
-                # A JSON-constrained output (response_format, a named or required tool_choice)
-                # is JSON from its first token: no reasoning comes before it to split off (a
-                # regex or grammar may spell out a reasoning part, and is split as usual).
+                # Without the engine's reasoning gate, a JSON-constrained output (response_format,
+                # a named or required tool_choice) is JSON from its first token: no reasoning
+                # comes before it to split off (a regex or grammar may spell out a reasoning
+                # part, and is split as usual).
                 so = params.structured_outputs
                 is_json = so is not None and (so.json is not None or so.json_object is not None)
-                reasoning_cls = None if is_json else state.reasoning_cls
+                gated = state.llm.engine.reasoner is not None  # the grammar waits for reasoning
+                reasoning_cls = None if is_json and not gated else state.reasoning_cls
                 output = ChatOutput(tools, reasoning_cls, state.llm.get_tokenizer(), body)
             answer = Answer(rid, len(rids), params.n, chat, echo, api.echo_only(body), output, rids)  # fmt: skip
             try:

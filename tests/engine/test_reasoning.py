@@ -159,3 +159,56 @@ def test_a_vllm_style_parser_without_flush_streams(tok):
     stream = ChatOutput(None, Plain, tok, {}).stream()
     got = [stream.step("ab", [1, 2], None), stream.step("abc", [1, 2, 3], "stop")]
     assert [g[0] for g in got] == ["ab", "c"] and got[-1][3] == "stop"
+
+
+@pytest.fixture(scope="module")
+def thinking_folder(tmp_path_factory, tok):
+    folder = tmp_path_factory.mktemp("thinking_gate")
+    make_tiny_model(folder, "llama")
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+def test_the_grammar_waits_for_the_reasoning_to_end(thinking_folder, tok):
+    """vLLM's gate: with a reasoning parser in structured_outputs_config, a constrained request
+    reasons freely, and its grammar starts after the end tag. The model is pushed to close its
+    reasoning at once (logit_bias): the gate lets that token through, the grammar alone would not."""
+    from llmhal import SamplingParams
+    from llmhal.structured_output import StructuredOutputsParams
+
+    pytest.importorskip("xgrammar")
+    end, start = tok.convert_tokens_to_ids(["</think>", "<think>"])
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}  # fmt: skip
+    so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    params = SamplingParams(temperature=0, max_tokens=40, logit_bias={end: 100.0}, structured_outputs=so)  # fmt: skip
+    gated = LLM(thinking_folder, dtype="float32", max_model_len=128,
+                structured_outputs_config={"reasoning_parser": "deepseek_r1"})  # fmt: skip
+    out = gated.generate({"prompt_token_ids": [5, 6]}, params)[0].outputs[0]
+    assert out.token_ids[0] == end and out.finish_reason == "stop"
+    reasoning, content = DeepSeekR1ReasoningParser(tok).extract_reasoning(out.text)
+    assert reasoning is None and isinstance(json.loads(content)["ok"], bool)
+    # A prompt whose reasoning is already over: the grammar applies from the first token.
+    out = gated.generate({"prompt_token_ids": [5, start, 6, end]}, params)[0].outputs[0]
+    assert out.token_ids[0] != end and isinstance(json.loads(out.text)["ok"], bool)
+    # Without the gate the grammar rules the end tag out from the start.
+    plain = LLM(thinking_folder, dtype="float32", max_model_len=128)
+    out = plain.generate({"prompt_token_ids": [5, 6]}, params)[0].outputs[0]
+    assert end not in out.token_ids and isinstance(json.loads(out.text)["ok"], bool)
+
+
+def test_the_gate_needs_a_known_parser_and_its_tags(thinking_folder, tiny_models):
+    with pytest.raises(KeyError, match="Reasoning parser 'nope' not found"):
+        LLM(thinking_folder, structured_outputs_config={"reasoning_parser": "nope"})
+    folder, _ = tiny_models("llama")
+    with pytest.raises(RuntimeError, match="<think>"):
+        LLM(folder, dtype="float32", max_model_len=64, structured_outputs_config={"reasoning_parser": "qwen3"})  # fmt: skip
+
+
+def test_serves_reasoning_parser_also_gates_the_grammar():
+    import argparse
+
+    from llmhal.entrypoints.engine_args import _structured_outputs_config
+
+    args = argparse.Namespace(structured_outputs_backend="xgrammar", reasoning_parser="qwen3")
+    assert _structured_outputs_config(args) == {"backend": "xgrammar", "reasoning_parser": "qwen3"}
+    assert _structured_outputs_config(argparse.Namespace()) == {"backend": "auto"}

@@ -237,7 +237,9 @@ def test_backend_names_are_checked_before_the_model_loads(tiny_models):
     with pytest.raises(ValueError, match="unknown structured-output backend 'nope'"):
         LLM(folder, structured_outputs_config={"backend": "nope"})
     with pytest.raises(ValueError, match="takes"):
-        LLM(folder, structured_outputs_config={"backend": "auto", "reasoning_parser": "x"})
+        LLM(folder, structured_outputs_config={"backend": "auto", "enable_in_reasoning": True})
+    with pytest.raises(KeyError, match="Reasoning parser 'x' not found"):
+        LLM(folder, structured_outputs_config={"reasoning_parser": "x"})
 
 
 def test_a_missing_library_is_named_and_auto_uses_the_other(llms, monkeypatch):
