@@ -20,7 +20,7 @@ from llmhal.engine.detokenizer import IncrementalDetokenizer
 from llmhal.engine.kv_cache_manager import KVCacheManager
 from llmhal.engine.model_runner import ModelRunner
 from llmhal.engine.outputs import Logprob, RequestMetrics, RequestOutput
-from llmhal.engine.request import Request, RequestStatus
+from llmhal.engine.request import Request, RequestStatus, TokenView
 from llmhal.engine.sampler import Sampler
 from llmhal.engine.sampling_params import SamplingParams
 from llmhal.engine.scheduler import Scheduler
@@ -460,7 +460,7 @@ class LLMEngine:
         # that completes it is text (a choice's last word) unless it is a stop or EOS token.
         status, is_text = None, False
         if req.reasoning_ended is False:  # still reasoning: the grammar starts after the end
-            ids = [*req.prompt_token_ids, *req.output_token_ids, token]
+            ids = TokenView(req.prompt_token_ids, req.output_token_ids, [token])
             req.reasoning_ended = self.reasoner.is_reasoning_end_streaming(ids, [token])  # type: ignore[union-attr]
         elif req.grammar is not None:
             if not req.grammar.accept_tokens(req.request_id, [token]):

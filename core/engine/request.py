@@ -4,12 +4,46 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from llmhal.engine.detokenizer import IncrementalDetokenizer
 from llmhal.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from llmhal.engine.sampling_params import SamplingParams
+
+
+class TokenView(Sequence):
+    """Several token lists read as one, without copying them (a reasoning parser asked about every
+    new token would otherwise copy the whole sequence each time)."""
+
+    def __init__(self, *parts: Sequence[int]) -> None:
+        self.parts = parts
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.parts)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return list(self)[i]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(i)
+        for p in self.parts:
+            if i < len(p):
+                return p[i]
+            i -= len(p)
+        raise IndexError(i)
+
+    def __iter__(self) -> Any:
+        for p in self.parts:
+            yield from p
+
+    def __reversed__(self) -> Any:
+        for p in reversed(self.parts):
+            yield from reversed(p)
 
 
 class RequestStatus(enum.Enum):

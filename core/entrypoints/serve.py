@@ -257,6 +257,12 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                 is_json = so is not None and (so.json is not None or so.json_object is not None)
                 gated = state.llm.engine.reasoner is not None  # the grammar waits for reasoning
                 reasoning_cls = None if is_json and not gated else state.reasoning_cls
+                # A prompt that already ended the reasoning (a template turning thinking off):
+                # the whole answer is content (vLLM checks the prompt ids the same way).
+                if reasoning_cls is not None and prompts and isinstance(prompts[0], dict):
+                    ids = prompts[0].get("prompt_token_ids") or []
+                    if reasoning_cls(state.llm.get_tokenizer()).is_reasoning_end(ids):
+                        reasoning_cls = None
                 output = ChatOutput(tools, reasoning_cls, state.llm.get_tokenizer(), body)
             answer = Answer(rid, len(rids), params.n, chat, echo, api.echo_only(body), output, rids)  # fmt: skip
             try:
@@ -442,20 +448,32 @@ def build_server(
     ``enable_auto_tool_choice`` allows (vLLM's two flags); ``reasoning_parser`` splits chat
     answers' reasoning off (it is checked against the model's vocabulary now). Unknown names are a
     KeyError."""
-    state = ServerState(llm, model_name or _default_name(llm.load_report.model_path))
+    # Every name is checked before anything starts (the engine loop, the listening socket).
+    tool_cls = None
     if tool_call_parser is not None:
         from llmhal.tool_parsers.manager import ToolParserManager
 
-        state.tool_parser_cls = ToolParserManager.get_tool_parser(tool_call_parser)
-        state.tool_parser_name = tool_call_parser
-    state.auto_tools = enable_auto_tool_choice
+        tool_cls = ToolParserManager.get_tool_parser(tool_call_parser)
+    # The engine's reasoning gate (structured_outputs_config) and the answers' split use one
+    # parser: by default the engine's.
+    engine_parser = llm.engine.config.structured_outputs_reasoning_parser
+    if reasoning_parser is None:
+        reasoning_parser = engine_parser
+    elif engine_parser is not None and engine_parser != reasoning_parser:
+        raise ValueError(
+            f"reasoning_parser {reasoning_parser!r} differs from the engine's {engine_parser!r} "
+            "(structured_outputs_config); use one"
+        )
+    reasoning_cls = None
     if reasoning_parser is not None:
         from llmhal.reasoning.manager import ReasoningParserManager
 
-        state.reasoning_cls = ReasoningParserManager.get_reasoning_parser(reasoning_parser)
-        state.reasoning_cls(
-            llm.get_tokenizer()
-        )  # a model without its tags fails here, not per request
+        reasoning_cls = ReasoningParserManager.get_reasoning_parser(reasoning_parser)
+        reasoning_cls(llm.get_tokenizer())  # a model without its tags fails here, not per request
+    state = ServerState(llm, model_name or _default_name(llm.load_report.model_path))
+    state.tool_parser_cls, state.tool_parser_name = tool_cls, tool_call_parser or ""
+    state.auto_tools = enable_auto_tool_choice
+    state.reasoning_cls = reasoning_cls
     server = _Server((host, port), make_handler(state))
     server.daemon_threads = True
     server.state = state  # type: ignore[attr-defined]

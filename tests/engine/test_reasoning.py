@@ -212,3 +212,30 @@ def test_serves_reasoning_parser_also_gates_the_grammar():
     args = argparse.Namespace(structured_outputs_backend="xgrammar", reasoning_parser="qwen3")
     assert _structured_outputs_config(args) == {"backend": "xgrammar", "reasoning_parser": "qwen3"}
     assert _structured_outputs_config(argparse.Namespace()) == {"backend": "auto"}
+
+
+def test_a_prompt_that_ended_the_reasoning_gets_all_content(thinking_server):
+    forced = {"regex": "Let me see[.]</think>It is Paris[.]"}
+    body = {"messages": [{"role": "user", "content": "<think>no thinking</think> capital?"}],
+            "max_tokens": 60, "temperature": 1.0, "structured_outputs": forced}  # fmt: skip
+    status, resp = post_json(thinking_server + "/v1/chat/completions", body)
+    assert status == 200, resp
+    msg = resp["choices"][0]["message"]
+    assert (
+        msg.get("reasoning_content") is None and msg["content"] == "Let me see.</think>It is Paris."
+    )
+
+
+def test_the_server_uses_the_engines_reasoning_parser(thinking_folder):
+    from llmhal.entrypoints.serve import build_server
+
+    gated = LLM(thinking_folder, dtype="float32", max_model_len=64,
+                structured_outputs_config={"reasoning_parser": "deepseek_r1"})  # fmt: skip
+    srv = build_server(gated, "127.0.0.1", 0)
+    try:
+        assert srv.state.reasoning_cls is DeepSeekR1ReasoningParser
+    finally:
+        srv.server_close()
+        srv.state.loop.shutdown()
+    with pytest.raises(ValueError, match="differs from the engine's 'deepseek_r1'"):
+        build_server(gated, "127.0.0.1", 0, reasoning_parser="qwen3")
