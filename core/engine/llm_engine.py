@@ -161,10 +161,6 @@ class LLMEngine:
             )
         return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
 
-    def check_prompt(self, token_ids: Sequence[int], params: SamplingParams) -> int:
-        """Validate before any work starts; returns the resolved max_tokens."""
-        return self._check(token_ids, params)[0]
-
     def structured_outputs(self) -> StructuredOutputManager:
         """The engine's structured-output manager (made on the first constrained request)."""
         with self._structured_lock:  # requests are prepared on the server's handler threads
@@ -189,11 +185,10 @@ class LLMEngine:
         for word in words or ():
             plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
             spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            for ids in (plain, spaced):
-                if ids is spaced and (len(spaced) != len(plain) or spaced[:1] == plain[:1]):
-                    continue
-                if ids and ids not in seqs:
-                    seqs.append(ids)
+            forms = [plain]
+            if len(spaced) == len(plain) and spaced[:1] != plain[:1]:
+                forms.append(spaced)
+            seqs += [ids for ids in forms if ids and ids not in seqs]
         if sum(map(len, seqs)) > MAX_BAD_WORD_TOKENS:
             raise ValueError(
                 f"bad_words come to more than {MAX_BAD_WORD_TOKENS} tokens; send fewer"
@@ -201,7 +196,8 @@ class LLMEngine:
         return seqs
 
     def _check(self, token_ids: Sequence[int], params: SamplingParams) -> tuple[int, Any]:
-        """check_prompt's work: (max_tokens, the request's compiled grammar or None)."""
+        """Validate a request before any work starts: (max_tokens resolved, the request's
+        compiled grammar or None)."""
         limit = self.config.model.max_model_len
         n = len(token_ids)
         if n == 0:

@@ -4,9 +4,27 @@ from what remains (:mod:`llmhal.entrypoints.chat_tools`). Streams get the same p
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from llmhal.entrypoints.chat_tools import ToolPlan, ToolStream
+
+
+def splits_reasoning(
+    reasoning_cls: Any, tokenizer: Any, structured: Any, gated: bool, prompt_ids: Sequence[int]
+) -> Any:
+    """The reasoning parser a chat answer is split with, or None when all of it is content:
+    without the engine's reasoning gate (``gated``), a JSON-constrained answer (response_format,
+    a named or required tool_choice) is JSON from its first token (a regex or grammar may spell
+    out a reasoning part, and is split as usual); and a prompt that already ended the reasoning
+    (a template turning thinking off) leaves none to split (vLLM checks the prompt ids the same
+    way)."""
+    if reasoning_cls is None:
+        return None
+    is_json = structured is not None and (structured.json is not None or structured.json_object is not None)  # fmt: skip
+    if is_json and not gated:
+        return None
+    return None if reasoning_cls(tokenizer).is_reasoning_end(prompt_ids) else reasoning_cls
 
 
 class ChatOutput:

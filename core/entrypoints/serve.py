@@ -32,7 +32,7 @@ from typing import Any
 from llmhal.engine.engine_loop import EngineStopped
 from llmhal.entrypoints import chat_tools, tokenization
 from llmhal.entrypoints import openai_protocol as api
-from llmhal.entrypoints.chat_output import ChatOutput
+from llmhal.entrypoints.chat_output import ChatOutput, splits_reasoning
 from llmhal.entrypoints.engine_args import add_engine_args, build_llm
 from llmhal.entrypoints.metrics import CONTENT_TYPE, PrometheusStatLogger
 from llmhal.logger import init_logger
@@ -249,20 +249,11 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             output = None
             if chat and (tools is not None or state.reasoning_cls is not None):
-                # Without the engine's reasoning gate, a JSON-constrained output (response_format,
-                # a named or required tool_choice) is JSON from its first token: no reasoning
-                # comes before it to split off (a regex or grammar may spell out a reasoning
-                # part, and is split as usual).
-                so = params.structured_outputs
-                is_json = so is not None and (so.json is not None or so.json_object is not None)
-                gated = state.llm.engine.reasoner is not None  # the grammar waits for reasoning
-                reasoning_cls = None if is_json and not gated else state.reasoning_cls
-                # A prompt that already ended the reasoning (a template turning thinking off):
-                # the whole answer is content (vLLM checks the prompt ids the same way).
-                if reasoning_cls is not None and prompts and isinstance(prompts[0], dict):
-                    ids = prompts[0].get("prompt_token_ids") or []
-                    if reasoning_cls(state.llm.get_tokenizer()).is_reasoning_end(ids):
-                        reasoning_cls = None
+                ids = prompts[0].get("prompt_token_ids") if isinstance(prompts[0], dict) else None
+                reasoning_cls = splits_reasoning(
+                    state.reasoning_cls, state.llm.get_tokenizer(), params.structured_outputs,
+                    state.llm.engine.reasoner is not None, ids or [],
+                )  # fmt: skip
                 output = ChatOutput(tools, reasoning_cls, state.llm.get_tokenizer(), body)
             answer = Answer(rid, len(rids), params.n, chat, echo, api.echo_only(body), output, rids)  # fmt: skip
             try:
