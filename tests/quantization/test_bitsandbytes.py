@@ -66,6 +66,21 @@ def rand(n: int, k: int, seed: int) -> torch.Tensor:
     return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
 
 
+def check_against_library(layer, c, state, ref, lin, lib_tol: float, dense_share: float) -> None:
+    """Load one module's serialized ``state`` and check the layer three ways: against the
+    dequantized weight ``ref``, against the library's own forward ``lin`` (on the activations
+    ``assert_close_to_reference`` draws: 5 tokens, seed 0), and its bytes against ``dense_share``
+    of the float32 weight."""
+    load(layer, c, {None: state})
+    finish(layer)
+    y = assert_close_to_reference(layer, ref, atol=1e-5, rtol=1e-5)
+    n, k = ref.shape
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(y, lin(x), atol=lib_tol, rtol=lib_tol)
+    assert weight_bytes(layer) < n * k * 4 * dense_share
+
+
 @pytest.mark.parametrize(("quant_type", "double"), [("nf4", True), ("fp4", False)])
 def test_4bit_checkpoint_matches_bitsandbytes(quant_type, double):
     w = rand(96, 128, 0)
@@ -78,13 +93,7 @@ def test_4bit_checkpoint_matches_bitsandbytes(quant_type, double):
     )
     layer = build_linear(c, "replicated", in_features=128, out_features=96)
     assert isinstance(layer.quant_method, BnB4bitMethod)
-    load(layer, c, {None: state})
-    finish(layer)
-    y = assert_close_to_reference(layer, ref, atol=1e-5, rtol=1e-5)
-    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(y, lin(x), atol=1e-5, rtol=1e-5)
-    assert weight_bytes(layer) < 96 * 128 * 4 * 0.2
+    check_against_library(layer, c, state, ref, lin, lib_tol=1e-5, dense_share=0.2)
 
 
 def test_qkv_shards_merge_into_one_state():
@@ -124,14 +133,8 @@ def test_int8_checkpoint_matches_bitsandbytes_cpu_backend():
     c = BitsAndBytesConfig.from_config(hf_config(load_in_8bit=True))
     layer = build_linear(c, "replicated", in_features=96, out_features=64)
     assert isinstance(layer.quant_method, BnB8bitMethod)
-    load(layer, c, {None: state})
-    finish(layer)
     ref = state["weight"].double() * state["SCB"].double()[:, None] / 127
-    y = assert_close_to_reference(layer, ref, atol=1e-5, rtol=1e-5)
-    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(y, lin(x), atol=1e-4, rtol=1e-4)
-    assert weight_bytes(layer) < 64 * 96 * 4 * 0.3
+    check_against_library(layer, c, state, ref, lin, lib_tol=1e-4, dense_share=0.3)
 
 
 def test_online_nf4_quantization():

@@ -147,6 +147,19 @@ def build_qkv(config: dict[str, Any], state, dtype=torch.float32) -> nn.Module:
     return finish(layer)
 
 
+O_PROJ = "model.layers.0.self_attn.o_proj"
+
+
+def build_o_proj(config: dict[str, Any], state, dtype=torch.float32) -> nn.Module:
+    """The checkpoint's o_proj as a replicated layer, loaded and finished (one shard, unlike qkv)."""
+    layer = build_linear(
+        CompressedTensorsConfig.from_config(config), "replicated",
+        in_features=HEADS * HEAD, out_features=HIDDEN, dtype=dtype,
+    )  # fmt: skip
+    load_tensors(layer, tensors_of(state, O_PROJ))
+    return finish(layer)
+
+
 def qkv_reference(reference: nn.Module) -> torch.Tensor:
     return torch.cat([ref_weight(reference, f"model.layers.0.self_attn.{m}") for m in QKV.values()])
 
@@ -173,14 +186,8 @@ def test_w8a16_naive_format():
 
 def test_w4a16_replicated_in_bf16():
     config, state, reference = make_checkpoint("W4A16", seed=1)
-    name = "model.layers.0.self_attn.o_proj"
-    layer = build_linear(
-        CompressedTensorsConfig.from_config(config), "replicated",
-        in_features=HEADS * HEAD, out_features=HIDDEN, dtype=torch.bfloat16,
-    )  # fmt: skip
-    load_tensors(layer, tensors_of(state, name))
-    finish(layer)
-    assert_close_to_reference(layer, ref_weight(reference, name), atol=0.03, rtol=0.02)
+    layer = build_o_proj(config, state, dtype=torch.bfloat16)
+    assert_close_to_reference(layer, ref_weight(reference, O_PROJ), atol=0.03, rtol=0.02)
 
 
 def test_w8a8_int8_dynamic_per_token_matches_library_forward():
@@ -218,15 +225,9 @@ def test_fp8_schemes_match_library_weights(preset):
 
 def test_fp8_block_scheme():
     config, state, reference = make_checkpoint("FP8_BLOCK", seed=4)
-    name = "model.layers.0.self_attn.o_proj"
-    layer = build_linear(
-        CompressedTensorsConfig.from_config(config), "replicated",
-        in_features=HEADS * HEAD, out_features=HIDDEN,
-    )  # fmt: skip
-    load_tensors(layer, tensors_of(state, name))
-    finish(layer)
+    layer = build_o_proj(config, state)
     assert layer.quant_method.scheme.block == (128, 128)
-    assert_close_to_reference(layer, ref_weight(reference, name), atol=1e-4, rtol=1e-5)
+    assert_close_to_reference(layer, ref_weight(reference, O_PROJ), atol=1e-4, rtol=1e-5)
 
 
 def test_group_act_order_g_idx():
