@@ -40,6 +40,9 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     kv_cache_memory_bytes: int | None = None
     num_blocks: int | None = None  # decided by the engine from the memory budget
+    # Reuse the KV of identical leading tokens across requests (vLLM's automatic prefix caching,
+    # on by default as in vLLM); a platform may turn it off in check_and_update_config.
+    enable_prefix_caching: bool = True
 
 
 @dataclass

@@ -60,6 +60,9 @@ def _worker_llmhal(a: argparse.Namespace) -> dict[str, Any]:
         a.model,
         dtype=a.dtype,
         max_num_seqs=max(a.batch_sizes),
+        # Off: the timed runs repeat their prompts, and a cached prompt would time no prefill at
+        # all; transformers has no such cache either. This measures computation.
+        enable_prefix_caching=False,
         **({"quantization": a.quantization} if a.quantization else {}),
     )
     load = time.perf_counter() - t0

@@ -44,6 +44,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
     seed: int = 0
     enforce_eager: bool = False
     load_progress: bool | None = None  # None: only when stderr is a terminal
@@ -235,7 +236,10 @@ def _build(
             quantization=quant_name, gguf_file=source.gguf_file, tokenizer=args.tokenizer, seed=args.seed,
             enforce_eager=args.enforce_eager,
         ),
-        cache=CacheConfig(block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory_bytes=args.kv_cache_memory_bytes),
+        cache=CacheConfig(
+            block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            enable_prefix_caching=args.enable_prefix_caching,
+        ),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched),
         attention_backend=args.attention_backend,
         quant_config=quant_config,
@@ -287,7 +291,9 @@ def _build(
         tokenizer,
         platform,
         runner,
-        KVCacheManager(int(num_blocks), config.cache.block_size),
+        KVCacheManager(
+            int(num_blocks), config.cache.block_size, config.cache.enable_prefix_caching
+        ),
     )
     progress.stage("warming up")
     engine.warmup()

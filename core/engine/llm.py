@@ -27,6 +27,10 @@ class LLM:
     :mod:`llmhal.structured_output.manager`. With ``"reasoning_parser": name`` there too, a
     constrained request reasons freely first: its grammar starts once the parser sees the
     reasoning end (vLLM's behaviour; the model's vocabulary must have the parser's tags).
+    ``enable_prefix_caching`` (default on, as in vLLM) lets a request reuse the KV cache of the
+    leading tokens it shares with earlier ones (a system prompt, a conversation's history, its own
+    tokens after preemption); a prompt dict's ``"cache_salt"`` keeps requests with different
+    salts apart. :meth:`reset_prefix_cache` forgets what is cached.
 
     Of vLLM's other engine arguments, ``trust_remote_code`` and ``disable_log_stats`` are accepted
     and change nothing (llmhal never runs a checkpoint's own code, and logs no per-step stats), and
@@ -49,6 +53,7 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         block_size: int = 16,
         kv_cache_memory_bytes: int | None = None,
+        enable_prefix_caching: bool | None = None,
         seed: int = 0,
         enforce_eager: bool = False,
         load_progress: bool | None = None,
@@ -73,10 +78,15 @@ class LLM:
             quantization=quantization, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             kv_cache_memory_bytes=kv_cache_memory_bytes, seed=seed, enforce_eager=enforce_eager,
+            enable_prefix_caching=True if enable_prefix_caching is None else bool(enable_prefix_caching),
             load_progress=load_progress, structured_outputs_backend=so_backend,
             structured_outputs_reasoning_parser=so_reasoning,
         )  # fmt: skip
         self.engine, self.load_report = build_engine(args)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's; True when done)."""
+        return self.engine.reset_prefix_cache()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -128,6 +138,8 @@ class LLM:
         for prompt, kids in zip(prompts, children, strict=True):
             text, ids = engine.tokenize(prompt)
             inp = {"prompt": text, "prompt_token_ids": ids}
+            if isinstance(prompt, dict) and "cache_salt" in prompt:
+                inp["cache_salt"] = prompt["cache_salt"]
             prepared.append([engine.prepare_request(inp, c) for c in kids])
         groups = [[engine.add_request(prep) for prep in g] for g in prepared]
         owner = {rid: gi for gi, g in enumerate(groups) for rid in g}

@@ -78,6 +78,16 @@ class PreparedRequest:
     grammar: Any  # a StructuredOutputGrammar, or None
     arrival_time: float
     bad_words_token_ids: list[list[int]]
+    cache_salt: str | None = None
+
+
+def _cache_salt(prompt: str | dict[str, Any]) -> str | None:
+    """A prompt dict's ``cache_salt`` (vLLM's): requests share cached prefixes only with requests
+    that carry the same salt."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+    return salt
 
 
 class LLMEngine:
@@ -143,11 +153,11 @@ class LLMEngine:
     # ------------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | dict[str, Any]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
-            other = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            other = sorted(set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"})
             if other:  # e.g. vLLM's multi_modal_data: dropping it would answer another question
                 raise ValueError(
-                    f"a prompt dict takes 'prompt' and/or 'prompt_token_ids'; llmhal does not "
-                    f"support {', '.join(map(repr, other))}"
+                    f"a prompt dict takes 'prompt' and/or 'prompt_token_ids' (and 'cache_salt'); "
+                    f"llmhal does not support {', '.join(map(repr, other))}"
                 )
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
@@ -264,10 +274,11 @@ class LLMEngine:
         latencies."""
         arrival = time.monotonic() if arrival_time is None else arrival_time
         params = params or SamplingParams()
+        salt = _cache_salt(prompt)
         text, ids = self.tokenize(prompt)
         max_tokens, grammar = self._check(ids, params)
         bad = self.bad_words_token_ids(params.bad_words)
-        return PreparedRequest(text, ids, params, max_tokens, grammar, arrival, bad)
+        return PreparedRequest(text, ids, params, max_tokens, grammar, arrival, bad, salt)
 
     def add_request(
         self,
@@ -307,6 +318,7 @@ class LLMEngine:
             else self.reasoner.is_reasoning_end(ids),
             bad_words_token_ids=prep.bad_words_token_ids,
             metrics=RequestMetrics(prep.arrival_time),
+            cache_salt=prep.cache_salt,
         )
         self._requests[rid] = req
         self.scheduler.add(req)
@@ -349,6 +361,13 @@ class LLMEngine:
             self.abort_request(rid)  # also forgets it (a finished one is already forgotten)
             self.stats = EngineStats()
             self.stat_loggers = loggers
+            self.kv.reset_prefix_cache()  # its blocks hold nothing a user asked for
+            self.kv.take_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's; e.g. after changing the weights in place)."""
+        self.kv.reset_prefix_cache()
+        return True
 
     # --------------------------------------------------------------------------- steps
     def step(self) -> list[RequestOutput]:
@@ -376,6 +395,7 @@ class LLMEngine:
         )
         for req, n in batch.items:
             req.num_computed_tokens += n
+            self.kv.cache_blocks(req)
         outputs: list[RequestOutput] = []
         # Each sampled request's previous token time, for the stat loggers' latencies.
         before = [r.metrics.last_token_time for r in sample_reqs] if self.stat_loggers else []
@@ -416,7 +436,13 @@ class LLMEngine:
         itls = tuple(r.metrics.last_token_time - prev for r, prev in sampled if prev is not None)  # type: ignore[operator]  # fmt: skip
         record_all(
             self.stat_loggers,
-            SchedulerStats(len(sched.running), len(sched.waiting), used, sched.num_preemptions),
+            SchedulerStats(
+                len(sched.running),
+                len(sched.waiting),
+                used,
+                sched.num_preemptions,
+                self.kv.take_stats(),
+            ),
             IterationStats(
                 dt,
                 prefill,

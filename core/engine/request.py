@@ -97,6 +97,13 @@ class Request:
     # params.bad_words as token sequences (LLMEngine.bad_words_token_ids).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+    # Prefix caching (KVCacheManager): vLLM's cache_salt, the hashes of the full blocks of tokens
+    # so far (computed on demand), how many leading blocks are registered in the cache, and the
+    # prompt tokens found cached when the request was first admitted (None: not yet admitted).
+    cache_salt: str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    num_cached_tokens: int | None = None
     _emitted_chars: int = 0
 
     @property
@@ -136,4 +143,5 @@ class Request:
             finished,
             self.metrics,
             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+            num_cached_tokens=self.num_cached_tokens or 0,
         )

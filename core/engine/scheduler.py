@@ -5,7 +5,9 @@ arrival order: a decode costs one token, a partially prefilled prompt continues 
 Waiting requests are then admitted while budget, blocks and ``max_num_seqs`` allow, their prompts
 chunked to fit the budget. When a running request cannot get a block, the most recently admitted
 running request is preempted: its blocks are freed and it goes back to the front of the queue, to be
-recomputed later (prompt plus the tokens it already generated) instead of failing.
+recomputed later (prompt plus the tokens it already generated) instead of failing. With prefix
+caching, a request being admitted first takes the cached blocks of its leading tokens and is
+scheduled for the rest only (a preempted one usually finds most of its own blocks still cached).
 """
 
 from __future__ import annotations
@@ -87,12 +89,15 @@ class Scheduler:
         if not batch.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
-                remaining = req.num_tokens - req.num_computed_tokens
+                prefix = self.kv.cached_prefix(req)
+                computed = req.num_computed_tokens + len(prefix) * self.kv.block_size
+                remaining = req.num_tokens - computed
                 n = min(remaining, budget)
                 if n < remaining and not self.chunked_prefill:
                     break
-                if not self.kv.allocate(req, n):
+                if not self.kv.allocate(req, n, prefix):
                     break
+                self.kv.record_lookup(req, len(prefix))
                 self.waiting.popleft()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)

@@ -19,6 +19,16 @@ from llmhal.logger import init_logger
 logger = init_logger(__name__)
 
 
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups since the last report (vLLM's): admitted requests, their tokens
+    looked up (queries) and the tokens found cached (hits)."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+
 @dataclass(frozen=True)
 class SchedulerStats:
     """The scheduler's state after a step."""
@@ -27,6 +37,8 @@ class SchedulerStats:
     num_waiting: int
     kv_cache_usage: float  # fraction of KV-cache blocks in use, 0..1
     num_preemptions_total: int
+    # Lookups since the previous report; None when prefix caching is off.
+    prefix_cache_stats: PrefixCacheStats | None = None
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="what compiles requests' structured outputs (default auto: xgrammar, else guidance)",
     )
     p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV cache of leading tokens shared with earlier requests (default: on)",
+    )
+    p.add_argument(
         "--enforce-eager",
         action="store_true",
         help="run every step eagerly (no recorded decode-step graphs)",
@@ -74,7 +80,7 @@ def build_llm(prog: str, args: argparse.Namespace, **extra: Any) -> LLM | None:
             args.model, dtype=args.dtype, attention_backend=args.attention_backend,
             quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
             max_model_len=args.max_model_len, enforce_eager=getattr(args, "enforce_eager", False),
-            tokenizer=args.tokenizer,
+            tokenizer=args.tokenizer, enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
             structured_outputs_config=_structured_outputs_config(args),
             **extra,
         )  # fmt: skip

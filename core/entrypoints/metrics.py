@@ -8,7 +8,9 @@ Prometheus' exposition format 0.0.4, written here (no client library needed):
   (a fraction, 0..1, as in vLLM);
 * counters ``vllm:prompt_tokens_total`` (prompt tokens computed, recomputation after preemption
   included), ``vllm:generation_tokens_total``, ``vllm:num_preemptions_total``,
-  ``vllm:request_success_total{finished_reason="stop"|"length"|"abort"}``;
+  ``vllm:request_success_total{finished_reason="stop"|"length"|"abort"}``,
+  ``vllm:prefix_cache_queries_total`` and ``vllm:prefix_cache_hits_total`` (prompt tokens looked
+  up in the prefix cache when a request is admitted, and those found);
 * histograms ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
   ``vllm:e2e_request_latency_seconds``, ``vllm:request_prompt_tokens``,
   ``vllm:request_generation_tokens``, ``vllm:iteration_tokens_total`` (tokens per engine step).
@@ -100,6 +102,8 @@ class PrometheusStatLogger(StatLoggerBase):
             "vllm:prompt_tokens_total": 0.0,
             "vllm:generation_tokens_total": 0.0,
             "vllm:num_preemptions_total": 0.0,
+            "vllm:prefix_cache_queries_total": 0.0,
+            "vllm:prefix_cache_hits_total": 0.0,
         }
         self.success = dict.fromkeys(FINISH_REASONS, 0.0)
         self.histograms = {
@@ -122,6 +126,10 @@ class PrometheusStatLogger(StatLoggerBase):
                 self.gauges["vllm:num_requests_running"] = scheduler_stats.num_running
                 self.gauges["vllm:num_requests_waiting"] = scheduler_stats.num_waiting
                 self.gauges["vllm:kv_cache_usage_perc"] = scheduler_stats.kv_cache_usage
+                prefix = scheduler_stats.prefix_cache_stats
+                if prefix is not None:
+                    self.counters["vllm:prefix_cache_queries_total"] += prefix.queries
+                    self.counters["vllm:prefix_cache_hits_total"] += prefix.hits
             it = iteration_stats
             if it is None:
                 return
@@ -181,6 +189,8 @@ _HELP = {
     "vllm:prompt_tokens_total": "Number of prefill tokens processed.",
     "vllm:generation_tokens_total": "Number of generation tokens processed.",
     "vllm:num_preemptions_total": "Cumulative number of preemptions from the engine.",
+    "vllm:prefix_cache_queries_total": "Prefix cache queries, in terms of number of queried tokens.",
+    "vllm:prefix_cache_hits_total": "Prefix cache hits, in terms of number of cached tokens.",
     "vllm:request_success_total": "Count of finished requests, by finish reason.",
     "vllm:time_to_first_token_seconds": "Histogram of time to first token in seconds.",
     "vllm:inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",

@@ -3,7 +3,8 @@
 Only what the engine really supports is accepted; anything else is a 400 that names the field.
 vLLM's extensions ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``,
 ``repetition_penalty``, ``allowed_token_ids`` and ``bad_words`` are accepted too, and structured outputs as
-OpenAI's ``response_format`` (``json_object``, ``json_schema``) or vLLM's ``structured_outputs``.
+OpenAI's ``response_format`` (``json_object``, ``json_schema``) or vLLM's ``structured_outputs``, and
+vLLM's ``cache_salt`` (requests share cached prompt prefixes only with requests of the same salt).
 
 A response has one choice per prompt and completion: ``n`` completions of each of a completions
 request's prompts, choice ``index`` = prompt number * n + completion number (vLLM's numbering).
@@ -48,6 +49,7 @@ _IGNORED = {
     "stream_options",
     "messages",
     "prompt",
+    "cache_salt",  # salted() reads it
 }
 # Choices (prompts x n) one request may ask for: each is a request in the engine, and a body of a
 # few bytes must not be able to queue millions of them.
@@ -195,6 +197,17 @@ def completion_prompts(body: dict[str, Any]) -> list[str | dict[str, Any]]:
         else:
             raise BadRequest(f"prompt {i} must be a string or a non-empty list of token ids")
     return out
+
+
+def salted(prompts: list[Any], body: dict[str, Any]) -> list[Any]:
+    """The prompts with the request's ``cache_salt`` (vLLM's): cached prefixes are shared only
+    among requests with the same salt."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return prompts
+    if not isinstance(salt, str) or not salt:
+        raise BadRequest("'cache_salt' must be a non-empty string")
+    return [{**p, "cache_salt": salt} if isinstance(p, dict) else {"prompt": p, "cache_salt": salt} for p in prompts]  # fmt: skip
 
 
 def choices(prompts: list[Any], params: SamplingParams) -> list[tuple[Any, SamplingParams]]:

@@ -233,7 +233,7 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                     prompts = [state.llm.chat_prompt(api.chat_messages(body), tools=template_tools)]
                 else:
                     prompts = api.completion_prompts(body)
-                rids, q = state.loop.submit(api.choices(prompts, params))
+                rids, q = state.loop.submit(api.choices(api.salted(prompts, body), params))
             except EngineStopped as e:
                 self._error(503, str(e), "service_unavailable")
                 return

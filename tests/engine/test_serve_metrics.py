@@ -189,3 +189,20 @@ def test_response_ids_have_openais_shape_and_are_unique(server):
     assert len(ids) == 2 and all(i.startswith("cmpl-") for i in ids)
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     assert post(base + "/v1/chat/completions", chat)[1]["id"].startswith("chatcmpl-")
+
+
+def test_prefix_cache_counters_and_cache_salt(server):
+    base, _ = server
+    prompt = [(7 * i + 3) % 200 + 10 for i in range(40)]  # 2 full blocks of 16 can be reused
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+    assert post(base + "/v1/completions", {**body, "cache_salt": "first"})[0] == 200
+    before = scrape(base)
+    for salt in ("first", "second"):
+        status, resp = post(base + "/v1/completions", {**body, "cache_salt": salt})
+        assert status == 200, resp
+    after = scrape(base)
+    # Same salt: 32 of 40 tokens found; another salt: nothing.
+    assert delta(after, before, "vllm:prefix_cache_queries_total") == 80
+    assert delta(after, before, "vllm:prefix_cache_hits_total") == 32
+    status, resp = post(base + "/v1/completions", {**body, "cache_salt": ""})
+    assert status == 400 and "cache_salt" in resp["error"]["message"]
