@@ -271,6 +271,7 @@ def _build(
         process_weights_after_loading(model)
 
     runner = ModelRunner(config, model, device)
+    _check_prefix_caching(config, runner)
     weight_bytes = model_weight_bytes(model)
     budget = config.cache.kv_cache_memory_bytes
     if budget is None:
@@ -302,6 +303,16 @@ def _build(
         time.perf_counter() - t0,
     )  # fmt: skip
     return engine, report
+
+
+def _check_prefix_caching(config: EngineConfig, runner: Any) -> None:
+    """Prefix caching skips computing cached tokens, which is only sound where a token's state is
+    its own KV rows; a recurrent layer (Mamba, linear attention, ...) carries state across every
+    token, so such a model runs without it, as in vLLM."""
+    kinds = {layer.requirements.kind for layer in runner.layers} - {"mha", "mla"}
+    if config.cache.enable_prefix_caching and kinds:
+        logger.info("Prefix caching is off: the model has %s layers", ", ".join(sorted(kinds)))
+        config.cache.enable_prefix_caching = False
 
 
 def _check_all_loaded(model: torch.nn.Module, loaded: set[str] | None) -> None:

@@ -100,9 +100,7 @@ class KVCacheManager:
 
     def _evict(self) -> int:
         b, _ = self._evictable.popitem(last=False)
-        h = self._hash_of.pop(b)
-        if self._cached.get(h) == b:
-            del self._cached[h]
+        del self._cached[self._hash_of.pop(b)]  # the two maps are each other's inverse
         return b
 
     def free(self, request: Request) -> None:
@@ -138,15 +136,20 @@ class KVCacheManager:
         return blocks
 
     def record_lookup(self, request: Request, hit_blocks: int) -> None:
-        """Count an admitted request's lookup (vLLM's prefix-cache queries and hits, in tokens)."""
-        if not self.enable_prefix_caching:
+        """Count a request's first admission (vLLM's prefix-cache queries and hits, in tokens).
+
+        As in vLLM, a readmission after preemption is not counted (finding its own blocks again
+        would inflate the hit rate under memory pressure), nor is a request that cannot read the
+        cache (prompt log-probabilities for every position)."""
+        if not self.enable_prefix_caching or request.num_cached_tokens is not None:
             return
         hits = hit_blocks * self.block_size
+        request.num_cached_tokens = hits
+        if request.prompt_logprobs is not None and len(request.prompt_logprobs) <= 1:
+            return
         self.stats.requests += 1
         self.stats.queries += request.num_tokens
         self.stats.hits += hits
-        if request.num_cached_tokens is None:
-            request.num_cached_tokens = hits
 
     def take_stats(self) -> PrefixCacheStats | None:
         """The lookups since the previous call (None with prefix caching off)."""
@@ -165,7 +168,7 @@ class KVCacheManager:
             b = request.block_ids[i]
             # Another request may have computed the same tokens in the same step: the first
             # registration stays, this copy is freed as a plain block.
-            if h not in self._cached and b not in self._hash_of:
+            if h not in self._cached:
                 self._cached[h] = b
                 self._hash_of[b] = h
         request.num_cached_blocks = max(request.num_cached_blocks, full)
@@ -181,9 +184,12 @@ class KVCacheManager:
             )
         return hashes[i]
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (e.g. after the weights changed); blocks in use stay."""
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (e.g. after the weights changed). As in vLLM, only while no
+        request holds a block (False then, and nothing changes): a running request would go on
+        registering blocks whose keys were computed from the old ones."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
         while self._evictable:
             self._free.append(self._evict())
-        self._hash_of.clear()
-        self._cached.clear()
+        return True

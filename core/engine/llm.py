@@ -85,7 +85,8 @@ class LLM:
         self.engine, self.load_report = build_engine(args)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix (vLLM's; True when done)."""
+        """Forget every cached prefix (vLLM's): True when done, False (nothing forgotten) while
+        requests are running."""
         return self.engine.reset_prefix_cache()
 
     def get_tokenizer(self) -> Any:

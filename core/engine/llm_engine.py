@@ -27,6 +27,7 @@ from llmhal.engine.scheduler import Scheduler
 from llmhal.engine.stat_loggers import (
     FinishedRequestStats,
     IterationStats,
+    PrefixCacheStats,
     SchedulerStats,
     load_stat_loggers,
     record_all,
@@ -331,7 +332,7 @@ class LLMEngine:
             req.metrics.finished_time = time.monotonic()
             if self.stat_loggers:
                 # Reported at once, as a step that ran nothing: an idle engine has no next step.
-                self._record_stats(0.0, 0, [], [req], 0)
+                self._record_stats(0.0, [], [req], 0)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -362,17 +363,18 @@ class LLMEngine:
             self.stats = EngineStats()
             self.stat_loggers = loggers
             self.kv.reset_prefix_cache()  # its blocks hold nothing a user asked for
-            self.kv.take_stats()
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix (vLLM's; e.g. after changing the weights in place)."""
-        self.kv.reset_prefix_cache()
-        return True
+        """Forget every cached prefix (vLLM's; e.g. after changing the weights in place). False,
+        and nothing forgotten, while requests are running."""
+        return self.kv.reset_prefix_cache()
 
     # --------------------------------------------------------------------------- steps
     def step(self) -> list[RequestOutput]:
         """Run one step; return the outputs of the requests that progressed or finished."""
         batch = self.scheduler.schedule()
+        # Taken every step, so lookups made while no stat logger listens are never reported late.
+        prefix_stats = self.kv.take_stats()
         if not batch:
             if self.scheduler.has_unfinished():
                 raise RuntimeError(
@@ -410,16 +412,16 @@ class LLMEngine:
         if self.stat_loggers:
             sampled = list(zip(sample_reqs, before, strict=True))
             ended = [r for r in sample_reqs if r.status.finished]
-            self._record_stats(dt, prefill, sampled, ended, len(batch.preempted))
+            self._record_stats(dt, sampled, ended, len(batch.preempted), prefix_stats)
         return outputs
 
     def _record_stats(
         self,
         dt: float,
-        prefill: int,
         sampled: list[tuple[Request, float | None]],
         ended: list[Request],
         preempted: int,
+        prefix_stats: PrefixCacheStats | None = None,
     ) -> None:
         """Feed the stat loggers one step: ``sampled`` pairs each request that got a token with
         the time of its previous one (None: this was its first); ``ended`` are the requests that
@@ -441,11 +443,13 @@ class LLMEngine:
                 len(sched.waiting),
                 used,
                 sched.num_preemptions,
-                self.kv.take_stats(),
+                prefix_stats,
             ),
             IterationStats(
                 dt,
-                prefill,
+                # vLLM's count: a request's whole prompt (cached tokens included) once, when its
+                # first token comes; chunks before it and recomputation after preemption add none.
+                sum(len(r.prompt_token_ids) for r, prev in sampled if prev is None),
                 len(sampled),
                 tuple(r.request_id for r in ended),
                 preempted,

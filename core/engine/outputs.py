@@ -50,8 +50,8 @@ class RequestOutput:
     extra: dict = field(default_factory=dict)
     # Per prompt token (None for the first), with SamplingParams(prompt_logprobs=k).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    # vLLM's fields for features llmhal does not have: no prefix cache (nothing is ever reused),
-    # no encoder-decoder models.
+    # Prompt tokens found in the prefix cache when the request was first admitted.
     num_cached_tokens: int = 0
+    # vLLM's fields for a feature llmhal does not have: encoder-decoder models.
     encoder_prompt: None = None
     encoder_prompt_token_ids: None = None

@@ -67,8 +67,9 @@ class RequestStatus(enum.Enum):
 class Request:
     """``num_computed_tokens`` counts tokens whose KV is in the cache; the engine computes the rest.
 
-    After preemption it drops to 0 and the prompt plus the tokens generated so far are recomputed,
-    so a preempted request continues exactly where it stopped.
+    After preemption it drops to 0 and the prompt plus the tokens generated so far are recomputed
+    (less what the prefix cache still holds), so a preempted request continues exactly where it
+    stopped.
     """
 
     request_id: str

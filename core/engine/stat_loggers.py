@@ -60,7 +60,9 @@ class IterationStats:
     ``finished_requests`` also holds requests aborted since the previous step."""
 
     step_seconds: float
-    num_prompt_tokens: int  # tokens of prompts (prefill or recompute) processed this step
+    # The whole prompts (cached tokens included) of the requests whose first token came this
+    # step (vLLM's count: chunks before it and recomputation after preemption add nothing).
+    num_prompt_tokens: int
     num_generation_tokens: int  # tokens sampled this step
     finished_request_ids: tuple[str, ...] = field(default_factory=tuple)
     num_preempted: int = 0

@@ -160,12 +160,27 @@ def test_a_preempted_request_finds_its_own_blocks():
     assert [(r.request_id, n) for r, n in batch.items] == [("b", 5)] and b.num_computed_tokens == 4
 
 
-def test_reset_forgets_every_prefix_and_off_means_off():
+def test_a_readmission_after_preemption_is_not_counted_again():
     kv = cached_kv()
     admit(kv, a := req("a", list(range(12))))
-    kv.reset_prefix_cache()
-    assert admit(kv, req("b", list(range(12)))) == 0
+    assert kv.take_stats().queries == 12
     kv.free(a)
+    a.num_computed_tokens = 0  # as Scheduler._preempt leaves it
+    a.output_token_ids.append(1)
+    assert admit(kv, a) == 12  # its own blocks, found again
+    assert kv.take_stats().queries == 0 and a.num_cached_tokens == 0
+    # A request that must score every prompt position reads nothing and is not counted either.
+    admit(kv, req("p", list(range(12)), prompt_logprobs=True))
+    assert kv.take_stats().queries == 0
+
+
+def test_reset_waits_for_running_requests_and_off_means_off():
+    kv = cached_kv()
+    admit(kv, a := req("a", list(range(12))))
+    assert kv.reset_prefix_cache() is False  # a still holds its blocks: nothing forgotten
+    kv.free(a)
+    assert kv.reset_prefix_cache() is True
+    assert admit(kv, req("b", list(range(12)))) == 0
     off = KVCacheManager(16, 4)
     admit(off, req("a", list(range(12))))
     assert admit(off, req("b", list(range(12)))) == 0 and off.take_stats() is None

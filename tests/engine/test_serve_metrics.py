@@ -204,5 +204,6 @@ def test_prefix_cache_counters_and_cache_salt(server):
     # Same salt: 32 of 40 tokens found; another salt: nothing.
     assert delta(after, before, "vllm:prefix_cache_queries_total") == 80
     assert delta(after, before, "vllm:prefix_cache_hits_total") == 32
+    assert delta(after, before, "vllm:prompt_tokens_total") == 80  # whole prompts, as in vLLM
     status, resp = post(base + "/v1/completions", {**body, "cache_salt": ""})
     assert status == 400 and "cache_salt" in resp["error"]["message"]
