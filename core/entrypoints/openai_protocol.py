@@ -299,12 +299,19 @@ def choice_view(
     return echo(out) + c.text, [*prompt, *c.token_ids], entries
 
 
-def usage(outs: list[RequestOutput], n: int = 1) -> dict[str, int]:
+def usage(outs: list[RequestOutput], n: int = 1, details: bool = False) -> dict[str, Any]:
     """Token counts of a request's choices (``n`` per prompt, in index order); each prompt's
-    tokens count once, however many completions it has (vLLM's rule)."""
+    tokens count once, however many completions it has (vLLM's rule). With ``details`` (vLLM's
+    ``--enable-prompt-tokens-details``), OpenAI's ``prompt_tokens_details.cached_tokens``: the
+    prompt tokens found in the prefix cache."""
     p = sum(len(o.prompt_token_ids) for o in outs[::n])
     c = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    out: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    if details:
+        out["prompt_tokens_details"] = {
+            "cached_tokens": sum(o.num_cached_tokens for o in outs[::n])
+        }
+    return out
 
 
 def _envelope(rid: str, kind: str, model: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -328,6 +335,7 @@ def full_response(
     token_text: Callable[[int], str] = str,
     echo: Callable[[RequestOutput], str] | None = None,
     output: Any = None,
+    details: bool = False,
 ) -> dict[str, Any]:
     """The whole answer: ``outs`` are the final outputs, one per choice, in index order; with
     ``output`` (a chat_output.ChatOutput), each message's reasoning and tool calls are read from
@@ -348,7 +356,7 @@ def full_response(
         choice["logprobs"] = logprobs_of(ids, entries, chat, token_text)
         choices.append(choice)
     kind = "chat.completion" if chat else "text_completion"
-    return {**_envelope(rid, kind, model, choices), "usage": usage(outs, n)}
+    return {**_envelope(rid, kind, model, choices), "usage": usage(outs, n, details)}
 
 
 def stream_chunk(
@@ -384,8 +392,14 @@ def stream_chunk(
 
 
 def usage_chunk(
-    rid: str, model: str, outs: list[RequestOutput], *, chat: bool, n: int = 1
+    rid: str,
+    model: str,
+    outs: list[RequestOutput],
+    *,
+    chat: bool,
+    n: int = 1,
+    details: bool = False,
 ) -> dict[str, Any]:
     """A stream's last event under ``stream_options.include_usage``: no choices, the usage."""
     kind = "chat.completion.chunk" if chat else "text_completion"
-    return {**_envelope(rid, kind, model, []), "usage": usage(outs, n)}
+    return {**_envelope(rid, kind, model, []), "usage": usage(outs, n, details)}

@@ -77,6 +77,7 @@ class ServerState:
         self.tool_parser_name = ""
         self.auto_tools = False
         self.reasoning_cls: Any = None  # build_server's reasoning_parser
+        self.prompt_tokens_details = False  # build_server's enable_prompt_tokens_details
 
 
 def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
@@ -318,6 +319,7 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                     token_text=state.token_text,
                     echo=answer.echo,
                     output=answer.output,
+                    details=state.prompt_tokens_details,
                 )
             except Exception as e:
                 logger.exception("Could not read the answer's reasoning or tool calls")
@@ -369,11 +371,8 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                     )  # fmt: skip
                     chars[index], tokens[index] = len(text), len(ids)
                 if include_usage:
-                    self._event(
-                        api.usage_chunk(
-                            answer.id, state.model_name, last, chat=answer.chat, n=answer.n
-                        )
-                    )
+                    usage = api.usage_chunk(answer.id, state.model_name, last, chat=answer.chat, n=answer.n, details=state.prompt_tokens_details)  # fmt: skip
+                    self._event(usage)
             except OSError:
                 raise
             except Exception as e:
@@ -432,13 +431,15 @@ def build_server(
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
     reasoning_parser: str | None = None,
+    enable_prompt_tokens_details: bool = False,
 ) -> ThreadingHTTPServer:
     """The server of ``llm``; clients name the model ``model_name`` (default: the model's path,
     or ``SmolLM2-135M-Instruct.Q4_1`` for the default model, as the CLI does).
     ``tool_call_parser`` names the parser that reads ``tool_choice: "auto"`` calls, which
     ``enable_auto_tool_choice`` allows (vLLM's two flags); ``reasoning_parser`` splits chat
     answers' reasoning off (it is checked against the model's vocabulary now). Unknown names are a
-    KeyError."""
+    KeyError. ``enable_prompt_tokens_details`` adds the prompt tokens found in the prefix cache to
+    each answer's usage (vLLM's flag)."""
     # Every name is checked before anything starts (the engine loop, the listening socket).
     tool_cls = None
     if tool_call_parser is not None:
@@ -465,6 +466,7 @@ def build_server(
     state.tool_parser_cls, state.tool_parser_name = tool_cls, tool_call_parser or ""
     state.auto_tools = enable_auto_tool_choice
     state.reasoning_cls = reasoning_cls
+    state.prompt_tokens_details = enable_prompt_tokens_details
     server = _Server((host, port), make_handler(state))
     server.daemon_threads = True
     server.state = state  # type: ignore[attr-defined]
@@ -544,6 +546,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--reasoning-parser-plugin", help="a Python file that registers more reasoning parsers"
     )
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report the prompt tokens found in the prefix cache in each answer's usage "
+        "(prompt_tokens_details.cached_tokens)",
+    )
     a = p.parse_args(argv)
     if a.reasoning_parser_plugin:
         from llmhal.reasoning.manager import ReasoningParserManager
@@ -582,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
         server = build_server(
             llm, a.host, a.port, a.served_model_name or a.model,
             tool_call_parser=a.tool_call_parser, enable_auto_tool_choice=a.enable_auto_tool_choice,
-            reasoning_parser=a.reasoning_parser,
+            reasoning_parser=a.reasoning_parser, enable_prompt_tokens_details=a.enable_prompt_tokens_details,
         )  # fmt: skip
     except (ValueError, RuntimeError) as e:  # a reasoning parser whose tags the model lacks
         print(f"llmhal serve: {e}", file=sys.stderr)

@@ -277,3 +277,36 @@ def test_cache_salt_and_reset(folder):
     assert after[0].num_cached_tokens == 0
     with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
         llm.generate([{"prompt_token_ids": PROMPTS[0], "cache_salt": ""}], params, use_tqdm=False)
+
+
+def test_the_server_reports_cached_prompt_tokens_when_asked(folder, server):
+    import threading
+
+    from llmhal.entrypoints.serve import build_server
+    from llmhal.testing.http_client import post_json
+
+    body = {
+        "prompt": [(7 * i + 3) % 200 + 10 for i in range(40)],
+        "max_tokens": 1,
+        "temperature": 0,
+    }
+    base, _ = server  # vLLM's default: no details
+    assert "prompt_tokens_details" not in post_json(base + "/v1/completions", body)[1]["usage"]
+    llm = LLM(folder, dtype="float32", max_model_len=128)
+    srv = build_server(llm, "127.0.0.1", 0, model_name="tiny", enable_prompt_tokens_details=True)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}/v1/completions"
+        first = post_json(url, body)[1]["usage"]
+        again = post_json(url, body)[1]["usage"]
+        streamed = post_json(url, {**body, "stream": True, "stream_options": {"include_usage": True}}, stream=True)[1]  # fmt: skip
+        # 40 tokens: the first time nothing is cached, then 2 blocks of 16.
+        assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert again["prompt_tokens"] == 40 and again["prompt_tokens_details"] == {
+            "cached_tokens": 32
+        }
+        assert streamed[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        srv.state.loop.shutdown()
