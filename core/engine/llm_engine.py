@@ -42,8 +42,9 @@ logger = init_logger(__name__)
 class EngineStats:
     """Token counts and wall time, split by step kind, for tokens/s summaries."""
 
-    prefill_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed (not those taken from the prefix cache)
     prefill_seconds: float = 0.0
+    cached_prompt_tokens: int = 0  # prompt tokens taken from the prefix cache instead
     decode_tokens: int = 0
     decode_seconds: float = 0.0
     steps: int = 0
@@ -375,6 +376,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         # Taken every step, so lookups made while no stat logger listens are never reported late.
         prefix_stats = self.kv.take_stats()
+        if prefix_stats is not None:
+            self.stats.cached_prompt_tokens += prefix_stats.hits
         if not batch:
             if self.scheduler.has_unfinished():
                 raise RuntimeError(

@@ -98,6 +98,7 @@ def _summary(llm: Any) -> dict[str, Any]:
         "quantization": qdesc,
         "dtype": str(report.dtype).removeprefix("torch."),
         "prefill_tokens": stats.prefill_tokens,
+        "cached_prompt_tokens": stats.cached_prompt_tokens,
         "prefill_tokens_per_s": round(stats.prefill_tps, 1),
         "decode_tokens": stats.decode_tokens,
         "decode_tokens_per_s": round(stats.decode_tps, 1),
@@ -178,10 +179,12 @@ def _run(llm: Any, args: argparse.Namespace, prompts: list[str], params: Any) ->
                     shown = len(text)
         print()
     s = _summary(llm)
+    # Prefill speed counts the tokens computed; those the prefix cache supplied are named apart.
+    cached = f" (+{s['cached_prompt_tokens']} cached)" if s["cached_prompt_tokens"] else ""
     print(
         f"[llmhal] platform={s['platform']} attention={s['attention_backend']} quantization={s['quantization']} "
         f"dtype={s['dtype']} prefill={s['prefill_tokens_per_s']} tok/s decode={s['decode_tokens_per_s']} tok/s "
-        f"({s['prefill_tokens']} prompt + {s['decode_tokens']} decode tokens; load {s['load_seconds']} s)",
+        f"({s['prefill_tokens']} prompt{cached} + {s['decode_tokens']} decode tokens; load {s['load_seconds']} s)",
         file=sys.stderr,
     )
 

@@ -176,3 +176,21 @@ def test_generate_answers_within_a_json_schema_regex_or_choice(tiny_models, caps
         assert first["finish_reason"] == "stop" and check(first["text"]), first
     assert main(base + ["--json-schema", "{not json"]) == 2
     assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_the_summary_names_prompt_tokens_taken_from_the_prefix_cache(tiny, capsys):
+    from transformers import AutoTokenizer
+
+    # Two prompts sharing their first words: the second finds their whole blocks (of 16) cached.
+    shared = "one two three four five six seven eight nine ten " * 2
+    a, b = (AutoTokenizer.from_pretrained(tiny).encode(shared + w) for w in ("alpha", "beta"))
+    common = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    assert common >= 16
+    args = ["--model", tiny, "--max-tokens", "2", "--no-chat", "--dtype", "float32"]
+    assert generate.main(args + ["--prompt", shared + "alpha", "--prompt", shared + "beta"]) == 0
+    summary = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[llmhal]")]
+    assert f"(+{common // 16 * 16} cached)" in summary[0]
+    assert generate.main(args + ["--json", "--prompt", shared + "gamma"]) == 0
+    assert (
+        json.loads(capsys.readouterr().out.splitlines()[-1])["summary"]["cached_prompt_tokens"] == 0
+    )
