@@ -124,16 +124,37 @@ class KVCacheManager:
         asked for prompt log-probabilities reuses only the positions it already has them for."""
         if not self.enable_prefix_caching or request.block_ids:
             return []
-        limit = request.num_tokens - 1
-        if request.prompt_logprobs is not None:
-            limit = min(limit, len(request.prompt_logprobs) - 1)
         blocks: list[int] = []
-        for i in range(limit // self.block_size):
+        for i in range(self._hit_limit(request) // self.block_size):
             b = self._cached.get(self._hash(request, i))
             if b is None:
                 break
             blocks.append(b)
         return blocks
+
+    @staticmethod
+    def _hit_limit(request: Request) -> int:
+        """How many leading tokens ``request`` may take from the cache (see cached_prefix)."""
+        limit = request.num_tokens - 1
+        if request.prompt_logprobs is not None:
+            limit = min(limit, len(request.prompt_logprobs) - 1)
+        return limit
+
+    def pending_hashes(self, requests: list[Request]) -> set[bytes]:
+        """The hashes of the blocks of known tokens that ``requests`` (running) will compute but
+        have not registered yet."""
+        if not self.enable_prefix_caching:
+            return set()
+        bs = self.block_size
+        return {self._hash(r, i) for r in requests for i in range(r.num_cached_blocks, r.num_tokens // bs)}  # fmt: skip
+
+    def next_block_pending(self, request: Request, num_prefix_blocks: int, pending: set[bytes]) -> bool:  # fmt: skip
+        """Whether the block ``request`` would compute first (after its cached prefix) is one
+        another request is computing: admitted now, it would compute the same keys and values
+        again; a step later it finds them cached."""
+        if (num_prefix_blocks + 1) * self.block_size > self._hit_limit(request):
+            return False
+        return self._hash(request, num_prefix_blocks) in pending
 
     def record_lookup(self, request: Request, hit_blocks: int) -> None:
         """Count a request's first admission (vLLM's prefix-cache queries and hits, in tokens).

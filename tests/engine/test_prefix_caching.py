@@ -174,6 +174,30 @@ def test_a_readmission_after_preemption_is_not_counted_again():
     assert kv.take_stats().queries == 0
 
 
+def test_a_request_waits_for_the_blocks_another_is_computing():
+    kv = cached_kv(num_blocks=32)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    a, b = req("a", list(range(20))), req("b", list(range(16)) + [90, 91, 92])
+    c = req("c", [50, 51, 52, 53, 54])  # behind b, in order
+    for r in (a, b, c):
+        s.add(r)
+
+    def step():
+        batch = s.schedule()
+        for r, n in batch.items:
+            r.num_computed_tokens += n
+            kv.cache_blocks(r)
+            if r.num_computed_tokens == r.num_tokens:
+                r.output_token_ids.append(1)
+        return [(r.request_id, n) for r, n in batch.items]
+
+    # b's leading 4 blocks are a's, being computed: b (and c behind it) wait one step ...
+    assert step() == [("a", 20)]
+    # ... then b takes them cached and computes its last 3 tokens only.
+    assert step() == [("a", 1), ("b", 3), ("c", 5)]
+    assert b.num_cached_tokens == 16 and b.block_ids[:4] == a.block_ids[:4]
+
+
 def test_reset_waits_for_running_requests_and_off_means_off():
     kv = cached_kv()
     admit(kv, a := req("a", list(range(12))))
@@ -257,6 +281,19 @@ def test_prompt_logprobs_are_unchanged_by_a_cached_prefix(folder):
             assert {t: round(v.logprob, 4) for t, v in x.items()} == pytest.approx(
                 {t: round(v.logprob, 4) for t, v in y.items()}, abs=2e-4
             )
+
+
+def test_parallel_samples_compute_their_prompt_once(folder):
+    params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    off = _llm(folder, enable_prefix_caching=False)
+    llm = _llm(folder)
+    want = [c.token_ids for c in off.generate([{"prompt_token_ids": PROMPTS[2]}], params, use_tqdm=False)[0].outputs]  # fmt: skip
+    llm.engine.stats.__init__()
+    got = llm.generate([{"prompt_token_ids": PROMPTS[2]}], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in got.outputs] == want
+    # 30 prompt tokens: the first child computes them all, the other three find 28 cached.
+    stats = llm.engine.stats
+    assert (stats.prefill_tokens, stats.cached_prompt_tokens) == (30 + 3 * 2, 3 * 28)
 
 
 def test_cache_salt_and_reset(folder):
