@@ -46,6 +46,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="what compiles requests' structured outputs (default auto: xgrammar, else guidance)",
     )
     p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help="tokens one engine step computes at most; longer prompts are prefilled in chunks "
+        "(default: max(2048, min(max-model-len, 8192))). Smaller keeps running streams "
+        "moving while a long prompt is prefilled, at some prefill speed",
+    )
+    p.add_argument(
+        "--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)"
+    )
+    p.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        help="size the KV cache explicitly (default: the platform's memory budget)",
+    )
+    p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -81,6 +96,9 @@ def build_llm(prog: str, args: argparse.Namespace, **extra: Any) -> LLM | None:
             quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
             max_model_len=args.max_model_len, enforce_eager=getattr(args, "enforce_eager", False),
             tokenizer=args.tokenizer, enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
+            max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
+            block_size=getattr(args, "block_size", 16),
+            kv_cache_memory_bytes=getattr(args, "kv_cache_memory_bytes", None),
             structured_outputs_config=_structured_outputs_config(args),
             **extra,
         )  # fmt: skip

@@ -194,3 +194,43 @@ def test_the_summary_names_prompt_tokens_taken_from_the_prefix_cache(tiny, capsy
     assert (
         json.loads(capsys.readouterr().out.splitlines()[-1])["summary"]["cached_prompt_tokens"] == 0
     )
+
+
+def test_engine_sizes_from_the_command_line_reach_the_engine_and_bad_ones_are_named(tiny, capsys, monkeypatch):  # fmt: skip
+    from llmhal.entrypoints import engine_args
+
+    built = {}
+    real = engine_args.build_llm
+
+    def spy(prog, args, **extra):
+        llm = real(prog, args, **extra)
+        built["llm"] = llm
+        return llm
+
+    monkeypatch.setattr(generate, "build_llm", spy)
+    args = [
+        "--model",
+        tiny,
+        "--max-tokens",
+        "2",
+        "--no-chat",
+        "--dtype",
+        "float32",
+        "--prompt",
+        "hi",
+    ]
+    sizes = [
+        "--max-num-batched-tokens",
+        "64",
+        "--block-size",
+        "8",
+        "--kv-cache-memory-bytes",
+        "4000000",
+    ]
+    assert generate.main(args + sizes + ["--no-enable-prefix-caching"]) == 0
+    config = built["llm"].engine.config
+    assert (config.scheduler.max_num_batched_tokens, config.cache.block_size) == (64, 8)
+    assert config.cache.kv_cache_memory_bytes == 4000000 and not config.cache.enable_prefix_caching
+    capsys.readouterr()
+    assert generate.main(args + ["--max-num-batched-tokens", "0"]) == 2
+    assert "max_num_batched_tokens must be a positive integer" in capsys.readouterr().err
