@@ -169,6 +169,14 @@ def _check_counts(args: EngineArgs) -> None:
             raise ValueError(
                 f"{name} must be a positive integer{' or None' if optional else ''}, got {value!r}"
             )
+    budget = args.max_num_batched_tokens
+    if budget is not None and budget < args.max_num_seqs:
+        # Every running request needs a token of each step's budget: a smaller one would leave
+        # admitted requests idle (vLLM refuses it too).
+        raise ValueError(
+            f"max_num_batched_tokens ({budget}) must be at least max_num_seqs "
+            f"({args.max_num_seqs}); raise it or lower max_num_seqs"
+        )
 
 
 def build_engine(args: EngineArgs) -> tuple[Any, LoadReport]:

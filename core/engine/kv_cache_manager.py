@@ -148,13 +148,17 @@ class KVCacheManager:
         bs = self.block_size
         return {self._hash(r, i) for r in requests for i in range(r.num_cached_blocks, r.num_tokens // bs)}  # fmt: skip
 
-    def next_block_pending(self, request: Request, num_prefix_blocks: int, pending: set[bytes]) -> bool:  # fmt: skip
-        """Whether the block ``request`` would compute first (after its cached prefix) is one
-        another request is computing: admitted now, it would compute the same keys and values
-        again; a step later it finds them cached."""
-        if (num_prefix_blocks + 1) * self.block_size > self._hit_limit(request):
-            return False
-        return self._hash(request, num_prefix_blocks) in pending
+    def worth_waiting(self, request: Request, num_prefix_blocks: int, pending: set[bytes]) -> bool:
+        """Whether ``request`` should wait for blocks other running requests are computing now
+        (they follow its cached prefix): admitted now, it would compute the same keys and values
+        again; once they are registered, it takes them cached. Only when they are at least half
+        of what it would compute, so a shared chat-template opening alone does not delay it."""
+        bs = self.block_size
+        limit = self._hit_limit(request)
+        run = 0
+        while (num_prefix_blocks + run + 1) * bs <= limit and self._hash(request, num_prefix_blocks + run) in pending:  # fmt: skip
+            run += 1
+        return run > 0 and 2 * run * bs >= request.num_tokens - num_prefix_blocks * bs
 
     def record_lookup(self, request: Request, hit_blocks: int) -> None:
         """Count a request's first admission (vLLM's prefix-cache queries and hits, in tokens).

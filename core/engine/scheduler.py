@@ -8,8 +8,9 @@ running request is preempted: its blocks are freed and it goes back to the front
 recomputed later (prompt plus the tokens it already generated) instead of failing. With prefix
 caching, a request being admitted first takes the cached blocks of its leading tokens and is
 scheduled for the rest only (a preempted one usually finds most of its own blocks still cached).
-A request whose next uncached block another running request is computing waits for it instead of
-computing it again, so a burst of requests sharing a system prompt computes that prompt once.
+A request much of whose uncached prompt another running request is computing waits until it is
+cached instead of computing it again (keeping its place in line while later requests go ahead), so
+a burst of requests sharing a system prompt computes that prompt once.
 """
 
 from __future__ import annotations
@@ -90,16 +91,19 @@ class Scheduler:
                 i += 1
         if not batch.preempted:
             pending: set[bytes] | None = None  # blocks running requests are computing
+            deferred: list[Request] = []  # waiting for those; they keep their place in line
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
                 prefix = self.kv.cached_prefix(req)
                 if self.kv.enable_prefix_caching:
                     if pending is None:
                         pending = self.kv.pending_hashes(self.running)
-                    # Its next block is being computed (a burst sharing a system prompt, n > 1
-                    # children): it waits a step, in order, and then takes that block cached.
-                    if self.kv.next_block_pending(req, len(prefix), pending):
-                        break
+                    # Much of it is being computed by another request (a burst sharing a system
+                    # prompt, n > 1 children): it waits until those blocks are cached, while the
+                    # requests behind it go ahead.
+                    if self.kv.worth_waiting(req, len(prefix), pending):
+                        deferred.append(self.waiting.popleft())
+                        continue
                 computed = req.num_computed_tokens + len(prefix) * self.kv.block_size
                 remaining = req.num_tokens - computed
                 n = min(remaining, budget)
@@ -115,6 +119,7 @@ class Scheduler:
                 budget -= n
                 if pending is not None:
                     pending |= self.kv.pending_hashes([req])
+            self.waiting.extendleft(reversed(deferred))
         # Backends expect decodes first; a stable sort keeps arrival order within each group.
         batch.items.sort(key=lambda item: item[1] != 1)
         return batch

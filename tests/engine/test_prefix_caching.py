@@ -7,7 +7,7 @@ import pytest
 
 from llmhal import LLM, SamplingParams
 from llmhal.engine.kv_cache_manager import KVCacheManager, block_hash
-from llmhal.engine.request import Request
+from llmhal.engine.request import Request, RequestStatus
 from llmhal.engine.scheduler import Scheduler
 
 
@@ -174,28 +174,91 @@ def test_a_readmission_after_preemption_is_not_counted_again():
     assert kv.take_stats().queries == 0
 
 
+def _step(s: Scheduler, kv: KVCacheManager) -> list[tuple[str, int]]:
+    """One scheduler step with every scheduled token computed (a stand-in model emits token 1)."""
+    batch = s.schedule()
+    for r, n in batch.items:
+        r.num_computed_tokens += n
+        kv.cache_blocks(r)
+        if r.num_computed_tokens == r.num_tokens:
+            r.output_token_ids.append(1)
+    return [(r.request_id, n) for r, n in batch.items]
+
+
 def test_a_request_waits_for_the_blocks_another_is_computing():
     kv = cached_kv(num_blocks=32)
     s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
     a, b = req("a", list(range(20))), req("b", list(range(16)) + [90, 91, 92])
-    c = req("c", [50, 51, 52, 53, 54])  # behind b, in order
+    c = req("c", [50, 51, 52, 53, 54])  # unrelated, behind b
     for r in (a, b, c):
         s.add(r)
+    # b's leading 4 blocks are a's, being computed: b waits, and c goes ahead of it ...
+    assert _step(s, kv) == [("a", 20), ("c", 5)]
+    assert list(s.waiting) == [b]
+    # ... then b takes them cached and computes its last 3 tokens only.
+    assert _step(s, kv) == [("a", 1), ("c", 1), ("b", 3)]
+    assert b.num_cached_tokens == 16 and b.block_ids[:4] == a.block_ids[:4]
 
-    def step():
+
+def test_a_short_shared_opening_is_not_worth_waiting_for():
+    kv = cached_kv(num_blocks=32)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    a, b = req("a", list(range(20))), req("b", list(range(4)) + list(range(60, 76)))
+    s.add(a)
+    s.add(b)
+    # One shared block of 4 out of 20 tokens: both are computed in the same step.
+    assert _step(s, kv) == [("a", 20), ("b", 20)]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_traffic_always_progresses_and_reads_only_its_own_tokens(seed):
+    """Shared prefixes, n > 1 copies, salts, chunked prefill, preemption and aborts: every step
+    runs something, every request finishes, every cached position a request reads was computed
+    from that request's own tokens, and every block comes back."""
+    import random
+
+    rng = random.Random(seed)
+    bs, num_blocks = rng.choice([1, 2, 4]), rng.randint(12, 40)
+    kv = KVCacheManager(num_blocks, bs, enable_prefix_caching=True)
+    chunked = seed % 3 != 0
+    max_len = num_blocks * bs // 2
+    s = Scheduler(kv, rng.randint(1, 6), rng.randint(1, 40) if chunked else max_len + 8, chunked)
+    stems = [[rng.randint(0, 3) for _ in range(rng.randint(1, max_len - 2))] for _ in range(3)]
+    written: dict[tuple[int, int], tuple] = {}  # (block, slot) -> (salt, tokens up to it)
+    live: list[Request] = []
+    for i in range(40):
+        stem = rng.choice(stems)
+        tokens = (stem[: rng.randint(0, len(stem))] + [rng.randint(0, 3)] * rng.randint(1, 4))[: max_len - 2]  # fmt: skip
+        for j in range(rng.choice([1, 1, 2, 3])):
+            r = req(f"{i}.{j}", tokens, salt=rng.choice([None, None, "s"]))
+            r.max_tokens = rng.randint(1, max_len - len(tokens))
+            s.add(r)
+            live.append(r)
+    steps = 0
+    while s.has_unfinished():
+        steps += 1
+        assert steps < 5000
+        if rng.random() < 0.03:
+            s.finish(victim := rng.choice(live), RequestStatus.FINISHED_ABORTED)
+            live.remove(victim)
+            continue
         batch = s.schedule()
+        assert batch, "a step with requests left must run something"
         for r, n in batch.items:
+            toks = r.prompt_token_ids + r.output_token_ids
+            seen = [(r.cache_salt, tuple(toks[: p + 1])) for p in range(len(toks))]
+            for p in range(r.num_computed_tokens):
+                assert written[(r.block_ids[p // bs], p % bs)] == seen[p]
+            for p in range(r.num_computed_tokens, r.num_computed_tokens + n):
+                written[(r.block_ids[p // bs], p % bs)] = seen[p]
             r.num_computed_tokens += n
             kv.cache_blocks(r)
             if r.num_computed_tokens == r.num_tokens:
-                r.output_token_ids.append(1)
-        return [(r.request_id, n) for r, n in batch.items]
-
-    # b's leading 4 blocks are a's, being computed: b (and c behind it) wait one step ...
-    assert step() == [("a", 20)]
-    # ... then b takes them cached and computes its last 3 tokens only.
-    assert step() == [("a", 1), ("b", 3), ("c", 5)]
-    assert b.num_cached_tokens == 16 and b.block_ids[:4] == a.block_ids[:4]
+                r.output_token_ids.append(rng.randint(0, 3))
+                if len(r.output_token_ids) >= r.max_tokens:
+                    s.finish(r, RequestStatus.FINISHED_LENGTH)
+                    live.remove(r)
+    assert not live and kv.num_free_blocks == num_blocks
 
 
 def test_reset_waits_for_running_requests_and_off_means_off():

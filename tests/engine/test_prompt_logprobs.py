@@ -57,7 +57,7 @@ def test_chunked_prefill_and_preemption_record_each_token_once(tiny):
     folder, hf = tiny
     # Prefill in chunks of 6 tokens, and a KV cache of 5 blocks of 8 (40 tokens) for 3 requests
     # of 20 + 12 tokens: some are preempted and their prompts recomputed.
-    llm = LLM(folder, dtype="float32", max_model_len=64, max_num_batched_tokens=6,
+    llm = LLM(folder, dtype="float32", max_model_len=64, max_num_batched_tokens=6, max_num_seqs=4,
               block_size=8, kv_cache_memory_bytes=5 * 8 * 2 * 2 * 16 * 2 * 4)  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=2)
     outs = llm.generate([{"prompt_token_ids": PROMPT}] * 3, params)
