@@ -7,7 +7,8 @@ Prometheus' exposition format 0.0.4, written here (no client library needed):
 * gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
   (a fraction, 0..1, as in vLLM);
 * counters ``vllm:prompt_tokens_total`` (a request's whole prompt, once, when its first token
-  comes: cached tokens included, recomputation after preemption not, as in vLLM), ``vllm:generation_tokens_total``, ``vllm:num_preemptions_total``,
+  comes: cached tokens included, recomputation after preemption not, as in vLLM),
+  ``vllm:generation_tokens_total``, ``vllm:num_preemptions_total``,
   ``vllm:request_success_total{finished_reason="stop"|"length"|"abort"}``,
   ``vllm:prefix_cache_queries_total`` and ``vllm:prefix_cache_hits_total`` (prompt tokens looked
   up in the prefix cache when a request is admitted, and those found);

@@ -201,12 +201,11 @@ def completion_prompts(body: dict[str, Any]) -> list[str | dict[str, Any]]:
 
 def salted(prompts: list[Any], body: dict[str, Any]) -> list[Any]:
     """The prompts with the request's ``cache_salt`` (vLLM's): cached prefixes are shared only
-    among requests with the same salt."""
+    among requests with the same salt. The engine checks it when it prepares the requests (a
+    ValueError, answered 400)."""
     salt = body.get("cache_salt")
     if salt is None:
         return prompts
-    if not isinstance(salt, str) or not salt:
-        raise BadRequest("'cache_salt' must be a non-empty string")
     return [{**p, "cache_salt": salt} if isinstance(p, dict) else {"prompt": p, "cache_salt": salt} for p in prompts]  # fmt: skip
 
 
