@@ -21,7 +21,8 @@ from llmhal.structured_output.backend import (
     apply_token_bitmask,
     bitmask_words,
 )
-from llmhal.structured_output.params import StructuredOutputsParams
+from llmhal.structured_output.params import StructuredOutputOptions, StructuredOutputsParams
+from llmhal.structured_output.schema_checks import unsatisfiable_ref_loop
 from llmhal.utils.imports import resolve_obj_by_qualname
 
 BACKENDS = {
@@ -72,6 +73,22 @@ def check_backend_name(name: str) -> str:
     )
 
 
+def check_json_schema(spec: str) -> None:
+    """ValueError for a schema no output can satisfy (checked for every backend alike)."""
+    import json
+
+    try:
+        loop = unsatisfiable_ref_loop(json.loads(spec))
+    except RecursionError:
+        raise ValueError("the structured-output constraint is nested too deeply") from None
+    if loop is not None:
+        raise ValueError(
+            f"the JSON schema can never be satisfied: its $ref loop {loop} never reaches a value "
+            "(no finite JSON document matches it); give the loop a way out, e.g. make the "
+            "recursive property optional or add an anyOf branch without the reference"
+        )
+
+
 class StructuredOutputManager:
     """One per engine: backends made on first use, a grammar per constrained request."""
 
@@ -103,6 +120,8 @@ class StructuredOutputManager:
     def compile(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
         """A new grammar for one request; ValueError (every backend's reason) if none compiles it."""
         kind, spec = params.key()
+        if kind is StructuredOutputOptions.JSON:
+            check_json_schema(spec)
         compact = params.disable_any_whitespace
         names = AUTO_ORDER if self.backend_name == "auto" else (self.backend_name,)
         reasons = []

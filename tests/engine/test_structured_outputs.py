@@ -200,6 +200,41 @@ def test_bad_constraints_are_refused_before_any_work(llms):
     assert len(llm.generate("a", good)[0].outputs[0].token_ids) == 3  # still usable
 
 
+LOOPS = [
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, "#/$defs/a -> #/$defs/a"),
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"allOf": [{"$ref": "#/$defs/a"}]}}},
+     "#/$defs/a -> #/$defs/b -> #/$defs/a"),
+    ({"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}, "# -> #"),
+    ({"type": "array", "items": {"anyOf": [{"$ref": "#"}]}, "minItems": 1}, "# -> #"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema, loop", LOOPS)
+def test_a_schema_with_no_finite_instance_is_refused_naming_its_loop(llms, schema, loop):
+    """A $ref loop never reaching a value: guidance compiled the bare loop to a grammar complete
+    before any token (200, empty text, "stop"), and a required self-reference ran to max_tokens."""
+    for backend in ("auto", "guidance"):
+        with pytest.raises(ValueError, match="can never be satisfied") as e:
+            llms(backend).generate("x", SamplingParams(structured_outputs=S(json=schema)))
+        assert loop in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "properties": {"next": {"$ref": "#"}}},  # optional: a way out
+        {"anyOf": [{"$ref": "#"}, {"type": "null"}]},
+        {"type": "array", "items": {"$ref": "#"}},
+        {"$defs": {"a": {"type": "integer"}}, "type": "array", "items": {"$ref": "#/$defs/a"},
+         "prefixItems": [{"$ref": "#/$defs/a"}] * 3, "minItems": 2},
+    ],
+)  # fmt: skip
+def test_recursive_schemas_with_a_way_out_pass_the_check(schema):
+    from llmhal.structured_output.schema_checks import unsatisfiable_ref_loop
+
+    assert unsatisfiable_ref_loop(schema) is None
+
+
 @pytest.mark.parametrize(
     "kwargs, words",
     [
@@ -306,6 +341,7 @@ def test_the_server_takes_response_format_and_structured_outputs(server):
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "json_schema.schema"),
         ({"structured_outputs": {"regex": "(bad"}}, "no structured-output backend can serve"),
         ({"structured_outputs": {"choice": []}}, "non-empty"),
+        ({"structured_outputs": {"json": LOOPS[0][0]}}, "can never be satisfied: its $ref loop #/$defs/a"),
     ],
 )  # fmt: skip
 def test_the_server_names_what_is_wrong_with_a_constraint(server, extra, words):
