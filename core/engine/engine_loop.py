@@ -45,11 +45,13 @@ class EngineLoop:
         self._thread.start()
 
     def submit(
-        self, requests: list[tuple[str | dict[str, Any], SamplingParams]]
-    ) -> tuple[list[str], queue.Queue[Any]]:
+        self, requests: list[tuple[str | dict[str, Any], SamplingParams]], sink: Any = None
+    ) -> tuple[list[str], Any]:
         """Validate every (prompt, params) and enqueue them together; raises ValueError/TypeError
         for bad input (then nothing was added). Returns the request ids, in order, and the queue
-        of their updates."""
+        of their updates: ``sink`` when given (any object with a non-blocking ``put``, called on
+        the loop's thread: an asyncio server hands the updates to its event loop), else a new
+        ``queue.Queue``."""
         if not requests:
             raise ValueError("no prompts were given")
         engine = self.engine
@@ -57,7 +59,7 @@ class EngineLoop:
         # steps: tokenizing and compiling grammars must not stall everyone's decoding.
         arrival = time.monotonic()
         prepared = [engine.prepare_request(prompt, params, arrival) for prompt, params in requests]
-        q: queue.Queue[Any] = queue.Queue()
+        q = queue.Queue() if sink is None else sink
         group = _Group(q, len(prepared))
         with self._cv:
             if self._stop:
@@ -130,6 +132,6 @@ class EngineLoop:
 class _Group:
     """One caller's submitted requests: their queue, and how many have not finished."""
 
-    def __init__(self, q: queue.Queue[Any], size: int) -> None:
+    def __init__(self, q: Any, size: int) -> None:
         self.q = q
         self.open = size
