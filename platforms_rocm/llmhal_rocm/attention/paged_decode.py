@@ -19,6 +19,9 @@ This module imports Triton at import time; ``rocm_attn`` imports it on first use
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -26,6 +29,7 @@ import triton.language as tl
 DEFAULT_PAGES_PER_SPLIT = 16
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 MAX_SPLITS = 64  # the merge kernel holds every split of a row in registers
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz)
 
 
 @triton.jit
@@ -68,7 +72,6 @@ def _decode_split_kernel(
     USE_WINDOW: tl.constexpr,
     DEQUANT: tl.constexpr,  # fp8 cache: multiply by the layer's scales
     COMPUTE: tl.constexpr,  # dtype fed to tl.dot (float32 in the interpreter / for fp32 models)
-    PRECISION: tl.constexpr,
 ):
     # One program serves every query head of one KV head (GQA), so K/V pages are read once per
     # group and the scores are a [GROUP_PAD, BLOCK_PAD] matrix product.
@@ -108,14 +111,16 @@ def _decode_split_kernel(
             if DEQUANT:
                 k = k.to(tl.float32) * k_scale
                 v = v.to(tl.float32) * v_scale
-            s = tl.dot(q, tl.trans(k.to(COMPUTE)), input_precision=PRECISION) * scale
+            # "ieee": Triton's HIP backend accepts "tf32" on gfx942 only (every other AMD arch
+            # refuses to compile), and for bf16/fp16 operands the choice changes nothing.
+            s = tl.dot(q, tl.trans(k.to(COMPUTE)), input_precision="ieee") * scale
             if USE_SOFT_CAP:
                 s = soft_cap * _tanh(s / soft_cap)
             s = tl.where(ok[None, :], s, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
-            pv = tl.dot(p.to(COMPUTE), v.to(COMPUTE), input_precision=PRECISION)
+            pv = tl.dot(p.to(COMPUTE), v.to(COMPUTE), input_precision="ieee")
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
@@ -169,6 +174,124 @@ def _merge_kernel(
     )
 
 
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One kernel launch as :func:`paged_decode` makes it: ``kernel[grid](*args, **constexprs)``.
+
+    Kept as data so that tests and ``ci/gpu-check`` compile exactly what a step would launch, for
+    any target, without a GPU (see :mod:`llmhal_rocm.attention.aot`)."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: dict[str, Any]
+    constexprs: dict[str, Any]
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](**self.args, **self.constexprs)
+
+
+def decode_launches(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    pages_per_split: int = DEFAULT_PAGES_PER_SPLIT,
+    interpreted: bool | None = None,
+) -> tuple[torch.Tensor, list[KernelLaunch]]:
+    """(output buffer, the split and merge launches) for :func:`paged_decode`'s arguments."""
+    num_reqs, num_heads, head_size = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    if interpreted is None:
+        interpreted = interpreter_active()
+    # The interpreter stores bf16/fp16 wrongly: it writes float32 and the result is cast after.
+    out = torch.empty_like(query, dtype=torch.float32 if interpreted else query.dtype)
+    if num_reqs == 0:
+        return out, []
+    max_pages = max(1, triton.cdiv(max_seq_len, block_size))
+    # Fewer, longer splits when the context is very long: the merge holds MAX_SPLITS at most.
+    pages_per_split = max(pages_per_split, triton.cdiv(max_pages, MAX_SPLITS))
+    num_splits = triton.cdiv(max_pages, pages_per_split)
+    head_pad = triton.next_power_of_2(head_size)
+    dev = query.device
+    acc = torch.empty(num_reqs, num_heads, num_splits, head_pad, dtype=torch.float32, device=dev)
+    mx = torch.empty(num_reqs, num_heads, num_splits, dtype=torch.float32, device=dev)
+    sm = torch.empty_like(mx)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    q = query.contiguous()
+    table = block_table.contiguous()
+    # Pages past a request's table width are never loaded (their positions exceed seq_len), but
+    # the table must be wide enough for the split grid's page arithmetic to stay in bounds.
+    if table.shape[1] < num_splits * pages_per_split:
+        pad = num_splits * pages_per_split - table.shape[1]
+        table = torch.nn.functional.pad(table, (0, pad))
+    group = num_heads // num_kv_heads
+    # tl.dot takes bf16/fp16 on the device with fp32 accumulation; float32 models (and the
+    # interpreter, whose bf16 arithmetic is unreliable) use float32 products.
+    exact = query.dtype == torch.float32 or interpreted
+    split = KernelLaunch(
+        _decode_split_kernel,
+        (num_reqs, num_kv_heads, num_splits),
+        dict(
+            q_ptr=q,
+            k_ptr=k_cache,
+            v_ptr=v_cache,
+            block_table_ptr=table,
+            seq_lens_ptr=seq_lens,
+            acc_ptr=acc,
+            max_ptr=mx,
+            sum_ptr=sm,
+            k_scale_ptr=k_scale,
+            v_scale_ptr=v_scale,
+            scale=float(scale),
+            soft_cap=float(logits_soft_cap or 0.0),
+            window=int(sliding_window or 0),
+            stride_qb=q.stride(0),
+            stride_qh=q.stride(1),
+            stride_kb=k_cache.stride(0),
+            stride_kt=k_cache.stride(1),
+            stride_kh=k_cache.stride(2),
+            stride_bt=table.stride(0),
+            num_heads=num_heads,
+            num_splits=num_splits,
+        ),
+        dict(
+            GROUP=group,
+            GROUP_PAD=max(16, triton.next_power_of_2(group)),
+            HEAD_SIZE=head_size,
+            HEAD_PAD=head_pad,
+            BLOCK_SIZE=block_size,
+            BLOCK_PAD=triton.next_power_of_2(block_size),
+            PAGES_PER_SPLIT=pages_per_split,
+            USE_SOFT_CAP=bool(logits_soft_cap),
+            USE_WINDOW=bool(sliding_window),
+            DEQUANT=kv_cache.dtype in FP8_DTYPES,
+            COMPUTE=tl.float32 if exact else _TL_DTYPES[query.dtype],
+        ),
+    )
+    merge = KernelLaunch(
+        _merge_kernel,
+        (num_reqs, num_heads),
+        dict(
+            acc_ptr=acc,
+            max_ptr=mx,
+            sum_ptr=sm,
+            out_ptr=out,
+            stride_ob=out.stride(0),
+            stride_oh=out.stride(1),
+            num_splits=num_splits,
+        ),
+        dict(HEAD_SIZE=head_size, HEAD_PAD=head_pad, SPLIT_PAD=triton.next_power_of_2(num_splits)),
+    )
+    return out, [split, merge]
+
+
 def paged_decode(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -189,79 +312,19 @@ def paged_decode(
     ``block_table`` int32 [B, max_blocks]; ``seq_lens`` int32 [B] (including the query token, whose
     key/value must already be in the cache). Returns [B, H, D] in the query's dtype.
     """
-    num_reqs, num_heads, head_size = query.shape
-    _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    interpreted = interpreter_active()
-    # The interpreter stores bf16/fp16 wrongly: it writes float32 and the result is cast here.
-    out = torch.empty_like(query, dtype=torch.float32 if interpreted else query.dtype)
-    if num_reqs == 0:
-        return out.to(query.dtype)
-    max_pages = max(1, triton.cdiv(max_seq_len, block_size))
-    # Fewer, longer splits when the context is very long: the merge holds MAX_SPLITS at most.
-    pages_per_split = max(pages_per_split, triton.cdiv(max_pages, MAX_SPLITS))
-    num_splits = triton.cdiv(max_pages, pages_per_split)
-    head_pad = triton.next_power_of_2(head_size)
-    dev = query.device
-    acc = torch.empty(num_reqs, num_heads, num_splits, head_pad, dtype=torch.float32, device=dev)
-    mx = torch.empty(num_reqs, num_heads, num_splits, dtype=torch.float32, device=dev)
-    sm = torch.empty_like(mx)
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    q = query.contiguous()
-    table = block_table.contiguous()
-    # Pages past a request's table width are never loaded (their positions exceed seq_len), but
-    # the table must be wide enough for the split grid's page arithmetic to stay in bounds.
-    if table.shape[1] < num_splits * pages_per_split:
-        pad = num_splits * pages_per_split - table.shape[1]
-        table = torch.nn.functional.pad(table, (0, pad))
-    group = num_heads // num_kv_heads
-    # tl.dot takes bf16/fp16 on the device with fp32 accumulation; float32 models (and the
-    # interpreter, whose bf16 arithmetic is unreliable) use full-precision float32 products.
-    exact = query.dtype == torch.float32 or interpreted
-    _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
-        q,
-        k_cache,
-        v_cache,
-        table,
+    out, launches = decode_launches(
+        query,
+        kv_cache,
+        block_table,
         seq_lens,
-        acc,
-        mx,
-        sm,
+        max_seq_len,
+        scale,
         k_scale,
         v_scale,
-        float(scale),
-        float(logits_soft_cap or 0.0),
-        int(sliding_window or 0),
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        table.stride(0),
-        num_heads,
-        num_splits,
-        GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_SIZE=head_size,
-        HEAD_PAD=head_pad,
-        BLOCK_SIZE=block_size,
-        BLOCK_PAD=triton.next_power_of_2(block_size),
-        PAGES_PER_SPLIT=pages_per_split,
-        USE_SOFT_CAP=bool(logits_soft_cap),
-        USE_WINDOW=bool(sliding_window),
-        DEQUANT=kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2),
-        COMPUTE=tl.float32 if exact else _TL_DTYPES[query.dtype],
-        PRECISION="ieee" if exact else "tf32",
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        pages_per_split=pages_per_split,
     )
-    _merge_kernel[(num_reqs, num_heads)](
-        acc,
-        mx,
-        sm,
-        out,
-        out.stride(0),
-        out.stride(1),
-        num_splits,
-        HEAD_SIZE=head_size,
-        HEAD_PAD=head_pad,
-        SPLIT_PAD=triton.next_power_of_2(num_splits),
-    )
+    for launch in launches:
+        launch()
     return out.to(query.dtype)
