@@ -74,6 +74,8 @@ class ToolPlan:
             info = self.parser().extract_tool_calls(text, body)  # type: ignore[union-attr]
             if info.tools_called:
                 return info.content, info.tool_calls, "tool_calls" if finish == "stop" else finish
+            # no call: the parser's content (gpt-oss's harmony text is its final channel's)
+            return (text if info.content is None else info.content), [], finish
         return text, [], finish
 
 
