@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -170,3 +171,20 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def count_tokenizer_conversions(monkeypatch: Any) -> list[str]:
+    """Records each tokenizer converted from a GGUF file's vocabulary (rather than read back from
+    the tokenizer cache) while ``monkeypatch`` (pytest's fixture) is in effect: the file names."""
+    from transformers import PreTrainedTokenizerFast
+
+    calls: list[str] = []
+    real = PreTrainedTokenizerFast.from_pretrained.__func__
+
+    def counting(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("gguf_file"):
+            calls.append(kwargs["gguf_file"])
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "from_pretrained", classmethod(counting))
+    return calls

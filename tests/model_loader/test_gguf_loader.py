@@ -13,7 +13,7 @@ import torch
 from llmhal.model_loader.gguf_loader import GGUFFile, GGUFFormatError
 from llmhal.quantization.gguf_dequant import dequantize
 from llmhal.testing.config_reading import assert_configs_read_alike
-from llmhal.testing.gguf_files import write_tiny_gguf
+from llmhal.testing.gguf_files import count_tokenizer_conversions, write_tiny_gguf
 
 SMOL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -225,18 +225,7 @@ def _same_tokenizer(a, b) -> None:
 
 def _conversions(monkeypatch) -> list[str]:
     """Counts the tokenizers built from a GGUF vocabulary (not read from the cache)."""
-    from transformers import PreTrainedTokenizerFast
-
-    calls: list[str] = []
-    real = PreTrainedTokenizerFast.from_pretrained.__func__
-
-    def counting(cls, *args, **kwargs):
-        if kwargs.get("gguf_file"):
-            calls.append(kwargs["gguf_file"])
-        return real(cls, *args, **kwargs)
-
-    monkeypatch.setattr(PreTrainedTokenizerFast, "from_pretrained", classmethod(counting))
-    return calls
+    return count_tokenizer_conversions(monkeypatch)
 
 
 def test_the_converted_tokenizer_is_cached_and_reads_the_same(smol, tmp_path, monkeypatch):
