@@ -13,6 +13,7 @@ Environment (read at each build, never cached at import):
 
 * ``LLMHAL_CACHE_DIR``: where built kernels are kept (default ``$XDG_CACHE_HOME/llmhal`` or
   ``~/.cache/llmhal``); a folder that cannot be written falls back to ``$TMPDIR/llmhal-<uid>``.
+  A folder someone else could have written is never used (see :func:`build`).
 * ``LLMHAL_CPU_KERNEL_ARCH``: target flags replacing ``-march=native``, e.g. ``-march=haswell`` to
   build and check the AVX2 code paths on an AVX-512 host, or ``-march=x86-64`` for the baseline.
 * ``CXX``: the C++ compiler (default ``c++``, then ``g++``, then ``clang++``).
@@ -31,7 +32,9 @@ import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from llmhal.envs import cache_root
 from llmhal.logger import init_logger
+from llmhal.utils import private_dir
 from llmhal_cpu import cpuinfo
 
 logger = init_logger(__name__)
@@ -49,8 +52,6 @@ BASE_FLAGS = (
 
 def cache_dir() -> Path:
     """The preferred folder for built kernels (it may not exist or be writable yet)."""
-    from llmhal.envs import cache_root
-
     return cache_root() / "kernels"
 
 
@@ -75,12 +76,10 @@ def arch_flags() -> list[str]:
     return []
 
 
-def build(source: Path, stem: str, cxx: str) -> Path:
-    """The shared library built from ``source`` (from the cache when already built).
-
-    Raises RuntimeError when the compiler fails (its last output lines are in the message) or no
-    folder can be written.
-    """
+def kernel_name(source: Path, stem: str, cxx: str) -> str:
+    """The file name of the library built from ``source``: ``<stem>-<key>.so``, the key a hash of
+    everything that changes the binary. Anyone can derive it: it is no secret, and the cache is
+    trusted by its ownership (see :func:`build`), never by its names."""
     # The kernels include the package's shared headers (kernels/*.h): they are part of the source.
     headers = sorted(Path(__file__).parent.glob("kernels/*.h"))
     src = b"\0".join([source.read_bytes(), *(h.read_bytes() for h in headers)])
@@ -97,23 +96,65 @@ def build(source: Path, stem: str, cxx: str) -> Path:
             ]
         )
     ).hexdigest()[:16]
-    name = f"{stem}-{key}.so"
-    # A read-only home (containers) falls back to a per-user folder in the temp directory.
+    return f"{stem}-{key}.so"
+
+
+def fallback_root() -> Path:
+    """The per-user folder in the temp directory used when the cache root cannot be written (a
+    read-only home in a container). Its name is predictable, so it is used only when it passes
+    the ownership rule."""
     user = os.getuid() if hasattr(os, "getuid") else "user"
-    fallback = Path(tempfile.gettempdir()) / f"llmhal-{user}" / "kernels"
-    for folder in (cache_dir(), fallback):
-        out = folder / name
-        if out.exists():
+    return Path(tempfile.gettempdir()) / f"llmhal-{user}"
+
+
+def _cached(folder: Path, name: str) -> Path | None:
+    """``folder/name`` when it is there and may be loaded; a file that may not is rebuilt (the
+    rename replaces it, or the link planted in its place, without following it)."""
+    out = folder / name
+    try:
+        problem = private_dir.file_problem(out)
+    except FileNotFoundError:
+        return None
+    if problem is None:
+        return out
+    private_dir.warn_once(out, problem, "The kernel is built again in its place")
+    return None
+
+
+def build(source: Path, stem: str, cxx: str) -> Path:
+    """The shared library built from ``source`` (from the cache when already built).
+
+    Only a cache nobody else could have written is used (:mod:`llmhal.utils.private_dir`): the
+    cache root, its ``kernels`` folder and the library are the user's (or root's) and not writable
+    by group or others, and no link is followed. A folder that fails is skipped, with one warning;
+    when neither the cache root nor the temp fallback can be used, the kernel is built into a
+    fresh private folder for this process. Raises RuntimeError when the compiler fails (its last
+    output lines are in the message).
+    """
+    name = kernel_name(source, stem, cxx)
+    flags = [*BASE_FLAGS, *arch_flags()]
+    for root in (cache_root(), fallback_root()):
+        try:
+            folder = private_dir.ensure(root, "kernels")
+        except private_dir.UnsafeDirError as e:
+            private_dir.warn_once(root, str(e), "Kernels are built in another, private folder")
+            continue
+        except OSError as e:  # cannot be created: a read-only home
+            logger.debug("Cannot build into %s (%s)", root, e)
+            continue
+        out = _cached(folder, name)
+        if out is not None:
             return out
         try:
-            folder.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-        except OSError as e:
+        except OSError as e:  # a shared cache someone else fills: readable, not writable
             logger.debug("Cannot build into %s (%s)", folder, e)
             continue
         break
     else:
-        raise RuntimeError(f"no writable folder for the kernel ({cache_dir()}, {fallback})")
+        folder = private_dir.fresh_dir("kernels")
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+    out = folder / name
     os.close(fd)
     # Shown by default: on a small machine quant_gemm alone compiles for ~25 s, which otherwise
     # looks like a hang after the loading bar reached 100%.
@@ -127,6 +168,7 @@ def build(source: Path, stem: str, cxx: str) -> Path:
         if proc.returncode != 0:
             raise RuntimeError(f"{cxx} failed:\n{proc.stderr.strip()[-2000:]}")
         os.chmod(tmp, 0o755)
+        # Concurrent builders each rename a complete file into place: a reader never sees half.
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
