@@ -30,4 +30,25 @@ class ToolParserManager(ParserRegistry):
         cls.import_plugin(path)
 
 
-ToolParserManager.register_lazy_module("hermes", "llmhal.tool_parsers.hermes", "HermesToolParser")
+# vLLM's names; each family's parser in its own module of this package.
+BUILTIN: dict[str, tuple[str, str]] = {
+    "deepseek_v3": ("deepseek_v3", "DeepSeekV3ToolParser"),
+    "deepseek_v31": ("deepseek_v31", "DeepSeekV31ToolParser"),
+    "glm45": ("glm45", "Glm45ToolParser"),
+    "granite": ("granite", "GraniteToolParser"),
+    "hermes": ("hermes", "HermesToolParser"),
+    "internlm": ("internlm", "InternLM2ToolParser"),
+    "jamba": ("jamba", "JambaToolParser"),
+    "kimi_k2": ("kimi_k2", "KimiK2ToolParser"),
+    "llama3_json": ("llama3_json", "Llama3JsonToolParser"),
+    "llama4_json": ("llama3_json", "Llama3JsonToolParser"),
+    "llama4_pythonic": ("llama4_pythonic", "Llama4PythonicToolParser"),
+    "mistral": ("mistral", "MistralToolParser"),
+    "openai": ("openai", "OpenAIToolParser"),
+    "phi4_mini_json": ("phi4_mini_json", "Phi4MiniJsonToolParser"),
+    "pythonic": ("pythonic", "PythonicToolParser"),
+    "qwen3_coder": ("qwen3_coder", "Qwen3CoderToolParser"),
+    "xlam": ("xlam", "XLamToolParser"),
+}
+for _name, (_module, _cls) in BUILTIN.items():
+    ToolParserManager.register_lazy_module(_name, f"llmhal.tool_parsers.{_module}", _cls)

@@ -287,7 +287,10 @@ def test_a_parser_without_a_streaming_path_is_known():
 @pytest.mark.parametrize(
     "argv, words",
     [
-        (["--tool-call-parser", "nope"], "unknown --tool-call-parser 'nope' (known: hermes)"),
+        (
+            ["--tool-call-parser", "nope"],
+            "unknown --tool-call-parser 'nope' (known: deepseek_v3, deepseek_v31, glm45, granite, hermes,",
+        ),
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
         (
             ["--reasoning-parser", "nope"],
