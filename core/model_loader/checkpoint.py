@@ -6,6 +6,7 @@ names, so model classes load either through the same ``load_weights``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Iterator
 from pathlib import Path
@@ -120,7 +121,10 @@ class SafetensorsCheckpoint(Checkpoint):
                 return
         from transformers import AutoConfig
 
-        self.hf_config = AutoConfig.from_pretrained(str(source.folder), local_files_only=True)
+        with _no_remote_code(source.folder):
+            self.hf_config = AutoConfig.from_pretrained(
+                str(source.folder), local_files_only=True, trust_remote_code=False
+            )
 
     def tokenizer(self, override: str | None = None) -> Any:
         where = override or str(self.source.folder)
@@ -192,7 +196,27 @@ def _local_tokenizer(where: str, explicit: bool, config: Any = None) -> Any:
             f"there, or pass tokenizer=<a folder with them> (CLI: --tokenizer)"
         )
     extra = {} if config is None else {"config": config}
-    return AutoTokenizer.from_pretrained(where, local_files_only=True, **extra)
+    with _no_remote_code(folder):
+        return AutoTokenizer.from_pretrained(
+            where, local_files_only=True, trust_remote_code=False, **extra
+        )
+
+
+@contextlib.contextmanager
+def _no_remote_code(folder: Path) -> Iterator[None]:
+    """A checkpoint's own Python code (``auto_map``) is never run: said plainly. Passing
+    ``trust_remote_code=False`` matters: left unset, transformers asks on stdin whether to run
+    the code, and runs it on "y"."""
+    try:
+        yield
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise ValueError(
+            f"{folder} needs its own Python code (auto_map) to load, and llmhal never runs a "
+            f"checkpoint's code (trust_remote_code is accepted and ignored); use a model whose "
+            f"architecture llmhal implements, or register one: ModelRegistry.register_model"
+        ) from None
 
 
 def _declared_tokenizer_class(folder: Path) -> bool:
