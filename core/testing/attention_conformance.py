@@ -379,10 +379,20 @@ def run_attention_case(
     garbage = rand(4096) * 50
     tree_mask = random_tree_mask(case.tree_size, gen) if case.tree_size else None
 
-    runners = [
-        _Runner(cls, case, req, num_blocks, device, garbage)
-        for cls in (backend_cls, ReferenceAttentionBackend)
-    ]
+    try:
+        runners = [
+            _Runner(cls, case, req, num_blocks, device, garbage)
+            for cls in (backend_cls, ReferenceAttentionBackend)
+        ]
+    except Exception as e:  # get_impl_cls()/get_builder_cls() or the cache shape: name the step
+        return CaseResult(
+            case,
+            max_abs_err=float("inf"),
+            failures=(
+                f"building the implementation, metadata builder and KV cache raised "
+                f"{type(e).__name__}: {e}",
+            ),
+        )
 
     def gather(idx: list[int], lo: list[int], hi: list[int]) -> list[torch.Tensor]:
         return [

@@ -13,8 +13,15 @@ Three levels, so a package can check what its machine allows:
   queries, seeding, inference mode, synchronize, the attention priority list, quantization checks.
 
 Each returns a list of human-readable problems (empty = conforms). :func:`assert_platform_conforms`
-runs them all and raises one AssertionError listing everything. For pytest, subclass
-:class:`PlatformConformanceSuite`::
+runs them all and raises one AssertionError listing everything.
+
+Behaviour, on the device (:mod:`llmhal.testing.contribution_checks`): every declared attention backend
+runs a prefill and a mixed decode step against the ``reference`` backend, every op kernel is compared
+with core's native op, every quantization method builds and runs a tiny layer.
+
+Without writing a test file: ``pytest --llmhal-platform=NAME`` (the pytest plugin
+:mod:`llmhal.testing.pytest_plugin`) runs this suite on the installed platform ``NAME``. To keep it in
+the package's own tests, subclass :class:`PlatformConformanceSuite`::
 
     from llmhal.testing.platform_conformance import PlatformConformanceSuite
     from my_vendor import my_probe
@@ -467,11 +474,14 @@ def _check_describe(p: Platform) -> list[str]:
 
 # ------------------------------------------------------------------------------------ drivers
 def check_platform(
-    platform: Platform | type[Platform], *, instance: bool = True
+    platform: Platform | type[Platform], *, instance: bool = True, behaviour: bool = False
 ) -> tuple[list[str], list[str]]:
     """Run every level; return (problems, skipped contribution checks).
 
     ``platform`` may be a class (instantiated with no arguments when ``instance``) or an instance.
+    ``behaviour`` (with ``instance``) also runs every contribution on the device
+    (:func:`llmhal.testing.contribution_checks.check_behaviour`); its problems start with the
+    contribution's kind and name.
     """
     cls = platform if isinstance(platform, type) else type(platform)
     problems = check_platform_class(cls)
@@ -486,6 +496,12 @@ def check_platform(
             problems.append(f"{cls.__qualname__}() raised {type(e).__name__}: {e}")
         else:
             problems += check_platform_instance(obj)
+            if behaviour:
+                from llmhal.testing.contribution_checks import check_behaviour
+
+                for f in check_behaviour(obj):
+                    problems += [f"{f.label}: {p}" for p in f.problems]
+                    report.skipped.extend(f"{f.label}: {s}" for s in f.skipped)
     return problems, report.skipped
 
 
@@ -530,8 +546,54 @@ class PlatformConformanceSuite:
         self._fail_on(check_probe(type(self).probe, self.platform_cls), "probe")
 
     def test_instance(self) -> None:
+        self._fail_on(check_platform_instance(self._live_platform()), "live instance")
+
+    # Behaviour (on the device): one test per declared contribution, named in the test id.
+    quantization_configs: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
+    """Example ``quantization_config`` per method name, for methods whose ``from_config({})`` fails."""
+
+    def pytest_generate_tests(self, metafunc: Any) -> None:
+        for arg, attr in _PARAMETRIZED.items():
+            if arg in metafunc.fixturenames:
+                names = list(getattr(self.platform_cls, attr))
+                metafunc.parametrize(arg, names, ids=names)  # none declared: pytest skips it
+
+    def _live_platform(self) -> Platform:
         import pytest
 
         if not self.device_available():
             pytest.skip(f"no {self.platform_cls.name} device here")
-        self._fail_on(check_platform_instance(self.platform_cls()), "live instance")
+        return self.platform_cls()
+
+    @staticmethod
+    def _outcome(finding: Any) -> None:
+        import pytest
+
+        if finding.problems:
+            raise AssertionError(finding.describe())
+        if finding.skipped:
+            pytest.skip(finding.describe())
+
+    def test_attention_backend_runs(self, attention_backend: str) -> None:
+        from llmhal.testing.contribution_checks import check_attention_backend
+
+        self._outcome(check_attention_backend(self._live_platform(), attention_backend))
+
+    def test_op_kernel_matches_native(self, op_kernel: str) -> None:
+        from llmhal.testing.contribution_checks import check_op_kernel
+
+        self._outcome(check_op_kernel(self._live_platform(), op_kernel))
+
+    def test_quantization_method_loads_a_layer(self, quantization_method: str) -> None:
+        from llmhal.testing.contribution_checks import check_quantization_method
+
+        config = self.quantization_configs.get(quantization_method)
+        self._outcome(check_quantization_method(self._live_platform(), quantization_method, config))
+
+
+# test argument -> the Platform attribute whose names parametrize it
+_PARAMETRIZED = {
+    "attention_backend": "attention_backends",
+    "op_kernel": "op_kernels",
+    "quantization_method": "quantization_methods",
+}
