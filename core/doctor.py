@@ -80,6 +80,7 @@ def _probe_entry(p: Any) -> dict[str, Any]:
     """One ProbeResult as the report's JSON."""
     return {
         "name": p.name,
+        "platform": p.platform,
         "distribution": p.distribution,
         "version": p.version,
         "status": p.status,
@@ -118,7 +119,7 @@ def _inactive_reason(provider: str, probes: list[dict[str, Any]]) -> str:
     """Why a contribution of another platform cannot be used here (the selector's wording)."""
     from llmhal.attention.selector import inactive_provider_message
 
-    probe = next((p for p in probes if p["name"] == provider), None)
+    probe = next((p for p in probes if provider in (p["platform"], p["name"])), None)
     if probe is None:
         return inactive_provider_message(provider, None, "")
     return inactive_provider_message(provider, probe["status"], probe["reason"])

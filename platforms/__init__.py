@@ -6,8 +6,11 @@ once per process, under a lock (see :mod:`llmhal.platforms.resolver` for the rul
 ``current_platform`` while platform plugins are being discovered (from a probe, or a platform module's
 import) raises :class:`PlatformResolutionError` and shows who touched it.
 
+A resolution that fails is remembered: later accesses, from any thread, raise the same error without
+calling the probes again (8 threads starting an engine run each probe once).
+
 Code inside llmhal reads the platform through :func:`get_current_platform` at the moment of use, so a
-test may swap it with :func:`set_current_platform`.
+test may swap it with :func:`set_current_platform` (which also forgets a remembered failure).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ __all__ = [
 _lock = threading.RLock()
 _platform: Platform | None = None
 _selection: PlatformSelection | None = None
+_failure: Exception | None = None  # why the last resolution failed, re-raised until reset
 _resolving_thread: int | None = None
 _init_trace = ""  # the stack of the first access, for "who resolved the platform?" questions
 
@@ -67,7 +71,7 @@ def called_by_llmhal() -> bool:
 
 def get_current_platform() -> Platform:
     """Resolve (once) and return the active platform."""
-    global _platform, _selection, _resolving_thread, _init_trace
+    global _platform, _selection, _resolving_thread, _init_trace, _failure
     if _platform is not None:
         return _platform
     from llmhal.platforms.resolver import resolve
@@ -77,10 +81,15 @@ def get_current_platform() -> Platform:
     with _lock:
         if _platform is not None:
             return _platform
+        if _failure is not None:
+            raise _failure
         _resolving_thread = threading.get_ident()
         try:
             _init_trace = "".join(traceback.format_stack())
             platform, selection = resolve()
+        except Exception as e:
+            _failure = e
+            raise
         finally:
             _resolving_thread = None
         _selection = selection
@@ -114,11 +123,12 @@ def set_current_platform(
 ) -> None:
     """Replace the active platform (tests, embedding applications). None forgets it, so the next
     access resolves again."""
-    global _platform, _selection
+    global _platform, _selection, _failure
     from llmhal.platforms.resolver import PlatformSelection as _Sel
 
     with _lock:
         _platform = platform
+        _failure = None
         if platform is not None and selection is None:
             cls = type(platform)
             selection = _Sel(

@@ -321,13 +321,22 @@ class UnspecifiedPlatform(Platform):
     device_type = ""
     priority = -1
 
-    def __init__(self, reason: str = "no platform package is installed") -> None:
+    INSTALL_REMEDY = (
+        "Install one, e.g. `pip install llmhal[cpu]` (or llmhal[cuda], llmhal[rocm]), and check "
+        "`llmhal doctor`."
+    )
+
+    def __init__(
+        self, reason: str = "no platform package is installed", remedy: str | None = None
+    ) -> None:
         self.reason = reason
+        self.remedy = self.INSTALL_REMEDY if remedy is None else remedy
 
     def _fail(self, what: str) -> PlatformNotUsableError:
+        # The cause first: "install llmhal[cpu]" misleads when cpu is installed but excluded.
+        remedy = f" {self.remedy}" if self.remedy else ""
         return PlatformNotUsableError(
-            f"Cannot {what}: no llmhal platform is active ({self.reason}). Install one, e.g. "
-            f"`pip install llmhal[cpu]` (or llmhal[cuda], llmhal[rocm]), and check `llmhal doctor`."
+            f"No llmhal platform is active: {self.reason}. llmhal cannot {what} without one.{remedy}"
         )
 
     @property
@@ -360,16 +369,19 @@ class UnspecifiedPlatform(Platform):
         return {"name": self.name, "device_name": self.device_name, "reason": self.reason}
 
 
-def platform_probe(class_path: str) -> Any:
-    """Decorate a probe to declare the class it returns when available.
+def platform_probe(class_path: str, *, name: str | None = None) -> Any:
+    """Decorate a probe to declare the class it returns when available, and its platform's name.
 
-    Declaring it lets llmhal list what an installed-but-inactive platform would provide (its attention
-    backends, quantization methods) in ``llmhal doctor`` and in error messages. The probe still
-    returns the class path or None (vLLM's convention), or raises :class:`PlatformUnavailable`.
+    Declaring the class lets llmhal list what an installed-but-inactive platform would provide (its
+    attention backends, quantization methods) in ``llmhal doctor`` and in error messages. Declaring
+    ``name`` (the class's ``Platform.name``) lets ``VLLM_PLATFORM=<name>`` select the platform when
+    its entry point is named otherwise, without calling any other probe. The probe still returns the
+    class path or None (vLLM's convention), or raises :class:`PlatformUnavailable`.
     """
 
     def deco(fn: Any) -> Any:
         fn.llmhal_platform_class = class_path
+        fn.llmhal_platform_name = name
         return fn
 
     return deco

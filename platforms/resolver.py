@@ -2,9 +2,13 @@
 
 Rules (ARCHITECTURE.md section 3):
 
-1. ``VLLM_PLATFORM=<entry name>`` selects that platform; other platform entry points are not loaded.
+1. ``VLLM_PLATFORM=<name>`` selects that platform: the entry point of that name, otherwise the
+   platform whose ``Platform.name`` is that (``VLLM_PLATFORM=cpu`` finds entry point ``llmhal_cpu``).
+   Other platform probes are not called (nor, for an entry-point name, imported).
 2. Otherwise every allowed probe is called. A probe that raises counts as "not available" and the
-   exception is kept as the reason (:class:`PlatformUnavailable` is the polite way to say why).
+   exception is kept as the reason (:class:`PlatformUnavailable` is the polite way to say why),
+   unless ``VLLM_PLUGINS`` names the plugin: then anything but ``PlatformUnavailable`` is an error
+   with the probe's message, as an import failure of a listed plugin is.
 3. The class must subclass :class:`llmhal.platforms.Platform` and declare a supported
    ``PLATFORM_API_VERSION``; otherwise it is skipped with a warning that says why.
 4. Among the available platforms the highest ``priority`` wins; a tie at the top is an error naming
@@ -12,7 +16,10 @@ Rules (ARCHITECTURE.md section 3):
 5. None available: :class:`UnspecifiedPlatform`, whose every use names the package to install.
 
 First-party probes call :func:`called_by_llmhal` and return None when another framework (vLLM) calls
-them, so an environment with both installed is not hijacked.
+them, and their entry points are named ``llmhal_cpu``/``llmhal_cuda``/``llmhal_rocm``, never one of
+vLLM's built-in platform names: vLLM's resolver takes a plugin whose name matches an activated
+built-in (``cuda`` on a GPU machine) as an activated plugin and then calls it for its class path, so a
+first-party ``cuda`` entry point returning None would break vLLM in the same environment.
 """
 
 from __future__ import annotations
@@ -62,17 +69,19 @@ class ProbeResult:
     class_path: str | None = None
     priority: int | None = None
     reason: str = ""
+    platform: str | None = None  # the platform's name (Platform.name), when declared or imported
 
 
 @dataclass(frozen=True)
 class PlatformSelection:
     """The outcome of resolution: who won, how, and what every probe said."""
 
-    name: str
+    name: str  # the platform's name (Platform.name), e.g. "cpu"
     class_path: str
     selected_by: str  # "VLLM_PLATFORM", "probe" or "none"
     reason: str
     probes: tuple[ProbeResult, ...] = field(default_factory=tuple)
+    entry_point: str | None = None  # the winning entry point's name, e.g. "llmhal_cpu"
 
 
 _state = threading.local()
@@ -93,30 +102,55 @@ def _requested_platform() -> str | None:
 
 
 def _load_probes() -> dict[str, Any]:
-    """Import the allowed platform probes; with VLLM_PLATFORM, only that one."""
-    from llmhal.plugins import PLATFORM_PLUGINS_GROUP, load_plugins_by_group
+    """Import the allowed platform probes; with VLLM_PLATFORM naming an entry point, only that one.
+
+    ``VLLM_PLATFORM`` holding a platform name instead (``cpu`` for entry point ``llmhal_cpu``) needs
+    the probe modules to find who declares that name; they are cheap to import by contract.
+    """
+    from llmhal.plugins import PLATFORM_PLUGINS_GROUP, discover, load_plugins_by_group
 
     requested = _requested_platform()
+    by_entry = requested is not None and any(
+        ep.name == requested for ep in discover(PLATFORM_PLUGINS_GROUP)
+    )
     return load_plugins_by_group(
         PLATFORM_PLUGINS_GROUP,
-        only=frozenset({requested}) if requested else None,
+        only=frozenset({requested}) if by_entry else None,
         skip_reason=f"VLLM_PLATFORM={requested} selects another platform",
         reraise=(PlatformResolutionError,),
     )
 
 
-def declared_platform_classes() -> dict[str, str]:
-    """Entry name -> class path declared with ``@platform_probe`` (for inactive platforms too).
+def _declared_name(probe: Any) -> str | None:
+    name = getattr(probe, "llmhal_platform_name", None)
+    return name if isinstance(name, str) and name else None
 
-    Imports only the probe modules that VLLM_PLUGINS allows (with VLLM_PLATFORM, only that one),
-    never the platform classes.
+
+def declared_platform_classes() -> dict[str, str]:
+    """Platform name -> class path declared with ``@platform_probe`` (for inactive platforms too).
+
+    The key is the name declared with ``@platform_probe(..., name=...)``, or the entry point's name
+    when none is declared. Imports only the probe modules that VLLM_PLUGINS allows (with
+    VLLM_PLATFORM naming an entry point, only that one), never the platform classes.
     """
     out = {}
     for name, probe in _load_probes().items():
         path = getattr(probe, "llmhal_platform_class", None)
         if isinstance(path, str):
-            out[name] = path
+            out[_declared_name(probe) or name] = path
     return out
+
+
+def _entries_to_probe(requested: str | None, probes: dict[str, Any]) -> set[str]:
+    """The loaded probes to call: all of them, or those that may be the VLLM_PLATFORM choice.
+
+    A probe that declares another platform name cannot be the choice and is not called; one that
+    declares none is called, and its class's ``name`` decides.
+    """
+    if requested is None or requested in probes:
+        return set(probes) if requested is None else {requested}
+    declared = {n for n, p in probes.items() if _declared_name(p) == requested}
+    return declared or {n for n, p in probes.items() if _declared_name(p) is None}
 
 
 def _import_platform_class(path: str) -> tuple[type[Platform] | None, str]:
@@ -149,8 +183,10 @@ def _probe(name: str, probe: Any, record: Any) -> tuple[ProbeResult, type[Platfo
     dist, version = record.distribution, record.version
     value = record.value
 
+    declared = _declared_name(probe)
+
     def result(status: str, reason: str, path: str | None = None, prio: int | None = None):
-        return ProbeResult(name, value, dist, version, status, path, prio, reason)
+        return ProbeResult(name, value, dist, version, status, path, prio, reason, declared)
 
     _state.probing = True
     _state.step = f"calling the probe of platform plugin {name!r} ({value}) from {record.origin}"
@@ -161,6 +197,14 @@ def _probe(name: str, probe: Any, record: Any) -> tuple[ProbeResult, type[Platfo
     except PlatformUnavailable as e:
         return result(UNAVAILABLE, str(e) or "probe reported unavailable"), None
     except (Exception, SystemExit) as e:  # a probe calling sys.exit must not end the process
+        if _explicitly_allowed(name):
+            raise PlatformResolutionError(
+                f"The probe of platform plugin {name!r} ({_dist(dist, version)}), which "
+                f"VLLM_PLUGINS lists, raised {type(e).__name__}: {e}. A listed plugin that fails "
+                f"is an error; fix or reinstall that package, or remove {name!r} from "
+                f"VLLM_PLUGINS. (A probe reports a missing device by returning None or raising "
+                f"llmhal.platforms.PlatformUnavailable.)"
+            ) from e
         logger.info(
             "Platform probe %r raised %s: %s (treated as unavailable)", name, type(e).__name__, e
         )
@@ -186,7 +230,14 @@ def _probe(name: str, probe: Any, record: Any) -> tuple[ProbeResult, type[Platfo
             )
         logger.warning("Platform plugin %r skipped: %s", name, why)
         return result(REJECTED, why, path), None
-    return result(AVAILABLE, "probe found a device", path, cls.priority), cls
+    res = result(AVAILABLE, "probe found a device", path, cls.priority)
+    return _with_platform(res, cls), cls
+
+
+def _with_platform(res: ProbeResult, cls: type[Platform]) -> ProbeResult:
+    from dataclasses import replace
+
+    return replace(res, platform=getattr(cls, "name", None) or res.platform)
 
 
 def _explicitly_allowed(name: str) -> bool:
@@ -201,22 +252,26 @@ def _dist(dist: str | None, version: str | None) -> str:
     return f"{dist} {version}" if dist else "distribution unknown"
 
 
-def _no_platform_reason(results: list[ProbeResult]) -> str:
+def _no_platform_reason(results: list[ProbeResult]) -> tuple[str, str | None]:
+    """(why no platform is available, cause first and with its remedy; the remedy UnspecifiedPlatform
+    adds to its errors, None for its install hint)."""
     from llmhal.plugins import PLATFORM_PLUGINS_GROUP, allowed_plugins, discover
 
     installed = sorted(ep.name for ep in discover(PLATFORM_PLUGINS_GROUP))
     allowed = allowed_plugins()
     if not installed:
-        return "no platform package is installed (pip install llmhal[cpu])"
+        return "no platform package is installed (pip install llmhal[cpu])", ""
     if allowed is not None and not (set(installed) & allowed):
         raw = os.environ.get("VLLM_PLUGINS", "")
         example = ",".join([*installed, *sorted(allowed)])
         return (
-            f"VLLM_PLUGINS={raw!r} allows none of the installed platforms ({', '.join(installed)}); "
-            f"platforms are plugins too, so list them as well, e.g. VLLM_PLUGINS={example}"
+            f"VLLM_PLUGINS={raw!r} allows none of the installed platform plugins "
+            f"({', '.join(installed)}); platforms are plugins too, so list one as well, e.g. "
+            f"VLLM_PLUGINS={example}, or unset VLLM_PLUGINS to load every plugin",
+            "",
         )
     said = "; ".join(f"{r.name}: {r.reason}" for r in results) or "no probe ran"
-    return f"no installed platform is available ({said})"
+    return f"no installed platform is available ({said})", None
 
 
 def resolve() -> tuple[Platform, PlatformSelection]:
@@ -230,19 +285,29 @@ def resolve() -> tuple[Platform, PlatformSelection]:
 
 
 def _resolve(results: list[ProbeResult]) -> tuple[Platform, PlatformSelection]:
-    from llmhal.plugins import FAILED, NOT_ALLOWED, PLATFORM_PLUGINS_GROUP, plugin_records
+    from llmhal.plugins import PLATFORM_PLUGINS_GROUP, plugin_records
 
     requested = _requested_platform()
     probes = _load_probes()
     records = {r.name: r for r in plugin_records() if r.group == PLATFORM_PLUGINS_GROUP}
+    to_probe = _entries_to_probe(requested, probes)
 
     classes: dict[str, type[Platform]] = {}
     for name, rec in records.items():
-        if name not in probes:
-            reason = rec.reason or rec.status
+        if name not in to_probe:
+            skipped = name in probes  # loaded, but VLLM_PLATFORM chose another by name
+            reason = f"VLLM_PLATFORM={requested} selects another platform" if skipped else None
             results.append(
                 ProbeResult(
-                    name, rec.value, rec.distribution, rec.version, NOT_LOADED, None, None, reason
+                    name,
+                    rec.value,
+                    rec.distribution,
+                    rec.version,
+                    NOT_LOADED,
+                    None,
+                    None,
+                    reason or rec.reason or rec.status,
+                    _declared_name(probes[name]) if skipped else None,
                 )
             )
             continue
@@ -252,27 +317,10 @@ def _resolve(results: list[ProbeResult]) -> tuple[Platform, PlatformSelection]:
             classes[name] = cls
 
     if requested:
-        rec = records.get(requested)
-        res = next((r for r in results if r.name == requested), None)
-        if requested not in classes:
-            if rec is None:
-                why = f"no platform plugin named {requested!r} is installed"
-            elif rec.status == NOT_ALLOWED:
-                why = f"VLLM_PLUGINS={os.environ.get('VLLM_PLUGINS')!r} does not allow it"
-            elif rec.status == FAILED:
-                why = rec.reason
-            else:
-                why = res.reason if res else rec.status
-            names = ", ".join(r.name for r in results) or "none"
-            raise PlatformResolutionError(
-                f"VLLM_PLATFORM={requested!r} was requested, but that platform is not usable: {why}. "
-                f"Installed platform plugins: {names}. Unset VLLM_PLATFORM to choose automatically."
-            )
-        cls = classes[requested]
-        return _finish(cls, requested, res, "VLLM_PLATFORM", f"VLLM_PLATFORM={requested}", results)
+        return _finish_requested(requested, classes, records, results)
 
     if not classes:
-        reason = _no_platform_reason(results)
+        reason, remedy = _no_platform_reason(results)
         sel = PlatformSelection(
             UnspecifiedPlatform.name,
             "llmhal.platforms.interface:UnspecifiedPlatform",
@@ -281,7 +329,7 @@ def _resolve(results: list[ProbeResult]) -> tuple[Platform, PlatformSelection]:
             tuple(results),
         )
         logger.warning("No llmhal platform is available: %s", reason)
-        return UnspecifiedPlatform(reason), sel
+        return UnspecifiedPlatform(reason, remedy), sel
 
     best = max(c.priority for c in classes.values())
     top = [n for n, c in classes.items() if c.priority == best]
@@ -298,6 +346,50 @@ def _resolve(results: list[ProbeResult]) -> tuple[Platform, PlatformSelection]:
     )
     res = next(r for r in results if r.name == name)
     return _finish(classes[name], name, res, "probe", why, results, others=list(classes))
+
+
+def _finish_requested(
+    requested: str,
+    classes: dict[str, type[Platform]],
+    records: dict[str, Any],
+    results: list[ProbeResult],
+) -> tuple[Platform, PlatformSelection]:
+    """VLLM_PLATFORM=requested: the entry point of that name, else the platform of that name."""
+    from llmhal.plugins import FAILED, NOT_ALLOWED
+
+    if requested in classes:
+        matches = [requested]
+    else:
+        matches = [n for n, c in classes.items() if getattr(c, "name", None) == requested]
+    if len(matches) > 1:
+        raise PlatformResolutionError(
+            f"VLLM_PLATFORM={requested!r} names the platform of several entry points "
+            f"({', '.join(matches)}); set VLLM_PLATFORM to one of those entry-point names."
+        )
+    if matches:
+        name = matches[0]
+        res = next((r for r in results if r.name == name), None)
+        how = f"VLLM_PLATFORM={requested}" + (f" (entry point {name})" if name != requested else "")
+        return _finish(classes[name], name, res, "VLLM_PLATFORM", how, results)
+    rec = records.get(requested)
+    candidates = [r for r in results if r.name == requested or r.platform == requested]
+    if rec is not None and rec.status == NOT_ALLOWED:
+        why = f"VLLM_PLUGINS={os.environ.get('VLLM_PLUGINS')!r} does not allow it"
+    elif rec is not None and rec.status == FAILED:
+        why = rec.reason
+    elif len(candidates) == 1:
+        why = candidates[0].reason or candidates[0].status
+    else:
+        why = f"no installed platform plugin or platform is named {requested!r}"
+    names = ", ".join(_entry_and_platform(r) for r in results) or "none"
+    raise PlatformResolutionError(
+        f"VLLM_PLATFORM={requested!r} was requested, but that platform is not usable: {why}. "
+        f"Installed platform plugins: {names}. Unset VLLM_PLATFORM to choose automatically."
+    )
+
+
+def _entry_and_platform(r: ProbeResult) -> str:
+    return f"{r.name} (platform {r.platform})" if r.platform and r.platform != r.name else r.name
 
 
 def _finish(
@@ -328,5 +420,5 @@ def _finish(
         ) from e
     final = [replace(r, status=SELECTED) if r.name == name else r for r in results]
     path = res.class_path if res and res.class_path else f"{cls.__module__}:{cls.__qualname__}"
-    logger.info("Platform %r selected by %s: %s", name, by, why)
-    return platform, PlatformSelection(name, path, by, why, tuple(final))
+    logger.info("Platform %r selected by %s: %s", platform.name, by, why)
+    return platform, PlatformSelection(platform.name, path, by, why, tuple(final), name)

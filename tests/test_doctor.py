@@ -39,8 +39,9 @@ def test_this_machine_runs_on_the_cpu_platform(cli_report):
 def test_first_party_accelerators_are_listed_as_unavailable_with_reasons(cli_report):
     _, report, _ = cli_report
     rows = {r["name"]: r for r in report["plugins"] if r["group"] == "vllm.platform_plugins"}
-    assert rows["cpu"]["distribution"] == "llmhal-cpu" and rows["cpu"]["status"] == "selected"
-    for name, dist in (("cuda", "llmhal-cuda"), ("rocm", "llmhal-rocm")):
+    cpu = rows["llmhal_cpu"]
+    assert cpu["distribution"] == "llmhal-cpu" and cpu["status"] == "selected"
+    for name, dist in (("llmhal_cuda", "llmhal-cuda"), ("llmhal_rocm", "llmhal-rocm")):
         assert rows[name]["distribution"] == dist and rows[name]["version"]
         assert rows[name]["status"] == "unavailable" and rows[name]["reason"]
 

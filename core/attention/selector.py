@@ -74,7 +74,7 @@ def _inactive_platform_reason(provider: str) -> str:
     from llmhal.platforms import get_platform_selection
 
     for p in get_platform_selection().probes:
-        if p.name == provider:
+        if provider in (p.platform, p.name):  # the platform's name, or its entry point's
             return inactive_provider_message(provider, p.status, p.reason)
     return inactive_provider_message(provider, None, "")
 

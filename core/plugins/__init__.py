@@ -152,9 +152,14 @@ def _warn_unknown_names(allowed: frozenset[str]) -> None:
     known = {ep.name for g in GROUPS for ep in discover(g)}
     for name in sorted(allowed - known - _warned_unknown):
         _warned_unknown.add(name)
+        # "cpu" for "llmhal_cpu": the first-party entry points avoid vLLM's built-in names.
+        close = sorted(k for k in known if k.endswith(f"_{name}"))
+        hint = f" (did you mean {' or '.join(repr(k) for k in close)}?)" if close else ""
         logger.warning(
-            "VLLM_PLUGINS requested %r, but no installed plugin has that name. Installed plugins: %s",
+            "VLLM_PLUGINS requested %r, but no installed plugin has that name%s. Installed "
+            "plugins: %s",
             name,
+            hint,
             ", ".join(sorted(known)) or "none",
         )
 

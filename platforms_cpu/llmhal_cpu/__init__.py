@@ -7,7 +7,7 @@ from llmhal.platforms import called_by_llmhal, platform_probe
 __version__ = "0.1.0"
 
 
-@platform_probe("llmhal_cpu.platform:CpuPlatform")
+@platform_probe("llmhal_cpu.platform:CpuPlatform", name="cpu")
 def cpu_platform_plugin() -> str | None:
     """Entry point of group ``vllm.platform_plugins``: the CPU is always there.
 

@@ -9,7 +9,7 @@ from llmhal.platforms import PlatformUnavailable, called_by_llmhal, platform_pro
 __version__ = "0.1.0"
 
 
-@platform_probe("llmhal_cuda.platform:CudaPlatform")
+@platform_probe("llmhal_cuda.platform:CudaPlatform", name="cuda")
 def cuda_platform_plugin() -> str | None:
     """Entry point of group ``vllm.platform_plugins``: available when NVML sees a visible GPU.
 

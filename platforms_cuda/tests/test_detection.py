@@ -83,7 +83,7 @@ def test_probe_returns_none_outside_llmhal(gpus, install_nvml):
 
 
 def _cuda_result(selection):
-    return next(p for p in selection.probes if p.name == "cuda")
+    return next(p for p in selection.probes if p.platform == "cuda")
 
 
 def test_resolution_selects_cuda_over_cpu(gpus, install_nvml):

@@ -7,7 +7,7 @@ from llmhal.platforms import PlatformUnavailable, called_by_llmhal, platform_pro
 __version__ = "0.1.0"
 
 
-@platform_probe("llmhal_rocm.platform:RocmPlatform")
+@platform_probe("llmhal_rocm.platform:RocmPlatform", name="rocm")
 def rocm_platform_plugin() -> str | None:
     """Entry point of group ``vllm.platform_plugins``: available when amdsmi sees a visible GPU.
 

@@ -142,7 +142,7 @@ def test_resolution_records_why_rocm_is_unavailable(
         monkeypatch.setenv(k, v)
     platform, selection = resolve()
     assert not isinstance(platform, RocmPlatform)
-    result = next(p for p in selection.probes if p.name == "rocm")
+    result = next(p for p in selection.probes if p.platform == "rocm")
     assert result.status == UNAVAILABLE and reason in result.reason
 
 

@@ -62,7 +62,7 @@ def test_engine_feeds_an_allowed_stat_logger_every_step(plugin_root, tiny_models
     out = tmp_path / "stats.jsonl"
     proc = run_python(
         RUN, path=[plugin_root], args=[folder],
-        env={"VLLM_PLUGINS": "cpu,json_stats", "STATS_OUT": str(out)}, timeout=300,
+        env={"VLLM_PLUGINS": "llmhal_cpu,json_stats", "STATS_OUT": str(out)}, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -76,7 +76,11 @@ def test_engine_feeds_an_allowed_stat_logger_every_step(plugin_root, tiny_models
 def test_a_stat_logger_that_is_not_a_subclass_is_refused_at_engine_start(plugin_root, tiny_models):
     folder, _ = tiny_models("llama")
     proc = run_python(
-        RUN, path=[plugin_root], args=[folder], env={"VLLM_PLUGINS": "cpu,bad_stats"}, timeout=300
+        RUN,
+        path=[plugin_root],
+        args=[folder],
+        env={"VLLM_PLUGINS": "llmhal_cpu,bad_stats"},
+        timeout=300,
     )
     assert proc.returncode != 0
     assert "Stat logger plugin 'bad_stats' must be a subclass of" in proc.stderr

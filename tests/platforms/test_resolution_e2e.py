@@ -98,7 +98,7 @@ def test_an_explicitly_listed_broken_platform_is_an_error(tmp_path):
         tmp_path / "dists",
         accelerator_distribution("acc_import", probe_prelude="raise ImportError('libnpu.so.3')\n"),
     )
-    proc = run_cli("doctor", "--json", path=[root], env={"VLLM_PLUGINS": "cpu,acc_import"})
+    proc = run_cli("doctor", "--json", path=[root], env={"VLLM_PLUGINS": "llmhal_cpu,acc_import"})
     assert proc.returncode != 0
     report = json.loads(proc.stdout)
     assert report["platform"]["selected_by"] == "error"

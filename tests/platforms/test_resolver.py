@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 
@@ -10,7 +11,7 @@ import llmhal.platforms as platforms
 import llmhal.plugins as plugins
 from llmhal.platforms import PlatformNotUsableError, UnspecifiedPlatform
 from llmhal.platforms.resolver import PlatformResolutionError
-from llmhal.testing.distributions import marker_count
+from llmhal.testing.distributions import MARKER_DIR_ENV, marker_count
 from llmhal.testing.fake_vendor import accelerator_distribution
 
 
@@ -27,10 +28,11 @@ def test_cpu_is_selected_by_probe_when_nothing_else_is_installed(install_dists):
         "llmhal_cpu.platform:CpuPlatform",
         "probe",
     )
+    assert sel.entry_point == "llmhal_cpu"
     # The first-party accelerators are installed beside it and say why they are not used.
     for other in ("cuda", "rocm"):
-        res = _probe(other)
-        assert res.status in ("unavailable", "rejected") and res.reason
+        res = _probe(f"llmhal_{other}")
+        assert res.status in ("unavailable", "rejected") and res.reason and res.platform == other
 
 
 def test_an_accelerator_beats_the_cpu_fallback(install_dists, markers):
@@ -74,8 +76,9 @@ def test_vllm_platform_naming_an_unusable_platform_is_an_error(install_dists, mo
     monkeypatch.setenv("VLLM_PLATFORM", "acc_a")
     with pytest.raises(PlatformResolutionError, match="VLLM_PLATFORM='acc_a'.*returned None"):
         platforms.get_current_platform()
+    platforms.set_current_platform(None)
     monkeypatch.setenv("VLLM_PLATFORM", "nope")
-    with pytest.raises(PlatformResolutionError, match="no platform plugin named 'nope'"):
+    with pytest.raises(PlatformResolutionError, match="no installed platform plugin or platform"):
         platforms.get_current_platform()
 
 
@@ -124,10 +127,10 @@ def test_a_platform_that_fails_to_start_is_an_error_naming_it_and_the_remedy(ins
         platforms.get_current_platform()
     msg = str(err.value)
     assert "'acc_a' (acc_a-fake 1.0.0)" in msg and "RuntimeError: cannot open /dev/acc0" in msg
-    assert "VLLM_PLATFORM=cpu" in msg
+    assert "VLLM_PLATFORM=llmhal_cpu" in msg
     # What each probe said travels with the error (llmhal doctor shows it).
     said = {p.name: p.status for p in err.value.probes}
-    assert said["acc_a"] == "available" and said["cpu"] == "available"
+    assert said["acc_a"] == "available" and said["llmhal_cpu"] == "available"
 
 
 def test_a_probe_calling_sys_exit_counts_as_unavailable(install_dists):
@@ -145,7 +148,7 @@ def test_a_broken_class_path_is_an_error_only_for_a_plugin_the_user_listed(
     assert platforms.current_platform.name == "cpu"  # installed, not asked for: a warning
     assert "could not import acc_a.no_such_module" in _probe("acc_a").reason
     platforms.set_current_platform(None)
-    monkeypatch.setenv("VLLM_PLUGINS", "acc_a,cpu")
+    monkeypatch.setenv("VLLM_PLUGINS", "acc_a,llmhal_cpu")
     with pytest.raises(PlatformResolutionError, match="listed in VLLM_PLUGINS.*no_such_module"):
         platforms.get_current_platform()
 
@@ -168,7 +171,14 @@ def test_empty_allow_list_blames_the_variable(install_dists, monkeypatch):
     monkeypatch.setenv("VLLM_PLUGINS", "")
     assert isinstance(platforms.current_platform, UnspecifiedPlatform)
     reason = platforms.get_platform_selection().reason
-    assert "VLLM_PLUGINS=''" in reason and "VLLM_PLUGINS=cpu,cuda,rocm" in reason
+    assert reason.startswith("VLLM_PLUGINS='' allows none of the installed platform plugins")
+    assert "VLLM_PLUGINS=llmhal_cpu,llmhal_cuda,llmhal_rocm" in reason
+    # The error of any use states that cause first, not "install llmhal[cpu]" (cpu is installed).
+    with pytest.raises(PlatformNotUsableError) as err:
+        platforms.current_platform.supported_dtypes  # noqa: B018
+    msg = str(err.value)
+    assert msg.startswith("No llmhal platform is active: VLLM_PLUGINS=''")
+    assert "pip install" not in msg and "choose a dtype" in msg
 
 
 def test_touching_current_platform_in_a_probe_is_a_clear_error(install_dists):
@@ -244,3 +254,83 @@ def test_a_backend_of_another_available_platform_says_how_to_select_it(install_d
     # A platform whose probe found nothing gets no such advice.
     cuda = [b for b in report["attention_backends"] if b.get("provider") == "cuda"]
     assert cuda and all("VLLM_PLATFORM" not in b["reasons"][0] for b in cuda)
+
+
+def _counting_probe(name: str, then: str) -> str:
+    """A probe body that records each call in the marker folder, then runs ``then``."""
+    return (
+        "    import os\n"
+        f"    with open(os.path.join(os.environ[{MARKER_DIR_ENV!r}], '{name}.probed'), 'a') as f:\n"
+        "        f.write('x\\n')\n" + then
+    )
+
+
+def test_a_raising_probe_the_user_listed_is_an_error_with_its_message(install_dists, monkeypatch):
+    body = "    raise RuntimeError('driver 550 missing')\n"
+    install_dists(accelerator_distribution("acc_a", probe_body=body))
+    monkeypatch.setenv("VLLM_PLUGINS", "acc_a,llmhal_cpu")
+    with pytest.raises(PlatformResolutionError) as err:
+        platforms.get_current_platform()
+    msg = str(err.value)
+    assert "'acc_a' (acc_a-fake 1.0.0)" in msg and "RuntimeError: driver 550 missing" in msg
+    assert "remove 'acc_a' from VLLM_PLUGINS" in msg
+    # Saying "no device" politely is not a failure, listed or not.
+    platforms.set_current_platform(None)
+    install_dists(
+        accelerator_distribution(
+            "acc_b",
+            probe_body="    from llmhal.platforms import PlatformUnavailable\n"
+            "    raise PlatformUnavailable('no card')\n",
+        )
+    )
+    monkeypatch.setenv("VLLM_PLUGINS", "acc_b,llmhal_cpu")
+    assert platforms.current_platform.name == "cpu" and _probe("acc_b").reason == "no card"
+
+
+def test_a_failed_resolution_is_remembered_across_threads(install_dists, markers):
+    import threading
+
+    install_dists(
+        accelerator_distribution(
+            "acc_a",
+            probe_body=_counting_probe("acc_a", "    return 'acc_a.platform:AccAPlatform'\n"),
+        ),
+        accelerator_distribution(
+            "acc_b",
+            probe_body=_counting_probe("acc_b", "    return 'acc_b.platform:AccBPlatform'\n"),
+        ),
+    )
+    errors: list[BaseException] = []
+
+    def start():
+        try:
+            platforms.get_current_platform()
+        except PlatformResolutionError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=start) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(errors) == 8 and all("same priority" in str(e) for e in errors)
+    assert marker_count(markers, "acc_a.probed") == marker_count(markers, "acc_b.probed") == 1
+    platforms.set_current_platform(None)  # forgetting the failure resolves again
+    with pytest.raises(PlatformResolutionError):
+        platforms.get_current_platform()
+    assert marker_count(markers, "acc_a.probed") == 2
+
+
+def test_vllm_platform_matches_a_platform_name_its_probe_does_not_declare(
+    install_dists, monkeypatch
+):
+    # Entry point "acme_npu", platform class named "acme", no name in @platform_probe.
+    dist = accelerator_distribution("acme")
+    dist = replace(dist, entry_points={"vllm.platform_plugins": {"acme_npu": "acme:probe"}})
+    install_dists(dist)
+    monkeypatch.setenv("VLLM_PLATFORM", "acme")
+    assert platforms.current_platform.name == "acme"
+    sel = platforms.get_platform_selection()
+    assert (sel.name, sel.entry_point, sel.selected_by) == ("acme", "acme_npu", "VLLM_PLATFORM")
+    # llmhal_cpu declares the name "cpu", so its probe was not called.
+    assert _probe("llmhal_cpu").status == "not loaded"

@@ -66,7 +66,7 @@ def test_fake_vendor_uses_every_group(fakenpu, marker_dir):
     for key in FAKENPU_ENTRIES:
         assert (rows[key]["distribution"], rows[key]["version"]) == ("fakenpu", "0.3.1")
     assert rows[("vllm.platform_plugins", "fakenpu")]["status"] == "selected"
-    assert rows[("vllm.platform_plugins", "cpu")]["status"] == "available"
+    assert rows[("vllm.platform_plugins", "llmhal_cpu")]["status"] == "available"
     assert rows[("vllm.general_plugins", "fakenpu_hooks")]["status"] == "loaded"
     assert rows[("vllm.io_processor_plugins", "fakenpu_io")]["value"] == (
         "fakenpu.io:io_processor_plugin"
@@ -102,7 +102,7 @@ def test_empty_allow_list_loads_nothing_and_doctor_blames_it(fakenpu, marker_dir
     assert report["platform"]["name"] == "unspecified"
     assert report["platform"]["selected_by"] == "none"
     assert "VLLM_PLUGINS=''" in report["platform"]["reason"]
-    assert "VLLM_PLUGINS=cpu" in report["platform"]["reason"]
+    assert "VLLM_PLUGINS=fakenpu,llmhal_cpu" in report["platform"]["reason"]
     assert {p["status"] for p in report["plugins"]} == {"not allowed"}
     assert list(marker_dir.iterdir()) == []  # not a single fakenpu module ran
 
@@ -117,11 +117,16 @@ def test_allow_list_names_the_platform_and_warns_about_unknown_names(fakenpu, ma
     print(platforms.current_platform.name)
     print("llmhal_cuda" in sys.modules, "llmhal_rocm" in sys.modules)
     """
-    env = {"VLLM_PLUGINS": " cpu , fakenpu_register,bogus "}
+    env = {"VLLM_PLUGINS": " llmhal_cpu , fakenpu_register,bogus,cuda "}
     proc = run_python(code, path=[fakenpu], env=env, marker_dir=marker_dir)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["cpu", "False", "False"]
     assert "VLLM_PLUGINS" in proc.stderr and "'bogus'" in proc.stderr
+    # VLLM_PLUGINS matches entry-point names (never imports a module to learn a platform's name),
+    # so a platform's name is pointed to its entry point.
+    assert "'cuda', but no installed plugin has that name (did you mean 'llmhal_cuda'?)" in (
+        proc.stderr
+    )
     assert marker_count(marker_dir, REGISTER_RAN_MARKER) == 1
     for never in ("fakenpu.hooks", "fakenpu.platform", "fakenpu.io", "fakenpu.stats"):
         assert marker_count(marker_dir, never) == 0, never
@@ -164,11 +169,11 @@ def test_failing_explicit_general_plugin_is_an_error(tmp_path):
     assert quiet.returncode == 0
     assert "broken-vendor 4.5" in quiet.stderr and "no /dev/npu0" in quiet.stderr
 
-    loud = run_python(code, path=[root], env={"VLLM_PLUGINS": "cpu,broken"})
+    loud = run_python(code, path=[root], env={"VLLM_PLUGINS": "llmhal_cpu,broken"})
     assert loud.returncode != 0
     assert "PluginLoadError" in loud.stderr and "broken-vendor 4.5" in loud.stderr
 
-    doctor = run_cli("doctor", "--json", path=[root], env={"VLLM_PLUGINS": "cpu,broken"})
+    doctor = run_cli("doctor", "--json", path=[root], env={"VLLM_PLUGINS": "llmhal_cpu,broken"})
     report = _json(doctor)
     assert any("broken-vendor 4.5" in e for e in report["errors"])
     row = next(p for p in report["plugins"] if p["name"] == "broken")
