@@ -25,10 +25,19 @@ from typing import Any
 VARIANTS = ("q4_1", "q8_0", "fp8", "int8", "bf16")
 
 
-def _cache_root() -> Path:
+def _workdir(workdir: Path | None) -> Path:
+    """Where the derived checkpoints are kept: ``workdir``, else the cache's ``bench`` folder. They
+    are read back (weights, tokenizer, chat template), so a folder someone else could have
+    written is not used (:mod:`llmhal.utils.private_dir`): they are built for this run instead."""
     from llmhal.envs import cache_root
+    from llmhal.utils import private_dir
 
-    return cache_root() / "bench"
+    try:
+        return private_dir.ensure(workdir) if workdir else private_dir.ensure(cache_root(), "bench")
+    except private_dir.UnsafeDirError as e:
+        where = workdir or cache_root()
+        private_dir.warn_once(where, str(e), "Derived checkpoints are built for this run only")
+        return private_dir.fresh_dir("bench")
 
 
 def requantize_gguf(src: str, dst: Path, qtype_name: str = "Q8_0") -> Path:
@@ -146,8 +155,11 @@ def int8_folder(dense: Path, dst: Path) -> Path:
 
 
 def prepare(variants: list[str], source: str, root: Path) -> dict[str, tuple[str, str | None]]:
-    """variant -> (model path, quantization argument)."""
-    root.mkdir(parents=True, exist_ok=True)
+    """variant -> (model path, quantization argument); ``root`` is a checked :func:`_workdir`."""
+    from llmhal.utils import private_dir
+
+    for name in ("smollm2-q8_0.gguf", "smollm2-bf16", "smollm2-w8a16"):
+        private_dir.discard_untrusted(root / name, "It is built again")
     out: dict[str, tuple[str, str | None]] = {}
     dense = None
     for v in variants:
@@ -189,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         a.model = default_model_path()
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
     batch = tuple(int(b) for b in a.batch_sizes.split(","))
-    paths = prepare(variants, a.model, a.workdir or _cache_root())
+    paths = prepare(variants, a.model, _workdir(a.workdir))
     results: dict[str, Any] = {}
     for v in variants:
         model, quant = paths[v]

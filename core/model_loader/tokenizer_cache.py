@@ -65,12 +65,7 @@ def _folder(entry: Path, *, create: bool) -> Path | None:
 
 def _untrusted(entry: Path) -> str | None:
     """Why the entry there may not be read back, or None (also when there is none)."""
-    if not os.path.lexists(entry):
-        return None
-    try:
-        return private_dir.tree_problem(entry)
-    except OSError as e:
-        return str(e)
+    return private_dir.entry_problem(entry)
 
 
 def _remove(path: Path) -> None:

@@ -87,6 +87,32 @@ def tree_problem(folder: Path) -> str | None:
     return None
 
 
+def entry_problem(path: Path) -> str | None:
+    """Why the cache entry ``path`` (a file, or a folder read back as a whole) may not be
+    trusted; None when it may, or when there is none."""
+    try:
+        st = os.lstat(path)
+        return tree_problem(path) if stat.S_ISDIR(st.st_mode) else file_problem(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"{path} cannot be checked ({e})"
+
+
+def discard_untrusted(path: Path, instead: str) -> None:
+    """Remove the cache entry ``path`` when it may not be trusted (saying once why, and what is
+    done ``instead``), so the caller builds it again. Call it inside a folder :func:`ensure`
+    checked: only the user could have put anything there since."""
+    problem = entry_problem(path)
+    if problem is None:
+        return
+    warn_once(path, problem, instead)
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
 def in_shared_temp(path: Path) -> bool:
     """Whether ``path`` lies directly in a sticky, world-writable folder such as /tmp (where
     anyone can create the name first)."""
