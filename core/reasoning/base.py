@@ -61,7 +61,68 @@ class ReasoningParser:
         raise NotImplementedError
 
 
-class BaseThinkingReasoningParser(ReasoningParser):
+class SplitReasoningParser(ReasoningParser):
+    """A parser that says how a text splits, ``_split(text, final) -> (reasoning, content)``;
+    the finished answer and the stream both come from it. Unless ``final``, the split leaves
+    out a trailing piece that may still become a marker, so that each part only grows as text
+    arrives: the stream sends what each split adds, and a stream split anywhere (even inside a
+    marker) sends what the finished text's split holds. A marker's own text is never sent."""
+
+    def __init__(self, tokenizer: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(tokenizer, *args, **kwargs)
+        self._sent_reasoning = 0  # characters of the reasoning / content streamed so far
+        self._sent_content = 0
+
+    def _split(self, text: str, final: bool) -> tuple[str, str]:
+        raise NotImplementedError
+
+    def adjust_request(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The request body before generation (vLLM's hook; default: unchanged)."""
+        return request
+
+    def flush(self, current_text: str) -> DeltaMessage | None:
+        """What a stream still owes once it has ended (text held back as a possible marker); an
+        llmhal addition to the streaming method, which cannot know the stream's end."""
+        reasoning, content = self._split(current_text, final=True)
+        dm = DeltaMessage(reasoning[self._sent_reasoning :] or None, content[self._sent_content :] or None)  # fmt: skip
+        self._sent_reasoning, self._sent_content = len(reasoning), len(content)
+        return dm if dm.reasoning or dm.content else None
+
+    @staticmethod
+    def _partial(text: str, tag: str) -> int:
+        """How many trailing characters of ``text`` could be the beginning of ``tag``."""
+        for n in range(min(len(tag) - 1, len(text)), 0, -1):
+            if tag.startswith(text[-n:]):
+                return n
+        return 0
+
+    def extract_reasoning(
+        self, model_output: str, request: Any = None
+    ) -> tuple[str | None, str | None]:
+        reasoning, content = self._split(model_output, final=True)
+        return reasoning or None, content or None
+
+    def extract_reasoning_streaming(
+        self,
+        previous_text: str,
+        current_text: str,
+        delta_text: str,
+        previous_token_ids: Sequence[int],
+        current_token_ids: Sequence[int],
+        delta_token_ids: Sequence[int],
+    ) -> DeltaMessage | None:
+        reasoning, content = self._split(current_text, final=False)
+        dm = DeltaMessage()
+        if len(reasoning) > self._sent_reasoning:
+            dm.reasoning = reasoning[self._sent_reasoning :]
+            self._sent_reasoning = len(reasoning)
+        if len(content) > self._sent_content:
+            dm.content = content[self._sent_content :]
+            self._sent_content = len(content)
+        return dm if dm.reasoning or dm.content else None
+
+
+class BaseThinkingReasoningParser(SplitReasoningParser):
     """Reasoning between a start and an end token (subclasses name them). Both must be single
     tokens of the vocabulary: the id-based answers depend on it.
 
@@ -90,8 +151,6 @@ class BaseThinkingReasoningParser(ReasoningParser):
                 f"{'neither' if self.start_token_id is None and self.end_token_id is None else 'only one'}"
                 " (is this a reasoning model?)"
             )
-        self._sent_reasoning = 0  # characters of the reasoning / content streamed so far
-        self._sent_content = 0
 
     def _token_id(self, token: str) -> int | None:
         """``token``'s id, or None when it is not one token of the vocabulary. Looked up alone: a
@@ -152,43 +211,3 @@ class BaseThinkingReasoningParser(ReasoningParser):
         if not final:
             cut = max(self._partial(body, self.end_token), self._partial(body, self.start_token))
         return body[: len(body) - cut], before
-
-    def flush(self, current_text: str) -> DeltaMessage | None:
-        """What a stream still owes once it has ended (text held back as a possible tag); an
-        llmhal addition to the streaming method, which cannot know the stream's end."""
-        reasoning, content = self._split(current_text, final=True)
-        dm = DeltaMessage(reasoning[self._sent_reasoning :] or None, content[self._sent_content :] or None)  # fmt: skip
-        self._sent_reasoning, self._sent_content = len(reasoning), len(content)
-        return dm if dm.reasoning or dm.content else None
-
-    @staticmethod
-    def _partial(text: str, tag: str) -> int:
-        for n in range(min(len(tag) - 1, len(text)), 0, -1):
-            if tag.startswith(text[-n:]):
-                return n
-        return 0
-
-    def extract_reasoning(
-        self, model_output: str, request: Any = None
-    ) -> tuple[str | None, str | None]:
-        reasoning, content = self._split(model_output, final=True)
-        return reasoning or None, content or None
-
-    def extract_reasoning_streaming(
-        self,
-        previous_text: str,
-        current_text: str,
-        delta_text: str,
-        previous_token_ids: Sequence[int],
-        current_token_ids: Sequence[int],
-        delta_token_ids: Sequence[int],
-    ) -> DeltaMessage | None:
-        reasoning, content = self._split(current_text, final=False)
-        dm = DeltaMessage()
-        if len(reasoning) > self._sent_reasoning:
-            dm.reasoning = reasoning[self._sent_reasoning :]
-            self._sent_reasoning = len(reasoning)
-        if len(content) > self._sent_content:
-            dm.content = content[self._sent_content :]
-            self._sent_content = len(content)
-        return dm if dm.reasoning or dm.content else None

@@ -27,5 +27,18 @@ class ReasoningParserManager(ParserRegistry):
         cls.import_plugin(path)
 
 
-for _name, _cls in (("deepseek_r1", "DeepSeekR1ReasoningParser"), ("qwen3", "Qwen3ReasoningParser")):  # fmt: skip
-    ReasoningParserManager.register_lazy_module(_name, "llmhal.reasoning.parsers", _cls)
+# vLLM's names (gpt-oss's also as vLLM spells it, openai_gptoss): name -> (module, class)
+BUILTIN: dict[str, tuple[str, str]] = {
+    "deepseek_r1": ("parsers", "DeepSeekR1ReasoningParser"),
+    "deepseek_v3": ("deepseek_v3", "DeepSeekV3ReasoningParser"),
+    "ernie45": ("ernie45", "Ernie45ReasoningParser"),
+    "glm45": ("glm45", "Glm45ReasoningParser"),
+    "gpt_oss": ("gpt_oss", "GptOssReasoningParser"),
+    "openai_gptoss": ("gpt_oss", "GptOssReasoningParser"),
+    "granite": ("granite", "GraniteReasoningParser"),
+    "hunyuan_a13b": ("hunyuan_a13b", "HunyuanA13BReasoningParser"),
+    "mistral": ("mistral", "MistralReasoningParser"),
+    "qwen3": ("parsers", "Qwen3ReasoningParser"),
+}
+for _name, (_module, _cls) in BUILTIN.items():
+    ReasoningParserManager.register_lazy_module(_name, f"llmhal.reasoning.{_module}", _cls)

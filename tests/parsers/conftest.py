@@ -1,6 +1,6 @@
-"""The parser suites' fixtures: the cases of tool_cases.py (loaded from its file: tests are
-imported without a package), the suites parametrized with them, and one tokenizer that knows
-every family's markers as special tokens."""
+"""The parser suites' fixtures: the cases of tool_cases.py and reasoning_cases.py (loaded from
+their files: tests are imported without a package), the suites parametrized with them, and one
+tokenizer that knows every family's markers as special tokens."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ def _load(name: str) -> ModuleType:
 
 
 TOOL = _load("tool_cases")
+REASONING = _load("reasoning_cases")
 
 
 def _id(case) -> str:
@@ -33,11 +34,20 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("tool_case", TOOL.CASES, ids=[_id(c) for c in TOOL.CASES])
     if "tool_family" in metafunc.fixturenames:
         metafunc.parametrize("tool_family", sorted(TOOL.TEMPLATES))
+    if "reasoning_case" in metafunc.fixturenames:
+        metafunc.parametrize("reasoning_case", REASONING.CASES, ids=[_id(c) for c in REASONING.CASES])  # fmt: skip
+    if "reasoning_family" in metafunc.fixturenames:
+        metafunc.parametrize("reasoning_family", sorted({c.parser for c in REASONING.CASES}))
 
 
 @pytest.fixture(scope="session")
 def tool_cases() -> ModuleType:
     return TOOL
+
+
+@pytest.fixture(scope="session")
+def reasoning_cases() -> ModuleType:
+    return REASONING
 
 
 @pytest.fixture(scope="session")
@@ -47,6 +57,6 @@ def tok():
     from llmhal.testing.tiny_models import make_tokenizer
 
     t = make_tokenizer()
-    t.add_special_tokens({"additional_special_tokens": TOOL.SPECIAL_TOKENS})  # fmt: skip
+    t.add_special_tokens({"additional_special_tokens": TOOL.SPECIAL_TOKENS + REASONING.SPECIAL_TOKENS})  # fmt: skip
     t.add_tokens(["<think>", "</think>"])
     return t
