@@ -82,8 +82,15 @@ class ParserRegistry:
 
     @classmethod
     def import_plugin(cls, path: str) -> None:
-        """Import a plugin file, whose classes register themselves (a failure is logged)."""
+        """Import a plugin, whose classes register themselves (a failure is logged): a Python
+        file by its path, or an importable module by its dotted name (``my_pkg.parsers``)."""
         file = Path(path)
+        if not file.is_file() and path.replace(".", "").replace("_", "").isalnum():
+            try:
+                importlib.import_module(path)
+            except Exception:
+                logger.exception("Could not import the %s plugin module %s (not a file either)", cls.kind.lower(), path)  # fmt: skip
+            return
         name = f"{cls.plugin_package}.{file.stem}"
         try:
             spec = importlib.util.spec_from_file_location(name, file)
