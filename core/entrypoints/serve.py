@@ -538,13 +538,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help='let chat requests use tool_choice "auto" (needs --tool-call-parser)',
     )
-    p.add_argument("--tool-call-parser", help="how the model writes tool calls, e.g. hermes")
+    from llmhal.reasoning.manager import ReasoningParserManager as Reasoners
+    from llmhal.tool_parsers.manager import ToolParserManager as ToolParsers
+
+    p.add_argument("--tool-call-parser", help=f"how the model writes tool calls: {', '.join(ToolParsers.list_registered())}")  # fmt: skip
     p.add_argument(
-        "--tool-parser-plugin", help="a Python file that registers more tool-call parsers"
+        "--tool-parser-plugin",
+        help="a Python file, or an importable module's name, that registers more tool-call parsers",
     )
-    p.add_argument("--reasoning-parser", help="split reasoning off chat answers, e.g. deepseek_r1, qwen3")  # fmt: skip
+    p.add_argument("--reasoning-parser", help=f"split reasoning off chat answers: {', '.join(Reasoners.list_registered())}")  # fmt: skip
     p.add_argument(
-        "--reasoning-parser-plugin", help="a Python file that registers more reasoning parsers"
+        "--reasoning-parser-plugin",
+        help="a Python file, or an importable module's name, that registers more reasoning parsers",
     )
     p.add_argument(
         "--enable-prompt-tokens-details",
