@@ -15,9 +15,11 @@ Groups (the names are vLLM's, so vendors who know vLLM feel at home):
 
 ``VLLM_PLUGINS`` is an allow-list and a security boundary: unset loads everything, ``""`` loads nothing,
 otherwise only the listed entry-point names (whitespace stripped) are imported. A plugin that is not
-allowed is never imported. Every discovered entry point gets a :class:`PluginRecord`, which
-``llmhal doctor`` shows. A plugin that fails is logged once with its distribution and version; if the
-user named it in ``VLLM_PLUGINS`` the failure is raised as :class:`PluginLoadError`.
+allowed is never imported. A plugin whose distribution targets vLLM rather than llmhal (see
+:mod:`llmhal.plugins.foreign`) is skipped, with one INFO line, unless ``VLLM_PLUGINS`` names it. Every
+discovered entry point gets a :class:`PluginRecord`, which ``llmhal doctor`` shows. A plugin that
+fails is logged once with its distribution and version; if the user named it in ``VLLM_PLUGINS`` the
+failure is raised as :class:`PluginLoadError`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from llmhal.logger import init_logger
+from llmhal.plugins.foreign import TARGETS_VLLM, is_missing_vllm, targets_vllm_reason
 
 if TYPE_CHECKING:  # pragma: no cover
     from importlib.metadata import EntryPoint
@@ -51,6 +54,7 @@ LOADED = "loaded"
 FAILED = "failed"
 NOT_ALLOWED = "not allowed"  # filtered out by VLLM_PLUGINS
 SKIPPED = "skipped"  # not needed, e.g. another platform was chosen with VLLM_PLATFORM
+# TARGETS_VLLM ("targets vLLM"): written for vLLM, skipped unless VLLM_PLUGINS names it
 
 
 class PluginLoadError(RuntimeError):
@@ -85,6 +89,8 @@ _records: dict[tuple[str, str], PluginRecord] = {}
 _loaded: dict[tuple[str, str], Any] = {}
 _warned_unknown: set[str] = set()
 _warned_conflicts: set[tuple[str, str]] = set()
+_foreign_noted = False
+_FOREIGN_REMEDY = "name it in VLLM_PLUGINS to load it anyway"
 _general_lock = threading.RLock()
 _general_loaded = False
 # The plugin being imported by this thread, for diagnostics of re-entrant access (see loading_now).
@@ -164,6 +170,36 @@ def _warn_unknown_names(allowed: frozenset[str]) -> None:
         )
 
 
+def _note_foreign_plugins() -> None:
+    """Once per process: one INFO line naming every installed plugin that targets vLLM."""
+    global _foreign_noted
+    if _foreign_noted or allowed_plugins() is not None:
+        return
+    _foreign_noted = True
+    found = [
+        f"{ep.name} ({why})"
+        for g in GROUPS
+        for ep in discover(g)
+        if (why := targets_vllm_reason(ep))
+    ]
+    if found:
+        logger.info(
+            "Skipping %d plugin(s) written for vLLM, not llmhal: %s. Name one in VLLM_PLUGINS to "
+            "load it anyway.",
+            len(found),
+            "; ".join(found),
+        )
+
+
+def _foreign_reason(ep: EntryPoint, allowed: frozenset[str] | None) -> str | None:
+    """Why ``ep`` is skipped as a vLLM plugin, or None (always None when VLLM_PLUGINS is set: a
+    listed plugin is loaded whatever it targets, and an unlisted one is not allowed anyway)."""
+    if allowed is not None:
+        return None
+    why = targets_vllm_reason(ep)
+    return f"{why}; {_FOREIGN_REMEDY}" if why else None
+
+
 def load_plugins_by_group(
     group: str,
     *,
@@ -189,6 +225,7 @@ def load_plugins_by_group(
     with _lock:
         if allowed:
             _warn_unknown_names(allowed)
+        _note_foreign_plugins()
         for ep in discover(group):
             key = (group, ep.name)
             if key in _loaded:
@@ -196,6 +233,10 @@ def load_plugins_by_group(
                 continue
             if allowed is not None and ep.name not in allowed:
                 _record(ep, group, NOT_ALLOWED, "not listed in VLLM_PLUGINS")
+                continue
+            foreign = _foreign_reason(ep, allowed)
+            if foreign:
+                _record(ep, group, TARGETS_VLLM, foreign)
                 continue
             prev = _records.get(key)
             if prev is not None and prev.status == FAILED:
@@ -209,10 +250,16 @@ def load_plugins_by_group(
             except BaseException as e:
                 if isinstance(e, KeyboardInterrupt):
                     raise
+                explicit = allowed is not None and ep.name in allowed
+                if not explicit and is_missing_vllm(e):
+                    why = f"imports {e.name}, which is not installed: written for vLLM"  # type: ignore[attr-defined]
+                    _record(ep, group, TARGETS_VLLM, f"{why}; {_FOREIGN_REMEDY}")
+                    logger.info("Plugin %r (%s) skipped: %s", ep.name, _origin(*_dist_of(ep)), why)
+                    continue
                 rec = _record(ep, group, FAILED, f"import failed: {type(e).__name__}: {e}")
                 if isinstance(e, reraise):
                     raise
-                _report_failure(rec, e, explicit=allowed is not None and ep.name in allowed)
+                _report_failure(rec, e, explicit=explicit)
                 continue
             finally:
                 _state.loading = None
@@ -268,6 +315,8 @@ def plugin_records(*, discover_all: bool = True) -> list[PluginRecord]:
                         allowed = allowed_plugins()
                         if allowed is not None and ep.name not in allowed:
                             _record(ep, group, NOT_ALLOWED, "not listed in VLLM_PLUGINS")
+                        elif foreign := _foreign_reason(ep, allowed):
+                            _record(ep, group, TARGETS_VLLM, foreign)
                         else:
                             _record(ep, group, DISCOVERED)
         order = {g: i for i, g in enumerate(GROUPS)}
@@ -295,10 +344,11 @@ def load_general_plugins() -> None:
 
 def _reset_for_tests() -> None:
     """Forget everything loaded (tests only; plugins' side effects are not undone)."""
-    global _general_loaded
+    global _general_loaded, _foreign_noted
     with _general_lock, _lock:
         _records.clear()
         _loaded.clear()
         _warned_unknown.clear()
         _warned_conflicts.clear()
         _general_loaded = False
+        _foreign_noted = False

@@ -38,12 +38,14 @@ _PLUGIN_ENV = ("VLLM_PLUGINS", "VLLM_PLATFORM", "VLLM_ATTENTION_BACKEND")
 
 @dataclass(frozen=True)
 class FakeDistribution:
-    """One distribution: metadata, entry points by group, and module sources by relative path."""
+    """One distribution: metadata, entry points by group, module sources by relative path, and its
+    requirements (``Requires-Dist`` lines, e.g. ``"vllm>=0.8"``)."""
 
     name: str
     version: str = "0.0.1"
     entry_points: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     modules: Mapping[str, str] = field(default_factory=dict)
+    requires: Sequence[str] = ()
 
     @property
     def dist_info_name(self) -> str:
@@ -69,8 +71,9 @@ def build_distributions(root: Path | str, *dists: FakeDistribution) -> Path:
     for dist in dists:
         info = root / dist.dist_info_name
         info.mkdir(exist_ok=True)
+        requires = "".join(f"Requires-Dist: {r}\n" for r in dist.requires)
         (info / "METADATA").write_text(
-            f"Metadata-Version: 2.1\nName: {dist.name}\nVersion: {dist.version}\n"
+            f"Metadata-Version: 2.1\nName: {dist.name}\nVersion: {dist.version}\n{requires}"
         )
         if dist.entry_points:
             (info / "entry_points.txt").write_text(_entry_points_txt(dist.entry_points))
