@@ -92,7 +92,9 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and not self.engine.has_unfinished_requests():
+                # Only while callers wait: an offline generate() on the same engine between
+                # requests (tests compare with it) must not have its steps taken by this thread.
+                while not self._stop and not (self._routes and self.engine.has_unfinished_requests()):  # fmt: skip
                     self._cv.wait()
                 if self._stop:
                     return

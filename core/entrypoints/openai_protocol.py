@@ -1,8 +1,10 @@
 """OpenAI-compatible request parsing and response shapes for ``llmhal serve``.
 
-Only what the engine really supports is accepted; anything else is a 400 that names the field.
-vLLM's extensions ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``,
-``repetition_penalty``, ``allowed_token_ids`` and ``bad_words`` are accepted too, and structured outputs as
+Fields the server does not know are ignored (the server logs each name once), as in vLLM; the
+values of those it uses are checked here, and a bad one is a 400 that names the field and its
+rule. vLLM's extensions ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``,
+``repetition_penalty``, ``allowed_token_ids``, ``bad_words``, ``include_stop_str_in_output`` and
+``prompt_logprobs`` are taken too, and structured outputs as
 OpenAI's ``response_format`` (``json_object``, ``json_schema``) or vLLM's ``structured_outputs``, and
 vLLM's ``cache_salt`` (requests share cached prompt prefixes only with requests of the same salt).
 
@@ -36,21 +38,9 @@ _SAMPLING_FIELDS = {
     "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
     "repetition_penalty": "repetition_penalty", "allowed_token_ids": "allowed_token_ids",
     "bad_words": "bad_words", "skip_special_tokens": "skip_special_tokens",
+    "include_stop_str_in_output": "include_stop_str_in_output",
+    "prompt_logprobs": "prompt_logprobs",
 }  # fmt: skip
-_IGNORED = {
-    "model",
-    "tools",  # chat_tools reads these two
-    "tool_choice",
-    "stream",
-    "user",
-    "n",
-    "logprobs",
-    "top_logprobs",
-    "stream_options",
-    "messages",
-    "prompt",
-    "cache_salt",  # salted() reads it
-}
 # Choices (prompts x n) one request may ask for: each is a request in the engine, and a body of a
 # few bytes must not be able to queue millions of them.
 MAX_CHOICES = 256
@@ -61,20 +51,12 @@ def sampling_params(
 ) -> SamplingParams:
     """The request's SamplingParams; ``defaults`` (the model's generation_config.json settings,
     under SamplingParams' names) fill what the body leaves out, as in vLLM."""
-    unknown = sorted(
-        set(body) - set(_SAMPLING_FIELDS) - _IGNORED
-        - {"echo", "logit_bias", "response_format", "structured_outputs"}
-    )  # fmt: skip
-    if unknown:
-        hint = ""
-        if any(u.startswith("guided_") for u in unknown):  # vLLM's older names
-            hint = "; constrain the output with structured_outputs (json, regex, choice, grammar) or response_format"  # fmt: skip
-        raise BadRequest(f"unsupported field(s): {', '.join(unknown)}{hint}")
+    guided = sorted(k for k in body if k.startswith("guided_"))
+    if guided:  # ignoring them (vLLM logs a warning) would answer unconstrained
+        raise BadRequest(f"{', '.join(guided)}: vLLM's removed guided decoding fields; constrain the output with structured_outputs (json, regex, choice, grammar) or response_format")  # fmt: skip
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
         raise BadRequest(f"echo must be true or false, got {echo!r}")
-    if echo and chat:
-        raise BadRequest("echo is only supported on /v1/completions")
     kwargs: dict[str, Any] = {"max_tokens": None if chat else 16, **(defaults or {})}
     if body.get("n") is not None:
         kwargs["n"] = body["n"]
@@ -86,11 +68,11 @@ def sampling_params(
             kwargs["logprobs"] = body.get("top_logprobs") or 0
     elif body.get("logprobs") is not None:
         kwargs["logprobs"] = body["logprobs"]
-        if echo:
+        if echo and body.get("prompt_logprobs") is None:
             kwargs["prompt_logprobs"] = body["logprobs"]
     if body.get("logit_bias") is not None:
         kwargs["logit_bias"] = _logit_bias(body["logit_bias"])
-    if echo_only(body):
+    if echo_only(body) and not chat:
         kwargs["max_tokens"] = 1  # one token is generated, then left out of the answer
     try:
         so = structured_outputs(body)
@@ -160,19 +142,24 @@ def without_generation(out: RequestOutput) -> RequestOutput:
     return dataclasses.replace(out, outputs=[empty])
 
 
-def stream_options(body: dict[str, Any]) -> bool:
-    """Whether a stream ends with a usage chunk (``stream_options.include_usage``, OpenAI's rule)."""
+def stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(whether a stream ends with a usage chunk, whether every chunk carries the usage so far):
+    ``stream_options.include_usage`` (OpenAI's) and ``continuous_usage_stats`` (vLLM's, with
+    include_usage only)."""
     opts = body.get("stream_options")
     if opts is None:
-        return False
-    if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
-        raise BadRequest("stream_options must be an object with at most 'include_usage'")
+        return False, False
+    if not isinstance(opts, dict):
+        raise BadRequest("stream_options must be an object ({include_usage, continuous_usage_stats})")  # fmt: skip
     if not body.get("stream"):
         raise BadRequest("stream_options is only allowed with stream: true")
-    include = opts.get("include_usage", False)
-    if not isinstance(include, bool):
-        raise BadRequest("stream_options.include_usage must be true or false")
-    return include
+    flags = []
+    for name in ("include_usage", "continuous_usage_stats"):
+        value = opts.get(name, False)
+        if not isinstance(value, bool):
+            raise BadRequest(f"stream_options.{name} must be true or false")
+        flags.append(value)
+    return flags[0], flags[0] and flags[1]
 
 
 def _is_ids(x: Any) -> bool:

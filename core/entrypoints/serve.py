@@ -1,425 +1,114 @@
-"""``llmhal serve``: an OpenAI-compatible HTTP server over the engine (stdlib only).
+"""``llmhal serve``: an OpenAI-compatible HTTP server over the engine (FastAPI on uvicorn).
 
-Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
-and vLLM's ``GET /metrics`` (Prometheus; :mod:`llmhal.entrypoints.metrics`), ``GET /version``,
-``POST /tokenize`` and ``POST /detokenize`` (:mod:`llmhal.entrypoints.tokenization`).
-``"stream": true`` answers with server-sent events, with the token log-probabilities when asked,
-and a usage event under ``stream_options.include_usage``. A request may ask for ``n`` completions,
-and a completions request may send several prompts; every one is a request to the engine, and
-requests from concurrent clients are batched by the engine loop. The ``model`` field must name the
-served model (or be left out), else 404, as in vLLM. Bad input is a 400 whose message says what to
-change; the server keeps serving.
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as server-sent events
+with ``"stream": true``), ``GET /v1/models``, ``GET /health``, ``/ping``, ``/load``, vLLM's
+``GET /metrics`` (Prometheus; :mod:`llmhal.entrypoints.metrics`), ``GET /version``, ``POST
+/tokenize`` and ``POST /detokenize`` (:mod:`llmhal.entrypoints.tokenization`), ``GET
+/tokenizer_info`` (with ``--enable-tokenizer-info-endpoint``), and ``GET /openapi.json`` and
+``/docs``. The app is :mod:`llmhal.entrypoints.api_server`; requests are run by
+:mod:`llmhal.entrypoints.api_completions`. Requests from concurrent clients are batched by the
+engine loop; connections are the ASGI server's (one event loop, no thread per connection). FastAPI
+and uvicorn are imported only when a server is built (``import llmhal`` stays cheap).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import asyncio
 import json
-import queue
-import select
+import os
 import signal
 import socket
 import sys
 import threading
-import time
-import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from llmhal.engine.engine_loop import EngineStopped
-from llmhal.entrypoints import chat_tools, tokenization
-from llmhal.entrypoints import openai_protocol as api
-from llmhal.entrypoints.chat_output import ChatOutput, splits_reasoning
 from llmhal.entrypoints.engine_args import add_engine_args, build_llm
-from llmhal.entrypoints.metrics import CONTENT_TYPE, PrometheusStatLogger
 from llmhal.logger import init_logger
 
 logger = init_logger(__name__)
 
-# A client that sends part of a request and stalls is dropped after this many seconds (each one
-# otherwise held a thread and a socket for as long as it liked).
-READ_TIMEOUT_S = 60.0
-# Larger bodies are a 413 (reading one allocates its whole size first).
-MAX_BODY_BYTES = 32 << 20
 # On Ctrl-C or SIGTERM, requests in flight are ended and their clients told so; their handlers get
 # this long to write that before the process exits.
 SHUTDOWN_GRACE_S = 5.0
-ROUTES = (
-    "the routes are GET /health, /v1/models, /metrics, /version and POST /v1/completions, "
-    "/v1/chat/completions, /tokenize, /detokenize"
-)
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+# uvicorn answers 503 past this many connections and requests in progress.
+DEFAULT_MAX_CONNECTIONS = 2048
 
 
-class ServerState:
-    """What every request handler shares: the engine loop and the served model's name."""
+class ApiServer:
+    """uvicorn serving the app on a socket bound at construction (so ``server_address`` is known
+    at once, port 0 included), with the ``socketserver`` calls the CLI and tests use:
+    :meth:`serve_forever` (blocking), :meth:`shutdown` (from another thread: stop accepting
+    connections) and :meth:`server_close`."""
 
-    def __init__(self, llm: Any, model_name: str) -> None:
-        from llmhal.engine.engine_loop import EngineLoop
+    def __init__(self, app: Any, state: Any, host: str, port: int, max_connections: int) -> None:
+        import uvicorn
 
-        self.llm = llm
-        self.model_name = model_name
-        self.loop = EngineLoop(llm.engine)
-        self.started = int(time.time())
-        # The model's generation_config.json settings, for fields a request leaves out (vLLM).
-        self.defaults = dict(llm.engine.config.extra.get("generation_defaults") or {})
-        # POST handlers still running (each a thread), so a shutdown can wait for their answers.
-        self.active = 0
-        self.idle = threading.Condition()
-        self.token_text = llm.engine.token_text  # OpenAI's `token` of a log-probability entry
-        # GET /metrics: vLLM adds its Prometheus logger to the engine's unless one is supplied;
-        # here it joins any plugin loggers.
-        self.metrics = PrometheusStatLogger(llm.engine.config, model_name=model_name)
-        llm.engine.stat_loggers.append(self.metrics)
-        self.tool_parser_cls: Any = None  # build_server's tool_call_parser
-        self.tool_parser_name = ""
-        self.auto_tools = False
-        self.reasoning_cls: Any = None  # build_server's reasoning_parser
-        self.prompt_tokens_details = False  # build_server's enable_prompt_tokens_details
+        self.state = state
+        self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind((host, port))
+        self.socket.listen(2048)
+        self.server_address = self.socket.getsockname()[:2]
+        config = uvicorn.Config(
+            app, log_config=None, access_log=False, lifespan="off", backlog=2048,
+            timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S), limit_concurrency=max_connections,
+            timeout_keep_alive=5,
+        )  # fmt: skip
+        self._uv = _uvicorn_server_class()(config)
+        self._running = threading.Event()
+        self._done = threading.Event()
+        self._done.set()
 
+    def serve_forever(self, end_requests_on_stop: bool = False) -> None:
+        """Serve until :meth:`shutdown` (or, in the main thread, Ctrl-C/SIGTERM); with
+        ``end_requests_on_stop`` the requests in flight are ended (:func:`shutdown_server`) as
+        soon as the port closes, so their answers are written before this returns."""
+        self._uv.on_stop = (lambda: self.state.loop.shutdown()) if end_requests_on_stop else None
+        self._done.clear()
+        self._running.set()
+        try:
+            self._uv.run(sockets=[self.socket])
+        finally:
+            self._running.clear()
+            self._done.set()
 
-def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "llmhal"
+    def shutdown(self) -> None:
+        """Stop accepting connections; requests in flight go on (end them with
+        :func:`shutdown_server`). Returns once the port is closed."""
+        self._uv.should_exit = True
+        if self._running.is_set():
+            self._uv.stopped_listening.wait(timeout=10)
 
-        @property
-        def timeout(self) -> float:  # socketserver applies it to the connection (reads and writes)
-            return READ_TIMEOUT_S
+    def server_close(self) -> None:
+        self.socket.close()
 
-        def log_message(self, format: str, *args: Any) -> None:
-            logger.info("%s %s", self.address_string(), format % args)
-
-        def _json(self, code: int, body: dict[str, Any]) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _error(self, code: int, message: str, kind: str = "invalid_request_error") -> None:
-            try:
-                self._json(code, {"error": {"message": message, "type": kind, "code": code}})
-            except OSError:  # the client is gone (or stalled): nobody to tell
-                self.close_connection = True
-
-        def _client_gone(self) -> bool:
-            """Whether the client closed its end (readable with nothing to read)."""
-            try:
-                readable, _, _ = select.select([self.connection], [], [], 0)
-                return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
-            except (BlockingIOError, InterruptedError):
-                return False
-            except OSError:
-                return True
-
-        def do_GET(self) -> None:
-            if self.path == "/health":
-                self._json(200, {"status": "ok"})
-            elif self.path == "/v1/models":
-                model = {
-                    "id": state.model_name,
-                    "object": "model",
-                    "created": state.started,
-                    "owned_by": "llmhal",
-                }
-                self._json(200, {"object": "list", "data": [model]})
-            elif self.path == "/metrics":
-                data = state.metrics.render().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", CONTENT_TYPE)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-            elif self.path == "/version":
-                from llmhal import __version__
-
-                self._json(200, {"version": __version__})
-            else:
-                self._error(
-                    404,
-                    f"no route {self.path}; {ROUTES}",
-                    "not_found",
-                )
-
-        def do_POST(self) -> None:
-            with state.idle:
-                state.active += 1
-            try:
-                self._post()
-            finally:
-                with state.idle:
-                    state.active -= 1
-                    state.idle.notify_all()
-
-        def _body(self) -> dict[str, Any] | None:
-            """The request's JSON object, its ``model`` checked; None once an error is sent (or
-            the client is gone)."""
-            try:
-                length = int(self.headers.get("Content-Length") or 0)
-                if length < 0:
-                    raise api.BadRequest("Content-Length must not be negative")
-                if length > MAX_BODY_BYTES:
-                    self._error(
-                        413, f"the body is over {MAX_BODY_BYTES} bytes", "payload_too_large"
-                    )
-                    return None
-                raw = self.rfile.read(length)
-                if len(raw) < length:
-                    self.close_connection = True  # the client closed mid-body
-                    return None
-                body = json.loads(raw or b"{}")
-                if not isinstance(body, dict):
-                    raise api.BadRequest("the request body must be a JSON object")
-            except (api.BadRequest, ValueError) as e:
-                self._error(400, str(e))
-                return None
-            except RecursionError:
-                self._error(400, "the JSON body is nested too deeply")
-                return None
-            except OSError:  # a read timeout or a reset: drop the connection quietly
-                self.close_connection = True
-                return None
-            model = body.get("model")
-            if model is not None and model != state.model_name:
-                # vLLM's answer: the model field must name the served model (or be left out).
-                self._error(
-                    404,
-                    f"The model `{model}` does not exist; this server serves "
-                    f"`{state.model_name}` (GET /v1/models)",
-                    "NotFoundError",
-                )
-                return None
-            return body
-
-        def _post(self) -> None:
-            chat = self.path == "/v1/chat/completions"
-            tokens = {"/tokenize": tokenization.tokenize, "/detokenize": tokenization.detokenize}.get(self.path)  # fmt: skip
-            if not chat and tokens is None and self.path != "/v1/completions":
-                self._error(404, f"no route {self.path}; {ROUTES}", "not_found")
-                return
-            body = self._body()
-            if body is None:
-                return
-            if tokens is not None:
-                try:
-                    self._json(200, tokens(body, state.llm))
-                except (api.BadRequest, ValueError, TypeError) as e:
-                    self._error(400, str(e))
-                except OSError:
-                    self.close_connection = True
-                except Exception as e:  # e.g. a chat template that raises
-                    self._error(400, f"{self.path[1:]} failed: {e}")
-                return
-            tools = None
-            try:
-                if chat:
-                    tools = chat_tools.plan(body, state.llm.get_tokenizer(), state.tool_parser_cls, state.auto_tools)  # fmt: skip
-                    if tools is not None and tools.parser_cls is not None:
-                        if body.get("stream") and not chat_tools.can_stream(tools.parser_cls):
-                            raise api.BadRequest(f"the {state.tool_parser_name} tool parser cannot read a stream; send stream: false")  # fmt: skip
-                        body = tools.parser().adjust_request(body)  # type: ignore[union-attr]
-                elif "tools" in body or "tool_choice" in body:
-                    raise api.BadRequest("tools are only supported on /v1/chat/completions")
-                params = api.sampling_params(body, chat=chat, defaults=state.defaults)
-                if tools is not None and tools.structured is not None:
-                    if params.structured_outputs is not None:
-                        raise api.BadRequest("a named or required tool_choice already constrains the output; drop response_format/structured_outputs")  # fmt: skip
-                    params = dataclasses.replace(params, structured_outputs=tools.structured)
-                include_usage = api.stream_options(body)
-                if chat:
-                    template_tools = tools.tools if tools is not None else None
-                    prompts = [state.llm.chat_prompt(api.chat_messages(body), tools=template_tools)]
-                else:
-                    prompts = api.completion_prompts(body)
-                rids, q = state.loop.submit(api.choices(api.salted(prompts, body), params))
-            except EngineStopped as e:
-                self._error(503, str(e), "service_unavailable")
-                return
-            except (api.BadRequest, ValueError, TypeError) as e:
-                self._error(400, str(e))
-                return
-            except Exception as e:  # never leave the client without an answer
-                logger.exception("Could not queue a request")
-                self._error(500, f"could not queue the request: {e}", "server_error")
-                return
-            echo = self._prompt_text if body.get("echo") else None
-            # OpenAI's id shapes, unique across restarts (the engine's request ids are not).
-            rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            output = None
-            if chat and (tools is not None or state.reasoning_cls is not None):
-                ids = prompts[0].get("prompt_token_ids") if isinstance(prompts[0], dict) else None
-                reasoning_cls = splits_reasoning(
-                    state.reasoning_cls, state.llm.get_tokenizer(), params.structured_outputs,
-                    state.llm.engine.reasoner is not None, ids or [],
-                )  # fmt: skip
-                output = ChatOutput(tools, reasoning_cls, state.llm.get_tokenizer(), body)
-            answer = Answer(rid, len(rids), params.n, chat, echo, api.echo_only(body), output, rids)  # fmt: skip
-            try:
-                if body.get("stream"):
-                    self._stream(answer, q, include_usage)
-                else:
-                    self._complete(answer, q)
-            except OSError:  # the client went away or stalled: stop generating for it
-                self.close_connection = True
-                state.loop.abort(rids)
-
-        def _prompt_text(self, out: Any) -> str:
-            """An echoed prompt: as sent, or a token-id prompt's decoded text."""
-            if out.prompt is not None:
-                return out.prompt
-            return state.llm.get_tokenizer().decode(out.prompt_token_ids)
-
-        def _updates(self, q: Any, answer: Answer):
-            from llmhal.engine.engine_loop import FINISHED
-
-            checked = time.monotonic()
-            while True:
-                # A client who hangs up is looked for every quarter second (streams notice when a
-                # write fails; a non-streaming request would otherwise run to max_tokens).
-                try:
-                    item = q.get(timeout=0.25)
-                except queue.Empty:
-                    item = None
-                if time.monotonic() - checked >= 0.25:
-                    checked = time.monotonic()
-                    if self._client_gone():
-                        raise ConnectionResetError("the client closed the connection")
-                if item is None:
-                    continue
-                if item is FINISHED:
-                    return
-                if isinstance(item, Exception):
-                    raise item
-                index, out = item
-                yield index, api.without_generation(out) if answer.echo_only else out
-
-        def _complete(self, answer: Answer, q: Any) -> None:
-            last: list[Any] = [None] * answer.size
-            try:
-                for index, out in self._updates(q, answer):
-                    last[index] = out
-            except OSError:
-                raise
-            except EngineStopped as e:
-                self._error(503, f"{e}; the request was ended unfinished", "service_unavailable")
-                return
-            except Exception as e:
-                self._error(500, f"generation failed: {e}", "server_error")
-                return
-            try:  # a parser plugin may fail on this text
-                body = api.full_response(
-                    answer.id,
-                    state.model_name,
-                    last,
-                    chat=answer.chat,
-                    n=answer.n,
-                    token_text=state.token_text,
-                    echo=answer.echo,
-                    output=answer.output,
-                    details=state.prompt_tokens_details,
-                )
-            except Exception as e:
-                logger.exception("Could not read the answer's reasoning or tool calls")
-                self._error(500, f"reading the answer failed: {e}", "server_error")
-                return
-            self._json(200, body)
-
-        def _stream(self, answer: Answer, q: Any, include_usage: bool) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            # Per choice: characters and tokens already sent, and where the tokens' text starts.
-            chars = [0] * answer.size
-            tokens = [0] * answer.size
-            offsets = [0] * answer.size
-            last: list[Any] = [None] * answer.size
-            streams = [answer.output.stream() for _ in range(answer.size)] if answer.output else None  # fmt: skip
-            try:
-                for index, out in self._updates(q, answer):
-                    last[index] = out
-                    text, ids, entries = api.choice_view(out, answer.echo)
-                    delta = text[chars[index] :]
-                    if not delta and not out.finished:
-                        continue  # bytes of a character still incomplete: send them with it
-                    finish, calls, reasoning = out.outputs[0].finish_reason, [], ""
-                    if streams is not None:
-                        delta, reasoning, calls, finish = streams[index].step(text, ids, finish)
-                        if not delta and not reasoning and not calls and finish is None:
-                            continue  # held back (a tag or a call being written)
-                    logprobs = api.logprobs_of(
-                        ids[tokens[index] :],
-                        None if entries is None else entries[tokens[index] :],
-                        answer.chat,
-                        state.token_text,
-                        offsets[index],
-                    )
-                    if logprobs is not None and not answer.chat:
-                        offsets[index] += sum(len(t) for t in logprobs["tokens"])
-                    first = chars[index] == 0 and tokens[index] == 0
-                    if reasoning and (delta or calls or finish):
-                        # A delta carries reasoning or an answer, never both (vLLM's rule).
-                        self._chunk(answer, index, "", None, include_usage, first=first, reasoning=reasoning)  # fmt: skip
-                        reasoning, first = "", False
-                    self._chunk(
-                        answer, index, delta, finish, include_usage, first=first,
-                        logprobs=logprobs, tool_calls=[c.to_dict() for c in calls], reasoning=reasoning,
-                    )  # fmt: skip
-                    chars[index], tokens[index] = len(text), len(ids)
-                if include_usage:
-                    usage = api.usage_chunk(answer.id, state.model_name, last, chat=answer.chat, n=answer.n, details=state.prompt_tokens_details)  # fmt: skip
-                    self._event(usage)
-            except OSError:
-                raise
-            except Exception as e:
-                state.loop.abort(list(answer.rids))  # nobody will read the other choices now
-                stopped = isinstance(e, EngineStopped)
-                message = (
-                    f"{e}; the request was ended unfinished"
-                    if stopped
-                    else f"generation failed: {e}"
-                )
-                kind = "service_unavailable" if stopped else "server_error"
-                self._event({"error": {"message": message, "type": kind}})
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
-
-        def _chunk(self, answer: Answer, index: int, delta: str, finish: str | None, include_usage: bool, **kw: Any) -> None:  # fmt: skip
-            chunk = api.stream_chunk(answer.id, state.model_name, delta, finish, chat=answer.chat, index=index, **kw)  # fmt: skip
-            if include_usage:
-                chunk["usage"] = None  # OpenAI's shape: the counts come last
-            self._event(chunk)
-
-        def _event(self, body: dict[str, Any]) -> None:
-            self.wfile.write(b"data: " + json.dumps(body).encode() + b"\n\n")
-            self.wfile.flush()
-
-    return Handler
+    @property
+    def ended(self) -> int:
+        return self._uv.ended
 
 
-@dataclass(frozen=True)
-class Answer:
-    """What a response is built around: its id, how many choices, how many
-    completions per prompt, whether it is a chat completion, and for ``echo`` what gives a
-    choice's prompt text and whether only the prompt comes back."""
+def _uvicorn_server_class() -> type:
+    import uvicorn
 
-    id: str
-    size: int
-    n: int
-    chat: bool
-    echo: Callable[[Any], str] | None = None
-    echo_only: bool = False
-    output: Any = None  # chat_output.ChatOutput: reasoning and tool calls read from the text
-    rids: tuple[str, ...] | list[str] = ()  # the engine's requests behind the choices
+    class Server(uvicorn.Server):
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.stopped_listening = threading.Event()
+            self.on_stop: Any = None
+            self.ended = 0
 
+        async def shutdown(self, sockets: Any = None) -> None:
+            for server in self.servers:
+                server.close()
+            self.stopped_listening.set()
+            if self.on_stop is not None:  # end the requests in flight, so their clients hear
+                loop = asyncio.get_running_loop()
+                self.ended = await loop.run_in_executor(None, self.on_stop)
+            await super().shutdown(sockets)
 
-class _Server(ThreadingHTTPServer):
-    # socketserver's default listen queue is 5: a burst of 40 clients saw connection resets.
-    request_queue_size = 256
+    return Server
 
 
 def build_server(
@@ -432,14 +121,24 @@ def build_server(
     enable_auto_tool_choice: bool = False,
     reasoning_parser: str | None = None,
     enable_prompt_tokens_details: bool = False,
-) -> ThreadingHTTPServer:
+    api_key: str | None = None,
+    allowed_origins: list[str] | None = None,
+    root_path: str = "",
+    disable_log_requests: bool = False,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    enable_tokenizer_info_endpoint: bool = False,
+    trust_request_chat_template: bool = False,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+) -> ApiServer:
     """The server of ``llm``; clients name the model ``model_name`` (default: the model's path,
     or ``SmolLM2-135M-Instruct.Q4_1`` for the default model, as the CLI does).
     ``tool_call_parser`` names the parser that reads ``tool_choice: "auto"`` calls, which
     ``enable_auto_tool_choice`` allows (vLLM's two flags); ``reasoning_parser`` splits chat
     answers' reasoning off (it is checked against the model's vocabulary now). Unknown names are a
     KeyError. ``enable_prompt_tokens_details`` adds the prompt tokens found in the prefix cache to
-    each answer's usage (vLLM's flag)."""
+    each answer's usage (vLLM's flag). The other settings are the CLI flags of the same names."""
+    from llmhal.entrypoints.api_server import ServerState, build_app
+
     # Every name is checked before anything starts (the engine loop, the listening socket).
     tool_cls = None
     if tool_call_parser is not None:
@@ -467,10 +166,17 @@ def build_server(
     state.auto_tools = enable_auto_tool_choice
     state.reasoning_cls = reasoning_cls
     state.prompt_tokens_details = enable_prompt_tokens_details
-    server = _Server((host, port), make_handler(state))
-    server.daemon_threads = True
-    server.state = state  # type: ignore[attr-defined]
-    return server
+    state.api_key = api_key
+    state.log_requests = not disable_log_requests
+    state.max_request_bytes = max_request_bytes
+    state.tokenizer_info = enable_tokenizer_info_endpoint
+    state.trust_request_chat_template = trust_request_chat_template
+    app = build_app(state, root_path=root_path, allowed_origins=allowed_origins)
+    try:
+        return ApiServer(app, state, host, port, max_connections)
+    except OSError:
+        state.loop.shutdown()
+        raise
 
 
 def _default_name(model_path: str) -> str:
@@ -479,17 +185,15 @@ def _default_name(model_path: str) -> str:
     return FILENAME.removesuffix(".gguf") if model_path.endswith(FILENAME) else model_path
 
 
-def shutdown_server(server: ThreadingHTTPServer, grace_s: float = SHUTDOWN_GRACE_S) -> int:
+def shutdown_server(server: ApiServer, grace_s: float = SHUTDOWN_GRACE_S) -> int:
     """Stop listening, end the requests in flight (their clients get a 503, or an error event and
     ``[DONE]`` on a stream), and wait up to ``grace_s`` for those answers to be written. Returns
-    how many requests were ended. Call after ``serve_forever`` has returned."""
-    state: ServerState = server.state  # type: ignore[attr-defined]
+    how many requests were ended."""
+    server.shutdown()
+    ended = server.ended + server.state.loop.shutdown()
+    server._done.wait(grace_s)
     server.server_close()
-    ended = state.loop.shutdown()
-    deadline = time.monotonic() + grace_s
-    with state.idle:
-        while state.active and time.monotonic() < deadline:
-            state.idle.wait(timeout=max(0.0, deadline - time.monotonic()))
+    server.state.workers.shutdown(wait=False)
     return ended
 
 
@@ -557,6 +261,44 @@ def main(argv: list[str] | None = None) -> int:
         help="report the prompt tokens found in the prefix cache in each answer's usage "
         "(prompt_tokens_details.cached_tokens)",
     )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("VLLM_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $VLLM_API_KEY; /health, "
+        "/metrics and the other routes stay open, as in vLLM)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        type=json.loads,
+        default=["*"],
+        help='CORS: origins allowed to call the server, a JSON list (default ["*"], as vLLM)',
+    )
+    p.add_argument("--root-path", default="", help="the path prefix a proxy serves this under")
+    p.add_argument(
+        "--disable-log-requests", action="store_true", help="do not log each request's line"
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help=f"larger request bodies are a 413 (default {DEFAULT_MAX_REQUEST_BYTES >> 20} MiB)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help=f"connections and requests in progress at most; past it a 503 (default {DEFAULT_MAX_CONNECTIONS})",
+    )
+    p.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="serve GET /tokenizer_info (the tokenizer's class, settings and chat template)",
+    )
+    p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests send their own chat_template (a template is code the server runs)",
+    )
     a = p.parse_args(argv)
     if a.reasoning_parser_plugin:
         from llmhal.reasoning.manager import ReasoningParserManager
@@ -596,6 +338,11 @@ def main(argv: list[str] | None = None) -> int:
             llm, a.host, a.port, a.served_model_name or a.model,
             tool_call_parser=a.tool_call_parser, enable_auto_tool_choice=a.enable_auto_tool_choice,
             reasoning_parser=a.reasoning_parser, enable_prompt_tokens_details=a.enable_prompt_tokens_details,
+            api_key=a.api_key, allowed_origins=a.allowed_origins, root_path=a.root_path,
+            disable_log_requests=a.disable_log_requests, max_request_bytes=a.max_request_bytes,
+            enable_tokenizer_info_endpoint=a.enable_tokenizer_info_endpoint,
+            trust_request_chat_template=a.trust_request_chat_template,
+            max_connections=a.max_connections,
         )  # fmt: skip
     except (ValueError, RuntimeError) as e:  # a reasoning parser whose tags the model lacks
         print(f"llmhal serve: {e}", file=sys.stderr)
@@ -606,10 +353,11 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"llmhal serve: http://{a.host}:{server.server_address[1]}/v1 ({server.state.model_name})",
         file=sys.stderr,
-    )  # type: ignore[attr-defined]
+    )
+    # uvicorn catches SIGTERM and Ctrl-C, stops, then raises the signal again: as KeyboardInterrupt.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        server.serve_forever()
+        server.serve_forever(end_requests_on_stop=True)
     except KeyboardInterrupt:
         pass
     finally:

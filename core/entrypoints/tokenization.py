@@ -11,6 +11,7 @@ use for the same input, so a client can count or trim a prompt before sending it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from llmhal.entrypoints.openai_protocol import BadRequest, chat_messages
@@ -26,10 +27,14 @@ def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def tokenize(body: dict[str, Any], llm: Any) -> dict[str, Any]:
-    unknown = sorted(set(body) - _TOKENIZE_FIELDS)
-    if unknown:
-        raise BadRequest(f"unsupported field(s) for /tokenize: {', '.join(unknown)}")
+def _ignore(note: Callable[[set[str]], None] | None, fields: set[str]) -> None:
+    """Unknown fields are ignored (vLLM's rule), and ``note`` logs their names."""
+    if fields and note is not None:
+        note(fields)
+
+
+def tokenize(body: dict[str, Any], llm: Any, note: Callable[[set[str]], None] | None = None) -> dict[str, Any]:  # fmt: skip
+    _ignore(note, set(body) - _TOKENIZE_FIELDS)
     if ("prompt" in body) == ("messages" in body):
         raise BadRequest("send either 'prompt' (a string) or 'messages' (a chat), not both")
     if "messages" in body:
@@ -55,10 +60,8 @@ def tokenize(body: dict[str, Any], llm: Any) -> dict[str, Any]:
     }
 
 
-def detokenize(body: dict[str, Any], llm: Any) -> dict[str, Any]:
-    unknown = sorted(set(body) - {"model", "tokens"})
-    if unknown:
-        raise BadRequest(f"unsupported field(s) for /detokenize: {', '.join(unknown)}")
+def detokenize(body: dict[str, Any], llm: Any, note: Callable[[set[str]], None] | None = None) -> dict[str, Any]:  # fmt: skip
+    _ignore(note, set(body) - {"model", "tokens"})
     ids = body.get("tokens")
     vocab = len(llm.get_tokenizer())
     if not isinstance(ids, list) or not all(

@@ -109,7 +109,6 @@ def test_tokenize_gives_the_ids_the_completion_endpoints_use(server):
         ("/tokenize", {}, "either"),
         ("/tokenize", {"prompt": [1, 2]}, "must be a string"),
         ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, "true or false"),
-        ("/tokenize", {"prompt": "a", "truncate": 3}, "unsupported field"),
         ("/detokenize", {"tokens": [1, 10**9]}, "outside the vocabulary"),
         ("/detokenize", {"tokens": "1 2"}, "list of token ids"),
         ("/detokenize", {"tokens": [1, True]}, "list of token ids"),
