@@ -31,7 +31,11 @@ SUPPORTED_PLATFORM_API_VERSIONS = frozenset({1})
 
 
 class PlatformUnavailable(Exception):
-    """Raised by a probe to say "not available here" with a human-readable reason."""
+    """Raised by a probe to say "not available here" with a human-readable reason.
+
+    Unlike any other exception from a probe, it is never an error, even for a plugin the user listed
+    in ``VLLM_PLUGINS``: a missing device is an answer, a crashing probe is a bug.
+    """
 
 
 class PlatformNotUsableError(RuntimeError):
