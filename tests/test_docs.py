@@ -13,65 +13,53 @@ from pathlib import Path
 import pytest
 
 from llmhal import envs
+from llmhal.entrypoints.new_platform import render
 from llmhal.plugins import GROUPS
 from llmhal.plugins.hookspecs import LlmhalHookSpecs
 from llmhal.testing.distributions import (
     FakeDistribution,
     build_distributions,
-    run_cli,
     run_python,
     subprocess_env,
 )
+from llmhal.testing.tiny_models import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 WALKTHROUGH = DOCS / "writing-a-platform.md"
 REFERENCE = (DOCS / "reference.md").read_text()
 ENV_LITERAL = re.compile(r"""["']((?:LLMHAL|VLLM)_[A-Z0-9_]+)["']""")
-FILE_BLOCK = re.compile(r"```(?:python|toml)\n# file: (\S+)\n(.*?)```", re.S)
-
-# Stands in for the vendor's runtime library, so the walk-through's package finds "a device".
-ACME_RUNTIME = """
-from collections import namedtuple
-
-_Memory = namedtuple("_Memory", "free total")
-
-
-def device_count():
-    return 1
-
-
-def device_name(index):
-    return "Acme NPU 1000"
-
-
-def memory_info(index):
-    return _Memory(24 << 30, 32 << 30)
-
-
-def set_device(index):
-    pass
-
-
-def synchronize(index):
-    pass
-
-
-def manual_seed_all(seed):
-    pass
-"""
+# A file of the walk-through's package: a fenced block whose first line names it (the README's
+# fence is four backticks, as it holds fences of its own).
+FILE_BLOCK = re.compile(
+    r"^(`{3,4})(?:python|toml|markdown)\n(?:# file: (\S+)|<!-- file: (\S+) -->)\n(.*?)^\1$",
+    re.S | re.M,
+)
+PROMPT = "Paris is the capital"
 
 
 def _walkthrough_files() -> dict[str, str]:
-    return dict(FILE_BLOCK.findall(WALKTHROUGH.read_text()))
+    return {
+        code or markdown: text
+        for _, code, markdown, text in FILE_BLOCK.findall(WALKTHROUGH.read_text())
+    }
+
+
+def test_walkthrough_is_the_package_new_platform_writes():
+    files = _walkthrough_files()
+    assert files == render("acme")  # every file, as written: the guide starts from the generator
+    for name, source in files.items():
+        if name.endswith(".py"):
+            ast.parse(source, name)
 
 
 @pytest.fixture(scope="module")
-def acme(tmp_path_factory) -> tuple[Path, Path, Path]:
-    """(the package from the walk-through, a stub acme_runtime, the doc's test file)."""
+def acme(tmp_path_factory) -> tuple[Path, Path]:
+    """(the walk-through's package installed in a throwaway folder, the package's own test file)."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     files = _walkthrough_files()
     project = tomllib.loads(files.pop("pyproject.toml"))["project"]
+    files.pop("README.md")
     test_source = files.pop("tests/test_acme_conformance.py")
     base = tmp_path_factory.mktemp("acme")
     package = build_distributions(
@@ -80,51 +68,14 @@ def acme(tmp_path_factory) -> tuple[Path, Path, Path]:
             project["name"], project["version"], project["entry-points"], modules=files
         ),
     )
-    runtime = build_distributions(
-        base / "runtime",
-        FakeDistribution("acme-runtime", "3.0", modules={"acme_runtime.py": ACME_RUNTIME}),
-    )
     test_file = base / "tests" / "test_acme_conformance.py"
     test_file.parent.mkdir()
     test_file.write_text(test_source)
-    return package, runtime, test_file
+    return package, test_file
 
 
-def test_walkthrough_files_are_complete_python():
-    files = _walkthrough_files()
-    assert {
-        "acme_npu/__init__.py",
-        "acme_npu/platform.py",
-        "acme_npu/attention.py",
-        "acme_npu/ops.py",
-        "pyproject.toml",
-        "tests/test_acme_conformance.py",
-    } <= set(files)
-    for name, source in files.items():
-        if name.endswith(".py"):
-            ast.parse(source, name)
-
-
-def test_walkthrough_platform_is_chosen_when_its_device_is_present(acme):
-    package, runtime, _ = acme
-    proc = run_cli("doctor", "--json", path=[package, runtime])
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
-    assert (report["platform"]["name"], report["platform"]["selected_by"]) == ("acme", "probe")
-    assert report["platform"]["device"]["device_name"] == "Acme NPU 1000"
-    row = next(p for p in report["plugins"] if p["name"] == "acme")
-    assert (row["distribution"], row["version"], row["status"]) == ("acme-npu", "1.0.0", "selected")
-    backends = {b["name"]: b for b in report["attention_backends"]}
-    assert backends["acme_attn"]["provider"] == "acme" and backends["acme_attn"]["available"]
-    ops = {o["name"]: o for o in report["ops"]}
-    assert (ops["rms_norm"]["implementation"], ops["rms_norm"]["source"]) == (
-        "acme_npu.ops:rms_norm",
-        "acme",
-    )
-
-
-def test_walkthrough_platform_explains_a_missing_runtime(acme):
-    package, _, _ = acme
+def test_walkthrough_platform_explains_a_hidden_device(acme):
+    package, _ = acme
     code = """
     import llmhal.platforms as platforms
 
@@ -133,18 +84,21 @@ def test_walkthrough_platform_explains_a_missing_runtime(acme):
     print(sel.name)
     print(acme.status, "|", acme.reason)
     """
-    proc = run_python(code, path=[package])
+    proc = run_python(code, path=[package], env={"ACME_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stderr
     chosen, acme_line = proc.stdout.splitlines()
     assert chosen == "cpu"
-    assert acme_line.startswith("unavailable | the Acme runtime is not installed")
-    assert "pip install acme-runtime" in acme_line
+    assert acme_line == (
+        "unavailable | no acme device is visible (ACME_VISIBLE_DEVICES is set and empty)"
+    )
 
 
-def test_walkthrough_conformance_test_passes(acme):
-    package, _, test_file = acme
+def test_walkthrough_passes_the_kit_and_its_own_conformance_test(acme):
+    # The kit through the pytest plugin (no test file) and the package's test, in one run.
+    package, test_file = acme
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)],
+        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider"]
+        + ["-p", "no:langsmith_plugin", "--llmhal-platform=acme", str(test_file)],
         cwd=test_file.parent,
         env=subprocess_env([package]),
         capture_output=True,
@@ -152,7 +106,87 @@ def test_walkthrough_conformance_test_passes(acme):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert "3 passed, 1 skipped" in proc.stdout  # the live-instance checks need the device
+    for suite in ("llmhal-platform-kit[acme]::TestAcmeKit", "test_acme_conformance.py::TestAcme"):
+        for test in ("test_instance", "test_attention_backend_runs[acme_attn]"):
+            assert re.search(rf"PASSED \S*{re.escape(suite)}\S*::{re.escape(test)}", proc.stdout)
+    assert "12 passed, 2 skipped" in proc.stdout  # skipped: no quantization method declared
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> tuple[Path, list[int]]:
+    """A tiny random Llama checkpoint and transformers' greedy continuation of PROMPT."""
+    import torch
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    model = make_tiny_model(folder, "llama")
+    ids = AutoTokenizer.from_pretrained(folder)(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=8, do_sample=False)
+    return folder, out[0, ids.shape[1] :].tolist()
+
+
+@pytest.fixture(scope="module")
+def acme_commands(acme, tiny_llama) -> dict[str, list[str]]:
+    """stdout of `llmhal doctor --json` and of `llmhal generate --json` in bfloat16 and float32 on
+    the walk-through's package (one interpreter for the three: each start costs seconds)."""
+    package, _ = acme
+    model, _ = tiny_llama
+    code = """
+    import contextlib, io, json, sys
+    from llmhal.entrypoints.cli import main
+
+    gen = ["generate", "--model", sys.argv[1], "--prompt", sys.argv[2], "--no-chat"]
+    gen += ["--max-tokens", "8", "--json"]
+    runs = {
+        "doctor": ["doctor", "--json"],
+        "bfloat16": gen + ["--dtype", "bfloat16"],
+        "float32": gen + ["--dtype", "float32"],
+    }
+    out = {}
+    for key, argv in runs.items():
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            status = main(argv)
+        out[key] = [f"status {status}", *buf.getvalue().splitlines()]
+    print(json.dumps(out))
+    """
+    proc = run_python(code, path=[package], args=[str(model), PROMPT], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    for key, lines in out.items():
+        assert lines[0] == "status 0", (key, proc.stderr[-3000:])
+    return {key: lines[1:] for key, lines in out.items()}
+
+
+def test_walkthrough_platform_is_chosen_when_its_device_is_present(acme_commands):
+    report = json.loads("\n".join(acme_commands["doctor"]))
+    assert (report["platform"]["name"], report["platform"]["selected_by"]) == ("acme", "probe")
+    assert report["platform"]["device"]["device_name"] == "acme 0 (host CPU stand-in)"
+    row = next(p for p in report["plugins"] if p["name"] == "acme")
+    assert (row["distribution"], row["version"], row["status"]) == ("acme", "0.1.0", "selected")
+    backends = {b["name"]: b for b in report["attention_backends"]}
+    assert backends["acme_attn"]["provider"] == "acme" and backends["acme_attn"]["available"]
+    ops = {o["name"]: o for o in report["ops"]}
+    assert (ops["rms_norm"]["implementation"], ops["rms_norm"]["source"]) == (
+        "acme.ops:rms_norm",
+        "acme",
+    )
+
+
+def test_walkthrough_generates_in_bfloat16_and_float32(acme_commands, tiny_llama):
+    _, expected = tiny_llama
+    for dtype in ("bfloat16", "float32"):
+        answer, summary = (json.loads(line) for line in acme_commands[dtype])
+        summary = summary["summary"]
+        assert (summary["platform"], summary["attention_backend"], summary["dtype"]) == (
+            "acme",
+            "acme_attn",
+            dtype,
+        )
+        assert len(answer["token_ids"]) == 8
+        if dtype == "float32":
+            assert answer["token_ids"] == expected  # transformers' greedy tokens
 
 
 def _env_vars_in_source() -> set[str]:

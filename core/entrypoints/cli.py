@@ -1,4 +1,5 @@
-"""The ``llmhal`` command: ``doctor``, ``generate``, ``serve`` and ``bench <what>``.
+"""The ``llmhal`` command: ``doctor``, ``generate``, ``serve``, ``bench <what>``, ``new-platform``
+and ``warmup``.
 
 This module stays cheap to import (no torch) so ``llmhal --help`` is instant. Each subcommand lives in
 its own module with a ``main(argv) -> int | None``; the arguments after the subcommand are passed on
@@ -21,6 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("llmhal.entrypoints.generate", "generate text from a prompt"),
     "serve": ("llmhal.entrypoints.serve", "run the OpenAI-compatible HTTP server"),
     "bench": ("llmhal.benchmarks", "run a benchmark: llmhal bench <what> [options]"),
+    "new-platform": (
+        "llmhal.entrypoints.new_platform",
+        "write a complete platform package to start a port from",
+    ),
 }
 BENCHMARKS_PACKAGE = "llmhal.benchmarks"
 _BENCH_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
