@@ -37,7 +37,7 @@ class ChatOutput:
         """(the message, the finish reason) of a finished choice."""
         msg: dict[str, Any] = {"role": "assistant"}
         if self.reasoning_cls is not None:
-            reasoning, text = self.reasoning_cls(self.tokenizer).extract_reasoning(text, self.body)
+            reasoning, text = self.parser().extract_reasoning(text, self.body)
             text = text or ""
             msg["reasoning_content"] = msg["reasoning"] = reasoning
         msg["content"] = text
@@ -45,6 +45,12 @@ class ChatOutput:
             content, calls, finish = self.tools.final(text, finish, self.body)
             msg["content"], msg["tool_calls"] = content, [c.to_dict() for c in calls]
         return msg, finish
+
+    def parser(self) -> Any:
+        """A reasoning parser for this request; it gets the request's chat_template_kwargs, as
+        vLLM's do (a hybrid model's parser reads whether thinking was turned on)."""
+        kwargs = self.body.get("chat_template_kwargs") if isinstance(self.body, dict) else None
+        return self.reasoning_cls(self.tokenizer, chat_template_kwargs=kwargs or {})
 
     def stream(self) -> ChoiceStream:
         return ChoiceStream(self)
@@ -54,7 +60,7 @@ class ChoiceStream:
     """One streamed choice: each update's (content, reasoning, tool-call deltas, finish)."""
 
     def __init__(self, out: ChatOutput) -> None:
-        self.reasoning = out.reasoning_cls(out.tokenizer) if out.reasoning_cls is not None else None
+        self.reasoning = out.parser() if out.reasoning_cls is not None else None
         self.tools = ToolStream(out.tools, out.body) if out.tools is not None else None
         self.text, self.content = "", ""
         self.ids: list[int] = []

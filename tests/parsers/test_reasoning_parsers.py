@@ -128,3 +128,21 @@ def test_parsers_whose_markers_are_special_tokens_keep_them_in_the_text(name, to
 def test_a_parser_needs_the_tokenizer(name):
     with pytest.raises(ValueError, match="needs the model's tokenizer"):
         parser_for(name, None)
+
+
+def test_the_server_hands_the_requests_template_kwargs_to_the_parser(tok):
+    """A stream and a finished answer of the server's chat output both follow the request's
+    thinking switch (vLLM passes chat_template_kwargs to the parser's constructor)."""
+    from llmhal.entrypoints.chat_output import ChatOutput
+
+    cls = ReasoningParserManager.get_reasoning_parser("deepseek_v3")
+    text = "The capital.</think>Paris."
+    for thinking, split in ((False, ("", text)), (True, ("The capital.", "Paris."))):
+        out = ChatOutput(None, cls, tok, {"chat_template_kwargs": {"thinking": thinking}})
+        msg, _ = out.message(text, "stop")
+        assert (msg["reasoning_content"] or "", msg["content"]) == split
+        choice, reasoning, content = out.stream(), "", ""
+        for k in range(1, len(text) + 1):
+            c, r, _, _ = choice.step(text[:k], [], "stop" if k == len(text) else None)
+            content, reasoning = content + c, reasoning + r
+        assert (reasoning, content) == split
