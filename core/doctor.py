@@ -7,7 +7,9 @@ of :func:`main` is 0 when a platform is usable, 1 otherwise.
 Report keys: ``llmhal`` (versions), ``platform`` {name, class, selected_by, reason, device, probes},
 ``plugins`` [{group, name, value, distribution, version, status, reason}], ``attention_backends``
 [{name, provider, class_path, available, reasons}], ``quantization_methods`` [{name, provider,
-class_path, supported, reasons}], ``structured_output_backends`` [{name, available, reasons}], ``ops`` [{name, implementation, source, note}],
+class_path, supported, reasons}], ``structured_output_backends`` [{name, available, reasons}],
+``tool_parsers`` and ``reasoning_parsers`` [{name, class_path, available, reasons}], ``ops``
+[{name, implementation, source, note}],
 ``attention_selections`` [{name, selected_by, reason, requirements}] (this process's selections, then
 the one the default model would get, marked ``model``), ``env`` {name: value}, ``errors`` [str].
 """
@@ -15,6 +17,7 @@ the one the default model would get, marked ``model``), ``env`` {name: value}, `
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Sequence
@@ -295,11 +298,19 @@ def collect() -> dict[str, Any]:
         "attention_backends": [],
         "quantization_methods": [],
         "structured_output_backends": [],
+        "tool_parsers": [],
+        "reasoning_parsers": [],
         "ops": [],
         "attention_selections": [],
         "env": envs.in_effect(),
         "errors": errors,
     }
+    for key, module, cls in (("tool_parsers", "llmhal.tool_parsers.manager", "ToolParserManager"),
+                             ("reasoning_parsers", "llmhal.reasoning.manager", "ReasoningParserManager")):  # fmt: skip
+        try:
+            report[key] = getattr(importlib.import_module(module), cls).status()
+        except Exception as e:
+            errors.append(f"{key.replace('_', ' ')}: {_error(e)}")
     if platform is None:
         return report
     from llmhal.attention.registry import list_attention_backends
@@ -401,6 +412,12 @@ def format_report(report: dict[str, Any]) -> str:
             for b in report["structured_output_backends"]
         ]
     )
+    for key, title in (("tool_parsers", "Tool-call parsers"), ("reasoning_parsers", "Reasoning parsers")):  # fmt: skip
+        lines += [
+            "",
+            f"{title} (--{'tool-call' if key == 'tool_parsers' else 'reasoning'}-parser):",
+        ]
+        lines += _table([[r["name"], "yes" if r["available"] else "no", "; ".join(r["reasons"]) or r["class_path"]] for r in report[key]])  # fmt: skip
     lines += ["", "Custom ops:"]
     lines += _table(
         [

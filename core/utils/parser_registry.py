@@ -44,6 +44,21 @@ class ParserRegistry:
         return sorted(set(cls.eager) | set(cls.lazy))
 
     @classmethod
+    def status(cls) -> list[dict[str, Any]]:
+        """Each registered parser: {name, class_path, available, reasons} (``llmhal doctor``);
+        a parser whose module fails to import is unavailable, with the error as its reason."""
+        out = []
+        for name in cls.list_registered():
+            module_path, class_name = cls.lazy.get(name) or (cls.eager[name].__module__, cls.eager[name].__qualname__)  # fmt: skip
+            try:
+                cls.get(name)
+                reasons: list[str] = []
+            except Exception as e:  # a plugin's broken module is a row, not a crash
+                reasons = [f"{type(e).__name__}: {e}"]
+            out.append({"name": name, "class_path": f"{module_path}:{class_name}", "available": not reasons, "reasons": reasons})  # fmt: skip
+        return out
+
+    @classmethod
     def register_lazy_module(cls, name: str, module_path: str, class_name: str) -> None:
         cls.lazy[name] = (module_path, class_name)
 

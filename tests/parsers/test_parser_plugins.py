@@ -88,3 +88,23 @@ def test_serve_loads_a_module_named_plugin_before_checking_the_parser_name(tmp_p
     code = main(["--tool-parser-plugin", "served_plugin", "--tool-call-parser", "served_by_module", "--enable-auto-tool-choice", "--host", "256.0.0.1"])  # fmt: skip
     err = capsys.readouterr().err
     assert code == 2 and "unknown --tool-call-parser" not in err and "cannot listen" in err
+
+
+def test_status_lists_every_parser_and_a_broken_one_with_its_reason(monkeypatch):
+    monkeypatch.setitem(ToolParserManager.lazy, "broken_one", ("no_such_module.parsers", "Nope"))
+    rows = {r["name"]: r for r in ToolParserManager.status()}
+    assert set(rows) == set(ToolParserManager.list_registered())
+    assert rows["hermes"] == {"name": "hermes", "class_path": "llmhal.tool_parsers.hermes:HermesToolParser", "available": True, "reasons": []}  # fmt: skip
+    assert not rows["broken_one"]["available"] and "no_such_module" in rows["broken_one"]["reasons"][0]  # fmt: skip
+    assert all(r["available"] for r in ReasoningParserManager.status())
+
+
+def test_doctor_lists_the_parsers():
+    from llmhal import doctor
+
+    report = doctor.collect()
+    assert {r["name"] for r in report["tool_parsers"]} == set(ToolParserManager.list_registered())
+    assert {r["name"] for r in report["reasoning_parsers"]} == set(ReasoningParserManager.list_registered())  # fmt: skip
+    text = doctor.format_report(report)
+    assert "Tool-call parsers (--tool-call-parser):" in text and "  qwen3_coder " in text
+    assert "Reasoning parsers (--reasoning-parser):" in text and "  hunyuan_a13b " in text
