@@ -64,6 +64,8 @@ class EngineConfig:
     structured_outputs_backend: str = "auto"
     # A reasoning parser's name: structured outputs then start once the reasoning has ended.
     structured_outputs_reasoning_parser: str | None = None
+    # A llmhal.spec_decode.config.SpeculativeConfig: speculative decoding with that method.
+    speculative_config: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 

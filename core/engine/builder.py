@@ -50,6 +50,8 @@ class EngineArgs:
     load_progress: bool | None = None  # None: only when stderr is a terminal
     structured_outputs_backend: str = "auto"
     structured_outputs_reasoning_parser: str | None = None
+    # vLLM's speculative_config dict (or a SpeculativeConfig); None: no speculative decoding.
+    speculative_config: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -73,7 +75,10 @@ def resolve_dtype(
 ) -> torch.dtype:
     """ "auto" keeps the checkpoint's dtype where the platform runs it well, else float32.
 
-    GGUF files compute in float32 outside their quantized matmuls (as llama.cpp and transformers do).
+    GGUF files compute in float32 outside their quantized matmuls (as llama.cpp and transformers do),
+    except on a platform that declares fast half-precision matmuls (``fast_bf16_matmul``): there they
+    compute in its preferred half dtype (the first of ``supported_dtypes``), as vLLM runs GGUF on GPUs,
+    so a vendor's bf16-only backend is not passed over for float32 reference code.
     bf16/fp16 checkpoints fall back to float32 on platforms without fast half-precision matmuls.
     """
     if isinstance(requested, torch.dtype):
@@ -91,7 +96,11 @@ def resolve_dtype(
         if isinstance(ckpt, str):
             ckpt = _DTYPES.get(ckpt.removeprefix("torch."), torch.float32)
         dtype = torch.float32 if is_gguf or ckpt is None else ckpt
-        if dtype in (torch.bfloat16, torch.float16) and not platform.capabilities.fast_bf16_matmul:
+        fast_half = platform.capabilities.fast_bf16_matmul
+        if is_gguf and fast_half:
+            dtype = _preferred_half(platform) or dtype
+            logger.info("dtype=auto: the GGUF model computes in %s (fast on this platform)", dtype)
+        if dtype in (torch.bfloat16, torch.float16) and not fast_half:
             logger.info(
                 "dtype=auto: %s checkpoint runs in float32 (no fast half-precision matmul here)",
                 dtype,
@@ -101,6 +110,12 @@ def resolve_dtype(
             dtype = platform.supported_dtypes[0]
     platform.verify_dtype(dtype)
     return dtype
+
+
+def _preferred_half(platform: Any) -> torch.dtype | None:
+    return next(
+        (d for d in platform.supported_dtypes if d in (torch.bfloat16, torch.float16)), None
+    )
 
 
 def derive_max_model_len(hf_config: Any, requested: int | None) -> int:
@@ -193,7 +208,11 @@ def build_engine(args: EngineArgs) -> tuple[Any, LoadReport]:
             f"kv_cache_dtype={args.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}"
         )
     t0 = time.perf_counter()
-    load_general_plugins()
+    load_general_plugins()  # before the speculative config: a plugin may register its method
+    if args.speculative_config is not None:
+        from llmhal.spec_decode.config import SpeculativeConfig
+
+        args.speculative_config = SpeculativeConfig.from_dict(args.speculative_config)
     platform = get_current_platform()
     source = resolve_source(args.model or default_model_path())
     progress = LoadProgress(source.path.name, args.load_progress)
@@ -254,12 +273,14 @@ def _build(
         device=None,
         structured_outputs_backend=args.structured_outputs_backend,
         structured_outputs_reasoning_parser=args.structured_outputs_reasoning_parser,
+        speculative_config=args.speculative_config,
         extra=dict(args.extra),
     )  # fmt: skip
     # The platform may adjust the config (block size, cache dtype, ...): from here on every value
     # comes from `config`, not `args`, so the KV cache, its manager and the runner agree.
     platform.check_and_update_config(config)
     device = config.device = config.device or platform.torch_device()
+    proposer = _make_proposer(config)  # its settings are checked before any weight loads
     platform.seed(args.seed)
     progress.stage("tokenizer")
     tokenizer = ckpt.tokenizer(args.tokenizer)
@@ -280,6 +301,13 @@ def _build(
 
     runner = ModelRunner(config, model, device)
     _check_prefix_caching(config, runner)
+    _warn_slow_paths(runner, platform)
+    speculator = None
+    if proposer is not None:
+        from llmhal.spec_decode.speculator import Speculator
+
+        proposer.load_model(model)
+        speculator = Speculator(config.speculative_config, proposer, max_len)
     weight_bytes = model_weight_bytes(model)
     budget = config.cache.kv_cache_memory_bytes
     if budget is None:
@@ -303,6 +331,7 @@ def _build(
         KVCacheManager(
             int(num_blocks), config.cache.block_size, config.cache.enable_prefix_caching
         ),
+        speculator,
     )
     progress.stage("warming up")
     engine.warmup()
@@ -313,6 +342,21 @@ def _build(
     return engine, report
 
 
+def _make_proposer(config: EngineConfig) -> Any:
+    """The speculative config's proposer (None without one), built before weights load."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    from llmhal.spec_decode.registry import get_proposer_cls
+
+    if spec.max_model_len is not None and spec.max_model_len > config.model.max_model_len:
+        raise ValueError(
+            f"speculative_config['max_model_len']={spec.max_model_len} exceeds the target's "
+            f"max_model_len ({config.model.max_model_len}); lower it or leave it out"
+        )
+    return get_proposer_cls(spec.method)(spec, config)
+
+
 def _check_prefix_caching(config: EngineConfig, runner: Any) -> None:
     """Prefix caching skips computing cached tokens, which is only sound where a token's state is
     its own KV rows; a recurrent layer (Mamba, linear attention, ...) carries state across every
@@ -321,6 +365,14 @@ def _check_prefix_caching(config: EngineConfig, runner: Any) -> None:
     if config.cache.enable_prefix_caching and kinds:
         logger.info("Prefix caching is off: the model has %s layers", ", ".join(sorted(kinds)))
         config.cache.enable_prefix_caching = False
+
+
+def _warn_slow_paths(runner: Any, platform: Any) -> None:
+    """Say so when attention or an op runs core's pure-torch reference (no silent slow path)."""
+    from llmhal.engine.slow_paths import slow_path_notes
+
+    for note in slow_path_notes([layer.selection for layer in runner.layers], platform):
+        logger.warning("Slow path: %s", note)
 
 
 def _check_all_loaded(model: torch.nn.Module, loaded: set[str] | None) -> None:

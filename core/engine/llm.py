@@ -31,6 +31,8 @@ class LLM:
     leading tokens it shares with earlier ones (a system prompt, a conversation's history, its own
     tokens after preemption); a prompt dict's ``"cache_salt"`` keeps requests with different
     salts apart. :meth:`reset_prefix_cache` forgets what is cached.
+    ``speculative_config`` (vLLM's dict, e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``)
+    turns on speculative decoding (see :mod:`llmhal.spec_decode`); output stays the same.
 
     Of vLLM's other engine arguments, ``trust_remote_code`` and ``disable_log_stats`` are accepted
     and change nothing (llmhal never runs a checkpoint's own code, and logs no per-step stats), and
@@ -58,6 +60,7 @@ class LLM:
         enforce_eager: bool = False,
         load_progress: bool | None = None,
         structured_outputs_config: dict[str, Any] | None = None,
+        speculative_config: dict[str, Any] | None = None,
         trust_remote_code: bool = False,
         disable_log_stats: bool = True,
         tensor_parallel_size: int = 1,
@@ -80,7 +83,7 @@ class LLM:
             kv_cache_memory_bytes=kv_cache_memory_bytes, seed=seed, enforce_eager=enforce_eager,
             enable_prefix_caching=True if enable_prefix_caching is None else bool(enable_prefix_caching),
             load_progress=load_progress, structured_outputs_backend=so_backend,
-            structured_outputs_reasoning_parser=so_reasoning,
+            structured_outputs_reasoning_parser=so_reasoning, speculative_config=speculative_config,
         )  # fmt: skip
         self.engine, self.load_report = build_engine(args)
 
@@ -142,6 +145,8 @@ class LLM:
             if isinstance(prompt, dict) and "cache_salt" in prompt:
                 inp["cache_salt"] = prompt["cache_salt"]
             prepared.append([engine.prepare_request(inp, c) for c in kids])
+        for prep in (p for g in prepared for p in g):  # compiled together, on the manager's threads
+            prep.wait_for_grammar()
         groups = [[engine.add_request(prep) for prep in g] for g in prepared]
         owner = {rid: gi for gi, g in enumerate(groups) for rid in g}
         left = [len(g) for g in groups]  # completions each prompt still waits for

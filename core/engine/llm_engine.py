@@ -77,10 +77,15 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int
-    grammar: Any  # a StructuredOutputGrammar, or None
+    grammar: Any  # a PendingGrammar (its constraint compiling off the engine's path), or None
     arrival_time: float
     bad_words_token_ids: list[list[int]]
     cache_salt: str | None = None
+
+    def wait_for_grammar(self, timeout: float | None = None) -> None:
+        """Wait until the request's constraint is compiled; ValueError if it cannot be."""
+        if self.grammar is not None:
+            self.grammar.result(timeout)
 
 
 def _cache_salt(prompt: str | dict[str, Any]) -> str | None:
@@ -101,6 +106,7 @@ class LLMEngine:
         platform: Any,
         runner: ModelRunner,
         kv: KVCacheManager,
+        speculator: Any = None,
     ) -> None:
         self.config = config
         self.model = model
@@ -118,7 +124,12 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self.eos_token_ids = self._eos_ids()
         self.stat_loggers = load_stat_loggers(config)
+        # A llmhal.spec_decode.speculator.Speculator when a speculative config was given.
+        self.speculator = speculator
         self._structured: StructuredOutputManager | None = None  # made on first use
+        # Requests whose constraint is still compiling (vLLM's WAITING_FOR_FSM): the scheduler
+        # gets them once it is done, and the running ones keep decoding meanwhile.
+        self._compiling: list[Request] = []
         # structured_outputs_config's reasoning_parser: constrained requests reason freely first.
         self.reasoner = None
         if config.structured_outputs_reasoning_parser is not None:
@@ -260,8 +271,8 @@ class LLMEngine:
                 f"({self.kv.num_blocks} blocks). Raise kv_cache_memory_bytes, or lower max_tokens."
             )
         grammar = None
-        if params.structured_outputs is not None:  # compiled now: a bad constraint is refused here
-            grammar = self.structured_outputs().compile(params.structured_outputs)
+        if params.structured_outputs is not None:  # compiling starts now, on the manager's threads
+            grammar = self.structured_outputs().request(params.structured_outputs)
         return max_tokens, grammar
 
     def prepare_request(
@@ -323,20 +334,57 @@ class LLMEngine:
             cache_salt=prep.cache_salt,
         )
         self._requests[rid] = req
-        self.scheduler.add(req)
+        if prep.grammar is not None and not prep.grammar.ready():
+            req.status = RequestStatus.WAITING_FOR_FSM
+            self._compiling.append(req)
+        else:
+            self._admit(req)
         return rid
+
+    def _admit(self, req: Request) -> RequestOutput | None:
+        """Hand a request to the scheduler, its grammar compiled; a constraint that failed to
+        compile ends the request alone ("abort", the reason logged) and returns its output."""
+        if req.grammar is not None:
+            try:
+                req.grammar = req.grammar.result()
+            except ValueError as e:
+                logger.warning("request %s: its structured-output constraint failed: %s", req.request_id, e)  # fmt: skip
+                req.metrics.finished_time = time.monotonic()
+                req.status = RequestStatus.FINISHED_ABORTED
+                self._requests.pop(req.request_id, None)
+                return req.to_output(0)
+        self.scheduler.add(req)
+        return None
+
+    def _admit_compiled(self, wait: bool) -> list[RequestOutput]:
+        """Admit the requests whose constraint has compiled; ``wait``: nothing else can run, so
+        wait (briefly) for one rather than spin."""
+        if wait and not any(r.grammar.ready() for r in self._compiling):
+            import concurrent.futures
+
+            pending = [r.grammar._compiled for r in self._compiling]
+            concurrent.futures.wait(pending, 0.05, concurrent.futures.FIRST_COMPLETED)
+        done = [r for r in self._compiling if r.grammar.ready()]
+        self._compiling = [r for r in self._compiling if not r.grammar.ready()]
+        return [out for r in done if (out := self._admit(r)) is not None]
 
     def abort_request(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
-        if req is not None and not req.status.finished:
+        if req is not None and req in self._compiling:
+            self._compiling.remove(req)
+            req.status = RequestStatus.FINISHED_ABORTED
+            req.metrics.finished_time = time.monotonic()
+        elif req is not None and not req.status.finished:
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            if self.speculator is not None:
+                self.speculator.finish(request_id)
             req.metrics.finished_time = time.monotonic()
             if self.stat_loggers:
                 # Reported at once, as a step that ran nothing: an idle engine has no next step.
                 self._record_stats(0.0, [], [req], 0)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
 
     def warmup(self) -> None:
         """Run one tiny greedy request (a 4-token prefill, then decodes) so one-time costs are
@@ -362,6 +410,8 @@ class LLMEngine:
         finally:
             self.abort_request(rid)  # also forgets it (a finished one is already forgotten)
             self.stats = EngineStats()
+            if self.speculator is not None:
+                self.speculator.reset_stats()
             self.stat_loggers = loggers
             self.kv.reset_prefix_cache()  # its blocks hold nothing a user asked for
 
@@ -373,6 +423,7 @@ class LLMEngine:
     # --------------------------------------------------------------------------- steps
     def step(self) -> list[RequestOutput]:
         """Run one step; return the outputs of the requests that progressed or finished."""
+        failed = self._admit_compiled(wait=not self.scheduler.has_unfinished()) if self._compiling else []  # fmt: skip
         batch = self.scheduler.schedule()
         # Taken every step, so lookups made while no stat logger listens are never reported late.
         prefix_stats = self.kv.take_stats()
@@ -383,25 +434,32 @@ class LLMEngine:
                 raise RuntimeError(
                     "the scheduler made no progress with requests waiting (KV cache too small?)"
                 )
-            return []
+            return failed
         t0 = time.perf_counter()
+        # Speculative drafts being verified this step (the scheduler trimmed them to what runs).
+        verifying = any(r.spec_token_ids for r, _ in batch.items)
         with self.platform.inference_mode():
             logits, sample_reqs, prompt_lps = self.runner.execute(batch)
-            if self._structured is not None:  # before the sampler: logprobs are constrained too
-                gated = [r.grammar if r.reasoning_ended is not False else None for r in sample_reqs]
-                self._structured.apply(logits, gated)
-            result = self.sampler(logits, sample_reqs) if sample_reqs else None
+            if verifying:
+                verified = self.speculator.verify(logits, sample_reqs, self.sampler, self._apply_grammars)  # type: ignore[union-attr]  # fmt: skip
+                result = None
+            else:
+                self._apply_grammars(logits, sample_reqs)
+                result = self.sampler(logits, sample_reqs) if sample_reqs else None
         for req, entries in prompt_lps:
             for entry in entries:
                 self._name_tokens(entry)
             req.prompt_logprobs.extend(entries)  # type: ignore[union-attr]
         prefill = sum(
-            n for r, n in batch.items if n > 1 or r.num_computed_tokens < len(r.prompt_token_ids)
+            n
+            for r, n in batch.items
+            if n - len(r.spec_token_ids) > 1 or r.num_computed_tokens < len(r.prompt_token_ids)
         )
         for req, n in batch.items:
-            req.num_computed_tokens += n
+            # Of a verified chunk, only the last token is known computed; accepted drafts follow.
+            req.num_computed_tokens += n - len(req.spec_token_ids)
             self.kv.cache_blocks(req)
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestOutput] = failed
         # Each sampled request's previous token time, for the stat loggers' latencies.
         before = [r.metrics.last_token_time for r in sample_reqs] if self.stat_loggers else []
         if result is not None:
@@ -411,12 +469,49 @@ class LLMEngine:
                 else:
                     self._append_token(req, result.token_ids[i], result.logprobs[i])
                 outputs.append(req.to_output(self._hold_back(req)))
-        dt = self._account(t0, prefill, batch.num_tokens, len(batch.preempted))
+        elif verifying:
+            decoded = 0
+            for req, v in zip(sample_reqs, verified, strict=True):
+                decoded += self._append_verified(req, v)
+                outputs.append(req.to_output(self._hold_back(req)))
+        if self.speculator is not None and sample_reqs:
+            live = [r for r in sample_reqs if not r.status.finished]
+            self.speculator.propose(live, len(self.scheduler.running))
+        # Decode speed counts tokens generated: a verified chunk computes drafts that are dropped.
+        dt = self._account(t0, prefill, decoded if verifying else batch.num_tokens, len(batch.preempted))  # fmt: skip
         if self.stat_loggers:
             sampled = list(zip(sample_reqs, before, strict=True))
             ended = [r for r in sample_reqs if r.status.finished]
             self._record_stats(dt, sampled, ended, len(batch.preempted), prefix_stats)
         return outputs
+
+    def _apply_grammars(self, logits: torch.Tensor, rows: Sequence[Any]) -> None:
+        """Mask each row whose request has a structured-output grammar (once its reasoning, if
+        gated, has ended); before the sampler, so logprobs are constrained too."""
+        if self._structured is not None:
+            gated = [r.grammar if r.reasoning_ended is not False else None for r in rows]
+            self._structured.apply(logits, gated)
+
+    def _append_verified(self, req: Request, verified: Any) -> int:
+        """Emit a verified run of tokens (a Speculator.verify result) one by one, as decoding
+        would, so stop tokens, stop strings and max_tokens inside the run end it there; the KV of
+        the accepted drafts counts as computed. Returns the tokens emitted."""
+        drafts = req.spec_token_ids
+        req.spec_token_ids = []
+        emitted = 0
+        for token, lps in zip(verified.tokens, verified.logprobs, strict=True):
+            self._append_token(req, token, lps)
+            emitted += 1
+            if req.status.finished:
+                return emitted
+        if verified.dead:
+            self._end_without_token(req)
+            return emitted
+        # Every emitted token but the last was a draft the target agreed with: its KV (written
+        # by this step) is the request's own; the rest of the chunk's KV is overwritten later.
+        req.num_computed_tokens += min(emitted - 1, len(drafts))
+        self.kv.cache_blocks(req)
+        return emitted
 
     def _record_stats(
         self,
@@ -557,6 +652,9 @@ class LLMEngine:
             req.detokenizer.flush()
         req.metrics.finished_time = time.monotonic()
         self.scheduler.finish(req, status)
+        if self.speculator is not None:
+            req.spec_token_ids = []
+            self.speculator.finish(req.request_id)
         self._requests.pop(req.request_id, None)
 
     @staticmethod

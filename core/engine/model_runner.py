@@ -118,7 +118,8 @@ class ModelRunner:
         self, batch: ScheduledBatch
     ) -> tuple[torch.Tensor | None, list[Request], PromptLogprobs]:
         """Run the step; returns the logits for the sampled rows, the requests they belong to, and
-        the prompt log-probabilities this step computed (per request that asked, in order)."""
+        the prompt log-probabilities this step computed (per request that asked, in order). A
+        request verifying speculative drafts has ``1 + len(spec_token_ids)`` rows, in order."""
         if self.decode_graphs is not None:
             hidden = self.decode_graphs.run(batch)
             if hidden is not None:  # a pure decode: every row is sampled
@@ -134,7 +135,10 @@ class ModelRunner:
         offset = 0
         for req, n in batch.items:
             start = req.num_computed_tokens
-            ids.extend(req.token_slice(start, start + n))
+            known = min(start + n, req.num_tokens)
+            ids.extend(req.token_slice(start, known))
+            # Speculative drafts follow the last token; each one's row is sampled too.
+            ids.extend(req.spec_token_ids[: start + n - known])
             query_lens.append(n)
             computed.append(start)
             tables.append(req.block_ids)
@@ -144,8 +148,8 @@ class ModelRunner:
                 if first < end:
                     prompt_spans.append((req, offset + first - start, first, end))
             offset += n
-            if start + n == req.num_tokens:
-                sample_rows.append(offset - 1)
+            if known == req.num_tokens:
+                sample_rows.extend(range(offset - 1 - (start + n - known), offset))
                 sample_reqs.append(req)
         common = build_common_metadata(query_lens, computed, tables, self.block_size, self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)

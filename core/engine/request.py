@@ -48,6 +48,7 @@ class TokenView(Sequence):
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_FSM = "waiting_for_fsm"  # its structured-output constraint is compiling
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -105,6 +106,9 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
     num_cached_tokens: int | None = None
+    # Speculative decoding: draft tokens to verify in the request's next step (after its last
+    # token); the scheduler trims them to what fits, preemption drops them.
+    spec_token_ids: list[int] = field(default_factory=list)
     _emitted_chars: int = 0
 
     @property

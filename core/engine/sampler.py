@@ -122,40 +122,11 @@ class Sampler:
         params = [r.params for r in requests]
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw = logits[want].float() if want else None  # logprobs are the model's own (a copy)
-        masked = []  # rows some rule masked: they may have no token left
-        for i, r in enumerate(requests):
-            if r.params.shaped or r.grammar is not None or len(r.output_token_ids) < r.params.min_tokens:  # fmt: skip
-                masked.append(i)
-            if r.params.shaped:
-                apply_logit_shaping(logits[i], r.params)
-                ban_bad_words(logits[i], r)
-            if r.params.penalized:
-                apply_penalties(logits[i], r)
-            if len(r.output_token_ids) < r.params.min_tokens:
-                banned = list(r.eos_token_ids | set(r.params.stop_token_ids))
-                if banned:
-                    logits[i, banned] = float("-inf")
-        dead = frozenset()
-        if masked:
-            rows = torch.tensor(masked)
-            alive = torch.isinf(logits.index_select(0, rows)).logical_not().any(-1)
-            dead = frozenset(i for i, ok in zip(masked, alive.tolist(), strict=True) if not ok)
-            for i in dead:  # a row of -inf has no softmax (NaN): sample anything, then drop it
-                logits[i] = 0.0
+        dead = self.process(logits, requests)
         tokens = greedy_tokens(logits)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
-            rows = torch.tensor(random_rows)
-            sub = logits[rows] / torch.tensor(
-                [params[i].temperature for i in random_rows]
-            ).unsqueeze(1)
-            sub = _filter_logits(
-                sub,
-                torch.tensor([params[i].top_k for i in random_rows]),
-                torch.tensor([params[i].top_p for i in random_rows], dtype=torch.float32),
-                torch.tensor([params[i].min_p for i in random_rows], dtype=torch.float32),
-            )
-            probs = sub.softmax(-1)
+            probs = self.random_probs(logits, requests, random_rows)
             for j, i in enumerate(random_rows):
                 gen = requests[i].generator or self.default_generator
                 tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
@@ -170,6 +141,52 @@ class Sampler:
             for i, entry in zip(want, entries, strict=True):
                 logprobs[i] = entry
         return SampleResult(token_list, logprobs, dead)
+
+    @staticmethod
+    def process(logits: torch.Tensor, requests: Sequence[Request]) -> frozenset[int]:
+        """Apply, in place, every rule that rules tokens out or shifts them (allowed_token_ids,
+        logit_bias, bad_words, penalties, min_tokens); returns the rows left with no token (see
+        SampleResult.dead; their logits are zeroed so a softmax stays finite). Greedy sampling is
+        then the argmax of each row. (Speculative verification calls this too, with one request
+        view per verified position.)"""
+        masked = []  # rows some rule masked: they may have no token left
+        for i, r in enumerate(requests):
+            if r.params.shaped or r.grammar is not None or len(r.output_token_ids) < r.params.min_tokens:  # fmt: skip
+                masked.append(i)
+            if r.params.shaped:
+                apply_logit_shaping(logits[i], r.params)
+                ban_bad_words(logits[i], r)
+            if r.params.penalized:
+                apply_penalties(logits[i], r)
+            if len(r.output_token_ids) < r.params.min_tokens:
+                banned = list(r.eos_token_ids | set(r.params.stop_token_ids))
+                if banned:
+                    logits[i, banned] = float("-inf")
+        dead: frozenset[int] = frozenset()
+        if masked:
+            rows = torch.tensor(masked)
+            alive = torch.isinf(logits.index_select(0, rows)).logical_not().any(-1)
+            dead = frozenset(i for i, ok in zip(masked, alive.tolist(), strict=True) if not ok)
+            for i in dead:  # a row of -inf has no softmax (NaN): sample anything, then drop it
+                logits[i] = 0.0
+        return dead
+
+    @staticmethod
+    def random_probs(
+        logits: torch.Tensor, requests: Sequence[Request], rows: list[int]
+    ) -> torch.Tensor:
+        """The distributions sampled from for ``rows`` (processed logits): temperature, then
+        top-k / top-p / min-p, then softmax; one row per entry of ``rows``."""
+        params = [requests[i].params for i in rows]
+        idx = torch.tensor(rows)
+        sub = logits[idx] / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+        sub = _filter_logits(
+            sub,
+            torch.tensor([p.top_k for p in params]),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            torch.tensor([p.min_p for p in params], dtype=torch.float32),
+        )
+        return sub.softmax(-1)
 
 
 def logprob_entries(

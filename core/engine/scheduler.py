@@ -66,6 +66,7 @@ class Scheduler:
     def _preempt(self, victim: Request) -> None:
         self.kv.free(victim)
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
         victim.status = RequestStatus.PREEMPTED
         victim.metrics.num_preemptions += 1
         self.num_preemptions += 1
@@ -78,7 +79,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            known = req.num_tokens - req.num_computed_tokens
+            n = min(known + len(req.spec_token_ids), budget)
+            if n > known and not self.kv.allocate(req, n):
+                n = min(known, budget)  # no blocks for the drafts: verify none this step
+            # Speculative drafts are verified after the last token, as far as the budget goes.
+            del req.spec_token_ids[max(0, n - known) :]
             while not self.kv.allocate(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)

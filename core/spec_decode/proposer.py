@@ -1,0 +1,82 @@
+"""The proposer contract: what a speculative-decoding method is given and what it returns.
+
+After every engine step, the engine asks the configured proposer for draft tokens for each running
+request that just got a token (prefill chunks and requests that cannot speculate are left out).
+The drafts are verified in the next step: the target model runs the request's last token and its
+drafts as one chunk (1 + k positions), and the rejection sampler
+(:mod:`llmhal.spec_decode.rejection_sampler`) keeps the longest prefix the target agrees with, plus
+one token of the target's own. A proposer never changes what is generated, only how fast:
+greedy output is the non-speculative output token for token, sampled output keeps its distribution.
+
+Lifetime, in order:
+
+* ``check_config(config)`` (a classmethod): when the speculative config is read, before anything
+  loads. Raise ``ValueError`` naming the key and the remedy for a value the method cannot use.
+* ``__init__(config, engine_config)``: ``config`` is the :class:`SpeculativeConfig` (its ``extra``
+  holds the keys the class declared in ``config_keys``), ``engine_config`` the target's
+  :class:`llmhal.config.EngineConfig`; built after the target's config is read, before its weights
+  load, so checks that need the target (its vocabulary, hidden size) belong here.
+* ``load_model(target_model)``: once, after the target is loaded (a draft model or heads load here;
+  methods without a model do nothing).
+* ``propose(requests)``: after every step, with one :class:`DraftRequest` per request to draft for.
+  Returns one list of draft token ids per request, at most ``max_draft`` long (longer lists are
+  cut); an empty list means no draft for it this step. Called under ``torch.inference_mode``.
+* ``finish(request_id)``: the request ended, was aborted or preempted; forget any state kept for it.
+
+``memory_bytes()`` says what the proposer holds (weights, its own KV cache) for load reports.
+Tree drafts (Medusa, EAGLE trees) are not verified yet: a proposer returns a chain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:  # pragma: no cover
+    from llmhal.spec_decode.config import SpeculativeConfig
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One request to draft for: its committed tokens (the prompt, then the output so far; the
+    engine's own lists, to be read and never changed) and how many drafts it may take now (never
+    more than ``num_speculative_tokens``, the tokens left before ``max_tokens`` and the context's
+    end). Committed tokens never change, only grow, so a proposer may keep per-request state
+    between calls."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    max_draft: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+class Proposer:
+    """Base class of speculative-decoding proposers (see the module docstring)."""
+
+    # Keys of the speculative config this method reads beyond the common ones (vLLM's names).
+    config_keys: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, config: SpeculativeConfig, engine_config: Any) -> None:
+        self.config = config
+        self.engine_config = engine_config
+
+    @classmethod
+    def check_config(cls, config: SpeculativeConfig) -> None:
+        """Refuse settings this method cannot use (nothing by default)."""
+
+    def load_model(self, target_model: Any) -> None:
+        """Load what the method needs beside the target (nothing by default)."""
+
+    def memory_bytes(self) -> int:
+        return 0
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        raise NotImplementedError(f"{type(self).__name__} does not implement propose()")
+
+    def finish(self, request_id: str) -> None:
+        """Forget ``request_id`` (nothing kept by default)."""
