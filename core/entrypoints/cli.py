@@ -22,6 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("llmhal.entrypoints.generate", "generate text from a prompt"),
     "serve": ("llmhal.entrypoints.serve", "run the OpenAI-compatible HTTP server"),
     "bench": ("llmhal.benchmarks", "run a benchmark: llmhal bench <what> [options]"),
+    "warmup": (
+        "llmhal.entrypoints.warmup",
+        "build what the first run would (the platform's kernels) now; ci/setup runs it",
+    ),
     "new-platform": (
         "llmhal.entrypoints.new_platform",
         "write a complete platform package to start a port from",

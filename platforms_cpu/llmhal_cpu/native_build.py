@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -159,8 +160,12 @@ def build(source: Path, stem: str, cxx: str) -> Path:
     # Shown by default: on a small machine quant_gemm alone compiles for ~25 s, which otherwise
     # looks like a hang after the loading bar reached 100%.
     logger.warning(
-        "Compiling the native CPU kernel %s for this CPU (once; cached in %s)", stem, folder
+        "Compiling the native CPU kernel %s for this CPU: first use only, up to ~30 s on 2 idle "
+        "cores, minutes on busy ones (cached in %s; `llmhal warmup` builds every kernel ahead)",
+        stem,
+        folder,
     )
+    started = time.perf_counter()
     try:
         proc = subprocess.run(
             [cxx, *flags, str(source), "-o", tmp], capture_output=True, text=True, timeout=300
@@ -173,7 +178,9 @@ def build(source: Path, stem: str, cxx: str) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    logger.info("Built the native CPU kernel %s: %s", stem, out)
+    logger.info(
+        "Built the native CPU kernel %s in %.1f s: %s", stem, time.perf_counter() - started, out
+    )
     return out
 
 
