@@ -215,13 +215,13 @@ def _body_doc(model: type) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
-def build_app(state: ServerState, root_path: str = "", allowed_origins: list[str] | None = None) -> FastAPI:  # fmt: skip
+def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> FastAPI:
     from fastapi.middleware.cors import CORSMiddleware
     from fastapi.openapi.utils import get_openapi
 
     from llmhal import __version__
 
-    app = FastAPI(title="llmhal", version=__version__, root_path=root_path)
+    app = FastAPI(title="llmhal", version=__version__)
     app.add_middleware(_Guard, state=state)
     # Added last, so outermost: a 401 carries the CORS headers too.
     app.add_middleware(
@@ -252,8 +252,12 @@ def build_app(state: ServerState, root_path: str = "", allowed_origins: list[str
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping")
     async def ping() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/ping")
+    async def ping_post() -> dict[str, str]:  # SageMaker's health check
         return {"status": "ok"}
 
     @app.get("/load")

@@ -42,7 +42,7 @@ class ApiServer:
     :meth:`serve_forever` (blocking), :meth:`shutdown` (from another thread: stop accepting
     connections) and :meth:`server_close`."""
 
-    def __init__(self, app: Any, state: Any, host: str, port: int, max_connections: int) -> None:
+    def __init__(self, app: Any, state: Any, host: str, port: int, max_connections: int, root_path: str = "") -> None:  # fmt: skip
         import uvicorn
 
         self.state = state
@@ -54,7 +54,7 @@ class ApiServer:
         config = uvicorn.Config(
             app, log_config=None, access_log=False, lifespan="off", backlog=2048,
             timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S), limit_concurrency=max_connections,
-            timeout_keep_alive=5,
+            timeout_keep_alive=5, root_path=root_path,
         )  # fmt: skip
         self._uv = _uvicorn_server_class()(config)
         self._running = threading.Event()
@@ -171,9 +171,9 @@ def build_server(
     state.max_request_bytes = max_request_bytes
     state.tokenizer_info = enable_tokenizer_info_endpoint
     state.trust_request_chat_template = trust_request_chat_template
-    app = build_app(state, root_path=root_path, allowed_origins=allowed_origins)
+    app = build_app(state, allowed_origins=allowed_origins)
     try:
-        return ApiServer(app, state, host, port, max_connections)
+        return ApiServer(app, state, host, port, max_connections, root_path)
     except OSError:
         state.loop.shutdown()
         raise
@@ -273,7 +273,11 @@ def main(argv: list[str] | None = None) -> int:
         default=["*"],
         help='CORS: origins allowed to call the server, a JSON list (default ["*"], as vLLM)',
     )
-    p.add_argument("--root-path", default="", help="the path prefix a proxy serves this under")
+    p.add_argument(
+        "--root-path",
+        default="",
+        help="the path prefix a proxy serves this under (and strips before forwarding)",
+    )
     p.add_argument(
         "--disable-log-requests", action="store_true", help="do not log each request's line"
     )
