@@ -35,6 +35,7 @@ BUILTIN: dict[str, tuple[str, str]] = {
     "deepseek_v3": ("deepseek_v3", "DeepSeekV3ToolParser"),
     "deepseek_v31": ("deepseek_v31", "DeepSeekV31ToolParser"),
     "glm45": ("glm45", "Glm45ToolParser"),
+    "glm47": ("glm45", "Glm45ToolParser"),  # GLM-4.7: the same tags, no newlines between them
     "granite": ("granite", "GraniteToolParser"),
     "hermes": ("hermes", "HermesToolParser"),
     "internlm": ("internlm", "InternLM2ToolParser"),
