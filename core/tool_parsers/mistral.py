@@ -1,7 +1,8 @@
 """``mistral``: Mistral models' ``[TOOL_CALLS]`` (a special token) followed by either a JSON list
 ``[{"name": ..., "arguments": {...}}]`` (tokenizers before v11) or, from v11 on, one
 ``name[ARGS]{...}`` per call, each after its own ``[TOOL_CALLS]`` (v13 may put
-``[CALL_ID]id`` before ``[ARGS]``). The text before the first ``[TOOL_CALLS]`` is the content.
+``[CALL_ID]id`` before ``[ARGS]``; ``name{...}`` without ``[ARGS]`` is read too, for a text
+whose special tokens were skipped). The text before the first ``[TOOL_CALLS]`` is the content.
 
 Call ids are 9 letters and digits, the only shape Mistral's chat templates accept when the calls
 come back in the next request's messages.
@@ -41,8 +42,11 @@ class MistralToolParser(SectionToolParser):
                 out += [_with_id(c) for c in objs]
                 continue
             name, sep, rest = block.partition(ARGS)
-            if not sep:
-                continue  # the name is still being written (or malformed)
+            if not sep:  # [ARGS] dropped from the text (special tokens skipped): name{...}
+                brace = block.find("{")
+                if brace <= 0:
+                    continue  # the name is still being written (or malformed)
+                name, rest = block[:brace], block[brace:]
             call_id = None
             if CALL_ID in name:
                 name, _, call_id = name.partition(CALL_ID)
