@@ -438,7 +438,8 @@ class LLMEngine:
         if self.stat_loggers:
             sampled = list(zip(sample_reqs, before, strict=True))
             ended = [r for r in sample_reqs if r.status.finished]
-            self._record_stats(dt, sampled, ended, len(batch.preempted), prefix_stats)
+            generated = decoded if verifying else None
+            self._record_stats(dt, sampled, ended, len(batch.preempted), prefix_stats, generated)
         return outputs
 
     def _apply_grammars(self, logits: torch.Tensor, rows: Sequence[Any]) -> None:
@@ -476,10 +477,12 @@ class LLMEngine:
         ended: list[Request],
         preempted: int,
         prefix_stats: PrefixCacheStats | None = None,
+        generated: int | None = None,
     ) -> None:
         """Feed the stat loggers one step: ``sampled`` pairs each request that got a token with
         the time of its previous one (None: this was its first); ``ended`` are the requests that
-        finished (or were aborted)."""
+        finished (or were aborted); ``generated`` the tokens emitted (None: one per sampled
+        request; speculative decoding emits several)."""
         sched = self.scheduler
         used = 1.0 - self.kv.num_free_blocks / self.kv.num_blocks
         # Only requests that got a token (a row with nothing to sample ends without one).
@@ -490,6 +493,7 @@ class LLMEngine:
             if prev is None
         )
         itls = tuple(r.metrics.last_token_time - prev for r, prev in sampled if prev is not None)  # type: ignore[operator]  # fmt: skip
+        spec_stats = None if self.speculator is None else self.speculator.take_step_stats()
         record_all(
             self.stat_loggers,
             SchedulerStats(
@@ -504,12 +508,13 @@ class LLMEngine:
                 # vLLM's count: a request's whole prompt (cached tokens included) once, when its
                 # first token comes; chunks before it and recomputation after preemption add none.
                 sum(len(r.prompt_token_ids) for r, prev in sampled if prev is None),
-                len(sampled),
+                len(sampled) if generated is None else generated,
                 tuple(r.request_id for r in ended),
                 preempted,
                 time_to_first_tokens=ttfts,
                 inter_token_latencies=itls,
                 finished_requests=tuple(_finished_stats(r) for r in ended),
+                spec_decoding_stats=spec_stats,
             ),
         )
 

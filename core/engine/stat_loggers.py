@@ -63,7 +63,7 @@ class IterationStats:
     # The whole prompts (cached tokens included) of the requests whose first token came this
     # step (vLLM's count: chunks before it and recomputation after preemption add nothing).
     num_prompt_tokens: int
-    num_generation_tokens: int  # tokens sampled this step
+    num_generation_tokens: int  # tokens generated this step (several a request when speculating)
     finished_request_ids: tuple[str, ...] = field(default_factory=tuple)
     num_preempted: int = 0
     # Seconds from arrival, for each request whose first token came this step.
@@ -71,6 +71,9 @@ class IterationStats:
     # Seconds since the previous token, for each request that got a later token this step.
     inter_token_latencies: tuple[float, ...] = ()
     finished_requests: tuple[FinishedRequestStats, ...] = ()
+    # Speculative decoding this step (a llmhal.spec_decode.speculator.SpecDecodingStats: drafts
+    # verified, their tokens, those accepted, accepted per position); None when none was verified.
+    spec_decoding_stats: Any = None
 
 
 class StatLoggerBase(ABC):

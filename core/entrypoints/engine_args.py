@@ -71,6 +71,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run every step eagerly (no recorded decode-step graphs)",
     )
+    p.add_argument(
+        "--speculative-config",
+        metavar="JSON|@FILE",
+        help="speculative decoding, vLLM's dict as JSON (or @file holding it), e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4}\'; methods: ngram, suffix, and '
+        "any a plugin registers",
+    )
 
 
 def _structured_outputs_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -89,8 +96,10 @@ def build_llm(prog: str, args: argparse.Namespace, **extra: Any) -> LLM | None:
     engine's own, which names the remedy; the caller exits with status 2.
     """
     from llmhal.engine.llm import LLM
+    from llmhal.spec_decode.config import parse_cli_value
 
     try:
+        spec = getattr(args, "speculative_config", None)
         return LLM(
             args.model, dtype=args.dtype, attention_backend=args.attention_backend,
             quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
@@ -100,6 +109,7 @@ def build_llm(prog: str, args: argparse.Namespace, **extra: Any) -> LLM | None:
             block_size=getattr(args, "block_size", 16),
             kv_cache_memory_bytes=getattr(args, "kv_cache_memory_bytes", None),
             structured_outputs_config=_structured_outputs_config(args),
+            speculative_config=None if spec is None else parse_cli_value(spec),
             **extra,
         )  # fmt: skip
     except (

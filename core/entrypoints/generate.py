@@ -104,6 +104,9 @@ def _summary(llm: Any) -> dict[str, Any]:
         "decode_tokens_per_s": round(stats.decode_tps, 1),
         "load_seconds": round(report.load_seconds, 2),
         "weight_bytes": report.weight_bytes,
+        # Drafts verified, their tokens, those accepted (per position) and the mean tokens per
+        # verification step; None without --speculative-config.
+        "spec_decode": None if engine.speculator is None else engine.speculator.stats.as_dict(),
     }
 
 
@@ -181,10 +184,18 @@ def _run(llm: Any, args: argparse.Namespace, prompts: list[str], params: Any) ->
     s = _summary(llm)
     # Prefill speed counts the tokens computed; those the prefix cache supplied are named apart.
     cached = f" (+{s['cached_prompt_tokens']} cached)" if s["cached_prompt_tokens"] else ""
+    spec = s["spec_decode"]
+    if spec is not None:
+        spec = (
+            f" spec={spec['num_drafts']} drafts, {spec['num_accepted_tokens']}/"
+            f"{spec['num_draft_tokens']} draft tokens accepted, mean acceptance length "
+            f"{spec['mean_acceptance_length']}"
+        )
     print(
         f"[llmhal] platform={s['platform']} attention={s['attention_backend']} quantization={s['quantization']} "
         f"dtype={s['dtype']} prefill={s['prefill_tokens_per_s']} tok/s decode={s['decode_tokens_per_s']} tok/s "
-        f"({s['prefill_tokens']} prompt{cached} + {s['decode_tokens']} decode tokens; load {s['load_seconds']} s)",
+        f"({s['prefill_tokens']} prompt{cached} + {s['decode_tokens']} decode tokens; load {s['load_seconds']} s)"
+        f"{spec or ''}",
         file=sys.stderr,
     )
 

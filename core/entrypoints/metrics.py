@@ -11,7 +11,9 @@ Prometheus' exposition format 0.0.4, written here (no client library needed):
   ``vllm:generation_tokens_total``, ``vllm:num_preemptions_total``,
   ``vllm:request_success_total{finished_reason="stop"|"length"|"abort"}``,
   ``vllm:prefix_cache_queries_total`` and ``vllm:prefix_cache_hits_total`` (prompt tokens looked
-  up in the prefix cache when a request is admitted, and those found);
+  up in the prefix cache when a request is admitted, and those found); with speculative decoding,
+  ``vllm:spec_decode_num_drafts_total``, ``_num_draft_tokens_total``, ``_num_accepted_tokens_total``
+  and ``_num_accepted_tokens_per_pos_total{position="0".."k-1"}``;
 * histograms ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
   ``vllm:e2e_request_latency_seconds``, ``vllm:request_prompt_tokens``,
   ``vllm:request_generation_tokens``, ``vllm:iteration_tokens_total`` (tokens per engine step).
@@ -107,6 +109,11 @@ class PrometheusStatLogger(StatLoggerBase):
             "vllm:prefix_cache_hits_total": 0.0,
         }
         self.success = dict.fromkeys(FINISH_REASONS, 0.0)
+        spec = getattr(config, "speculative_config", None)  # vLLM: only when configured
+        if spec is not None:
+            for name in _SPEC:
+                self.counters[name] = 0.0
+        self.per_pos = [0.0] * spec.num_speculative_tokens if spec is not None else None
         self.histograms = {
             "vllm:time_to_first_token_seconds": Histogram(TTFT_BUCKETS),
             "vllm:inter_token_latency_seconds": Histogram(ITL_BUCKETS),
@@ -137,6 +144,12 @@ class PrometheusStatLogger(StatLoggerBase):
             self.counters["vllm:prompt_tokens_total"] += it.num_prompt_tokens
             self.counters["vllm:generation_tokens_total"] += it.num_generation_tokens
             self.counters["vllm:num_preemptions_total"] += it.num_preempted
+            spec = it.spec_decoding_stats
+            if spec is not None and self.per_pos is not None:
+                for name, field in _SPEC.items():
+                    self.counters[name] += getattr(spec, field)
+                for j, n in enumerate(spec.num_accepted_tokens_per_pos):
+                    self.per_pos[j] += n
             h = self.histograms
             tokens = it.num_prompt_tokens + it.num_generation_tokens
             if tokens:  # an abort outside a step is reported as a step that ran nothing
@@ -167,6 +180,11 @@ class PrometheusStatLogger(StatLoggerBase):
             for name, value in self.counters.items():
                 head(name, "counter", _HELP[name])
                 lines.append(f"{name}{_labels(lab)} {_num(value)}")
+            if self.per_pos is not None:
+                name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+                head(name, "counter", _HELP[name])
+                for j, value in enumerate(self.per_pos):
+                    lines.append(f"{name}{_labels({**lab, 'position': str(j)})} {_num(value)}")
             name = "vllm:request_success_total"
             head(name, "counter", _HELP[name])
             for reason, value in self.success.items():
@@ -183,7 +201,16 @@ class PrometheusStatLogger(StatLoggerBase):
         return "\n".join(lines) + "\n"
 
 
+_SPEC = {  # counter -> SpecDecodingStats field
+    "vllm:spec_decode_num_drafts_total": "num_drafts",
+    "vllm:spec_decode_num_draft_tokens_total": "num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens_total": "num_accepted_tokens",
+}
 _HELP = {
+    "vllm:spec_decode_num_drafts_total": "Number of spec decoding drafts.",
+    "vllm:spec_decode_num_draft_tokens_total": "Number of draft tokens.",
+    "vllm:spec_decode_num_accepted_tokens_total": "Number of accepted tokens.",
+    "vllm:spec_decode_num_accepted_tokens_per_pos_total": "Accepted tokens per draft position.",
     "vllm:num_requests_running": "Number of requests in model execution batches.",
     "vllm:num_requests_waiting": "Number of requests waiting to be processed.",
     "vllm:kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",

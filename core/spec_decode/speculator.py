@@ -94,13 +94,15 @@ class Speculator:
         self.stats = SpecDecodingStats(
             num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens
         )
-        self._history: dict[str, list[int]] = {}  # request -> [draft tokens, accepted]
+        self.step_stats: SpecDecodingStats | None = None  # this step's, for the stat loggers
+        self._history: dict[str, list[int]] = {}  # request -> [drafts, draft tokens, accepted]
         self._off: set[str] = set()  # requests the adaptive switch stopped
 
     def reset_stats(self) -> None:
         self.stats = SpecDecodingStats(
             num_accepted_tokens_per_pos=[0] * self.config.num_speculative_tokens
         )
+        self.step_stats = None
 
     # ------------------------------------------------------------------------ drafting
     def _max_draft(self, req: Request) -> int:
@@ -207,8 +209,18 @@ class Speculator:
         for (v, j), entry in zip(where, logprob_entries(lp, tokens, tops), strict=True):
             v.logprobs[j] = entry
 
+    def take_step_stats(self) -> SpecDecodingStats | None:
+        """The verifications since the previous call (None: none)."""
+        stats, self.step_stats = self.step_stats, None
+        return stats
+
     def _record(self, request_id: str, k: int, accepted: int) -> None:
         self.stats.add(k, accepted)
+        if self.step_stats is None:
+            self.step_stats = SpecDecodingStats(
+                num_accepted_tokens_per_pos=[0] * self.config.num_speculative_tokens
+            )
+        self.step_stats.add(k, accepted)
         rate = self.config.disable_below_acceptance_rate
         if not rate:
             return
