@@ -109,6 +109,7 @@ CASES = [
         PARIS,
         UTC,
     ),  # fmt: skip
+    _c("mistral", f"[TOOL_CALLS]get_weather{W}", None, PARIS),
     _c(
         "mistral", f"[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4e[ARGS]{T}", None, UTC, ids=["a1B2c3D4e"]
     ),  # fmt: skip
@@ -175,6 +176,13 @@ CASES = [
         UTC,
         ids=["functions.get_weather:0", "functions.get_time:1"],
     ),  # fmt: skip
+    _c(
+        "glm45",
+        "<tool_call>get_time<arg_key>zone</arg_key><arg_value>UTC</arg_value></tool_call><tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>2</arg_value></tool_call>",
+        None,
+        UTC,
+        PARIS,
+    ),  # GLM-4.7's shape
     _c(
         "glm45",
         "Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>",
