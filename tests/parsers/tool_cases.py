@@ -53,7 +53,7 @@ CASES = [
         "Let me check.",
         PARIS,
         UTC,
-    ),  # fmt: skip
+    ),
     _c("hermes", "The weather is fine.", "The weather is fine."),
     _c("llama3_json", f'{{"name": "get_weather", "parameters": {W}}}', None, PARIS),
     _c(
@@ -62,13 +62,13 @@ CASES = [
         None,
         PARIS,
         UTC,
-    ),  # fmt: skip
+    ),
     _c(
         "llama3_json",
         f'Checking.<|python_tag|>{{"name": "get_time", "arguments": {T}}}',
         "Checking.",
         UTC,
-    ),  # fmt: skip
+    ),
     _c("llama3_json", "Paris is sunny {mostly}.", "Paris is sunny {mostly}."),
     _c("pythonic", "[get_weather(city='Paris', days=2), get_time(zone=\"UTC\")]", None, PARIS, UTC),
     _c(
@@ -85,7 +85,7 @@ CASES = [
                 "ok": True,
             },
         ),
-    ),  # fmt: skip
+    ),
     _c("pythonic", "[now()]", None, ("now", {})),
     _c("pythonic", "[1] is a footnote, not a call.", "[1] is a footnote, not a call."),
     _c(
@@ -93,7 +93,7 @@ CASES = [
         '<|python_start|>[get_weather(city="Paris", days=2)]<|python_end|>',
         None,
         PARIS,
-    ),  # fmt: skip
+    ),
     _c("llama4_pythonic", '[get_time(zone="UTC")]', None, UTC),
     _c(
         "mistral",
@@ -101,31 +101,29 @@ CASES = [
         None,
         PARIS,
         UTC,
-    ),  # fmt: skip
+    ),
     _c(
         "mistral",
         f"Sure.[TOOL_CALLS]get_weather[ARGS]{W}[TOOL_CALLS]get_time[ARGS]{T}",
         "Sure.",
         PARIS,
         UTC,
-    ),  # fmt: skip
+    ),
     _c("mistral", f"[TOOL_CALLS]get_weather{W}", None, PARIS),
-    _c(
-        "mistral", f"[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4e[ARGS]{T}", None, UTC, ids=["a1B2c3D4e"]
-    ),  # fmt: skip
+    _c("mistral", f"[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4e[ARGS]{T}", None, UTC, ids=["a1B2c3D4e"]),
     _c(
         "qwen3_coder",
         "I'll check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
         "I'll check.\n",
         PARIS,
-    ),  # fmt: skip
+    ),
     _c(
         "qwen3_coder",
         "<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
         None,
         UTC,
         PARIS,
-    ),  # fmt: skip
+    ),
     _c(
         "deepseek_v3",
         "Checking.<｜tool▁calls▁begin｜>"
@@ -136,7 +134,7 @@ CASES = [
         "Checking.",
         PARIS,
         UTC,
-    ),  # fmt: skip
+    ),
     _c(
         "deepseek_v31",
         "<｜tool▁calls▁begin｜>"
@@ -146,7 +144,7 @@ CASES = [
         None,
         PARIS,
         UTC,
-    ),  # fmt: skip
+    ),
     _c("granite", f'<|tool_call|>[{{"name": "get_weather", "arguments": {W}}}]', None, PARIS),
     _c(
         "granite",
@@ -154,20 +152,20 @@ CASES = [
         None,
         PARIS,
         UTC,
-    ),  # fmt: skip
+    ),
     _c(
         "internlm",
         f'Let me check.<|action_start|><|plugin|>\n{{"name": "get_weather", "parameters": {W}}}<|action_end|>',
         "Let me check.",
         PARIS,
-    ),  # fmt: skip
+    ),
     _c(
         "jamba",
         f' <tool_calls>[{{"name": "get_weather", "arguments": {W}}}, {{"name": "get_time", "arguments": {T}}}]</tool_calls>',
         None,
         PARIS,
         UTC,
-    ),  # fmt: skip
+    ),
     _c(
         "kimi_k2",
         f"Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{W}<|tool_call_end|><|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{T}<|tool_call_end|><|tool_calls_section_end|>",
@@ -175,7 +173,7 @@ CASES = [
         PARIS,
         UTC,
         ids=["functions.get_weather:0", "functions.get_time:1"],
-    ),  # fmt: skip
+    ),
     _c(
         "glm45",
         "<tool_call>get_time<arg_key>zone</arg_key><arg_value>UTC</arg_value></tool_call><tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>2</arg_value></tool_call>",
@@ -188,51 +186,51 @@ CASES = [
         "Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>",
         "Checking.\n",
         PARIS,
-    ),  # fmt: skip
+    ),
     _c(
         "openai",
         f"<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{W}<|call|>",
         None,
         PARIS,
-    ),  # fmt: skip
+    ),
     _c(
         "openai",
         f"<|channel|>commentary to=functions.get_time<|constrain|>json<|message|>{T}<|call|><|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{W}<|call|>",
         None,
         UTC,
         PARIS,
-    ),  # fmt: skip
+    ),
     _c(
         "openai",
         "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>It is sunny.<|return|>",
         "It is sunny.",
-    ),  # fmt: skip
+    ),
     _c(
         "xlam",
         f'[{{"name": "get_weather", "arguments": {W}}}, {{"name": "get_time", "arguments": {T}}}]',
         None,
         PARIS,
         UTC,
-    ),  # fmt: skip
+    ),
     _c(
         "xlam",
         f'Here you go:\n```json\n[{{"name": "get_time", "arguments": {T}}}]\n```',
         "Here you go:\n",
         UTC,
-    ),  # fmt: skip
+    ),
     _c(
         "xlam",
         f'<think>which tool?</think>\n[{{"name": "get_time", "arguments": {T}}}]',
         "<think>which tool?</think>\n",
         UTC,
-    ),  # fmt: skip
+    ),
     _c(
         "phi4_mini_json",
         f'functools[{{"name": "get_weather", "arguments": {W}}}, {{"name": "get_time", "arguments": {T}}}]',
         None,
         PARIS,
         UTC,
-    ),  # fmt: skip
+    ),
 ]
 
 # Each family's chat template, the part that renders an assistant turn's calls (arguments are
