@@ -66,7 +66,9 @@ def json_list_calls(text: str, pos: int = 0, args_keys: tuple[str, ...] = ("argu
 
 def param_types(request: dict[str, Any], function: str) -> dict[str, Any]:
     """parameter name -> JSON schema ``type`` of ``function`` in the request's tools."""
-    for tool in request.get("tools") or []:
+    tools = request.get("tools") if isinstance(request, dict) else getattr(request, "tools", None)
+    for tool in tools or []:
+        tool = tool.model_dump() if hasattr(tool, "model_dump") else tool  # a request object's
         fn = tool.get("function") if isinstance(tool, dict) else None
         if isinstance(fn, dict) and fn.get("name") == function:
             props = (fn.get("parameters") or {}).get("properties") or {}

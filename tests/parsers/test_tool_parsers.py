@@ -168,3 +168,17 @@ def test_whole_answer_formats_hold_back_a_possible_call(name, tool_cases):
     parser = parser_for(name)
     opening = {"llama3_json": "{", "pythonic": "[", "granite": "[", "xlam": "["}[name]
     assert parser.extract_tool_calls_streaming("", "  " + opening, "  " + opening, [], [], [], tool_cases.REQUEST) is None  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["qwen3_coder", "glm45"])
+def test_text_values_are_typed_by_the_schema_of_a_dict_or_a_request_object(name, tool_cases):
+    from types import SimpleNamespace
+
+    case = next(c for c in tool_cases.CASES if c.parser == name and c.calls[0] == tool_cases.PARIS)  # fmt: skip
+    for request in (tool_cases.REQUEST, SimpleNamespace(tools=tool_cases.REQUEST["tools"])):
+        assert readable(parser_for(name).extract_tool_calls(case.text, request).tool_calls) == case.calls  # fmt: skip
+    # without the schema a value is read as JSON when it parses: "2" is 2, "Paris" stays text
+    untyped = parser_for(name).extract_tool_calls(case.text, {}).tool_calls
+    assert readable(untyped) == [("get_weather", {"city": "Paris", "days": 2})]
+    string_days = {"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"properties": {"days": {"type": "string"}}}}}]}  # fmt: skip
+    assert readable(parser_for(name).extract_tool_calls(case.text, string_days).tool_calls) == [("get_weather", {"city": "Paris", "days": "2"})]  # fmt: skip
