@@ -75,12 +75,14 @@ def quantizes_linear(
 def kv_cache_scale_name(name: str) -> str | None:
     """Map a checkpoint's KV-cache scale onto llmhal's attention buffer (``<attn>.attn.k_scale``).
 
-    Checkpoints store them as ``self_attn.k_proj.output_scale`` (AutoFP8, older llm-compressor) or
-    ``self_attn.k_scale`` (newer); None for any other tensor.
+    Checkpoints store them as ``self_attn.k_proj.output_scale`` (AutoFP8, older llm-compressor),
+    ``self_attn.k_proj.k_scale`` / ``v_proj.v_scale`` (NVIDIA ModelOpt) or ``self_attn.k_scale``
+    (newer llm-compressor); None for any other tensor.
     """
-    for src, kind in ((".k_proj.output_scale", "k"), (".v_proj.output_scale", "v")):
-        if name.endswith(src):
-            return f"{name[: -len(src)]}.attn.{kind}_scale"
+    for kind in ("k", "v"):
+        for src in (f".{kind}_proj.output_scale", f".{kind}_proj.{kind}_scale"):
+            if name.endswith(src):
+                return f"{name[: -len(src)]}.attn.{kind}_scale"
     for kind in ("k", "v"):
         src = f".{kind}_scale"
         if name.endswith(src) and not name.endswith(f".attn{src}"):

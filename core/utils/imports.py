@@ -62,3 +62,40 @@ def require(module: str, *, package: str | None = None, purpose: str = "") -> An
             f"The optional library {module!r} is needed{what} but could not be imported ({e}). "
             f"Install it with: pip install {pkg}"
         ) from e
+
+
+def api_missing(module: str, attrs: tuple[str, ...], package: str) -> str | None:
+    """Why ``module``'s entry points ``attrs`` cannot be called (None: they can).
+
+    Finding the module is not enough: another distribution may own the import name (PyPI's
+    ``aiter`` is an asyncio helper), a namespace package may hold only a newer generation
+    (flash-attn-4 installs ``flash_attn/cute`` without ``flash_attn_varlen_func``), and a compiled
+    library built for another torch fails to import. So the module is imported and the attributes
+    are looked up; the reason names what was found and ``package``, what to install.
+    """
+    if not is_available(module):
+        return not_installed(module, package)
+    try:
+        mod = importlib.import_module(module)
+    except Exception as e:  # undefined symbols, missing CUDA libraries, ...
+        return (
+            f"{module} is installed but cannot be imported ({type(e).__name__}: {e}); "
+            f"reinstall {package} built for this torch"
+        )
+    missing = [a for a in attrs if _lookup(mod, a) is None]
+    if not missing:
+        return None
+    where = getattr(mod, "__file__", None) or ", ".join(getattr(mod, "__path__", []) or ["?"])
+    kind = "a namespace package" if getattr(mod, "__file__", None) is None else "installed"
+    return (
+        f"{module} ({kind} at {where}) has no {', '.join(missing)}: another package owns the "
+        f"name or the build lacks that API (pip install {package})"
+    )
+
+
+def _lookup(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj

@@ -28,6 +28,8 @@ from llmhal.attention.selector import AttentionBackendError, select_attention_ba
 from llmhal.platforms import UnspecifiedPlatform, get_current_platform
 from llmhal.testing.attention_conformance import conformance_cases, run_attention_case
 from llmhal.testing.isolation import switched_platform
+from llmhal.testing.signatures import bind, bound_to
+from llmhal_cuda import upstream_api
 from llmhal_cuda.attention.flash_attn import (
     FlashAttentionBackend,
     FlashAttentionImpl,
@@ -66,16 +68,50 @@ def _pages(cache, table_row, length):
     return cache[table_row.long()].reshape(-1, *cache.shape[2:])[:length]
 
 
+def _check(ok: bool, message: str) -> None:
+    """The libraries' C++ TORCH_CHECKs: a RuntimeError with their message."""
+    if not ok:
+        raise RuntimeError(message)
+
+
+def _check_varlen(q, k, v, cu_q, cu_k, block_table=None) -> None:
+    """flash-attention's mha_varlen_fwd preconditions (csrc/flash_attn/flash_api.cpp)."""
+    _check(
+        q.dtype in (torch.float16, torch.bfloat16),
+        "FlashAttention only support fp16 and bf16 data type",
+    )
+    _check(k.dtype == q.dtype and v.dtype == q.dtype, "query and key must have the same dtype")
+    _check(cu_q.dtype == torch.int32, "cu_seqlens_q must have dtype int32")
+    _check(cu_k.dtype == torch.int32, "cu_seqlens_k must have dtype int32")
+    _check(cu_q.is_contiguous() and cu_k.is_contiguous(), "cu_seqlens must be contiguous")
+    for t in (q, k, v):
+        _check(t.stride(-1) == 1, "Input tensor must have contiguous last dimension")
+    _check(q.shape[-1] % 8 == 0 and q.shape[-1] <= 256, "unsupported head_size")
+    _check(
+        q.shape[1] % k.shape[-2] == 0,
+        "Number of heads in key/value must divide number of heads in query",
+    )
+    _check(cu_q.numel() == cu_k.numel(), "cu_seqlens_q and cu_seqlens_k differ in batch size")
+    if block_table is not None:
+        _check(block_table.dtype == torch.int32, "block_table must have dtype torch.int32")
+        _check(block_table.stride(-1) == 1, "block_table must have contiguous last dimension")
+        _check(k.shape[1] % 256 == 0, "Paged KV cache block size must be divisible by 256")
+    else:
+        _check(k.shape[0] == int(cu_k[-1]), "key has fewer rows than cu_seqlens_k[-1]")  # fmt: skip
+
+
 def fake_flash_attn() -> types.ModuleType:
     m = _module("flash_attn")
 
-    def flash_attn_varlen_func(
-        q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_size, softcap,
-        block_table=None,
-    ):  # fmt: skip
-        assert causal and q.dim() == 3
-        if block_table is not None and k.shape[1] % 256:
-            raise RuntimeError("Paged KV cache block size must be divisible by 256")
+    @bound_to(upstream_api.flash_attn_varlen_func)
+    def flash_attn_varlen_func(a):
+        q, k, v, cu_q, cu_k = (a[n] for n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"))
+        block_table = a["block_table"]
+        _check_varlen(q, k, v, cu_q, cu_k, block_table)
+        # Inference: dropout off, causal, plain output (a positional softmax_scale would land in
+        # dropout_p and be caught here).
+        assert a["dropout_p"] == 0.0 and a["causal"] and not a["return_attn_probs"]
+        assert isinstance(a["max_seqlen_q"], int) and isinstance(a["max_seqlen_k"], int)
         out = torch.empty_like(q)
         for r in range(cu_q.numel() - 1):
             qs, qe, ks, ke = int(cu_q[r]), int(cu_q[r + 1]), int(cu_k[r]), int(cu_k[r + 1])
@@ -83,7 +119,9 @@ def fake_flash_attn() -> types.ModuleType:
                 kr, vr = k[ks:ke], v[ks:ke]
             else:
                 kr, vr = _pages(k, block_table[r], ke - ks), _pages(v, block_table[r], ke - ks)
-            out[qs:qe] = _attend(q[qs:qe], kr, vr, softmax_scale, window_size, softcap)
+            out[qs:qe] = _attend(
+                q[qs:qe], kr, vr, a["softmax_scale"], a["window_size"], a["softcap"]
+            )
         return out
 
     m.flash_attn_varlen_func = flash_attn_varlen_func
@@ -93,16 +131,26 @@ def fake_flash_attn() -> types.ModuleType:
 def fake_flash_attn_interface() -> types.ModuleType:
     m = _module("flash_attn_interface")
 
-    def flash_attn_with_kvcache(
-        q, k_cache, v_cache, *, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_q,
-        softmax_scale, causal, window_size, softcap,
-    ):  # fmt: skip
-        assert causal
+    @bound_to(upstream_api.flash_attn_with_kvcache)
+    def flash_attn_with_kvcache(a):
+        q, cu_q, seqlens, table = (
+            a[n] for n in ("q", "cu_seqlens_q", "cache_seqlens", "page_table")
+        )
+        k_cache, v_cache = a["k_cache"], a["v_cache"]
+        # hopper/flash_api.cpp: int32 metadata, contiguous last dimensions.
+        for name in ("cu_seqlens_q", "cache_seqlens", "page_table"):
+            _check(a[name].dtype == torch.int32, f"{name} must have dtype torch.int32")
+        _check(table.stride(-1) == 1, "page_table must have contiguous last dimension")
+        for t in (q, k_cache, v_cache):
+            _check(t.stride(-1) == 1, "Input tensor must have contiguous last dimension")
+        assert a["causal"] and a["k"] is None and a["v"] is None  # the cache is written before
         out = torch.empty_like(q)
-        for r in range(cu_seqlens_q.numel() - 1):
-            qs, qe, n = int(cu_seqlens_q[r]), int(cu_seqlens_q[r + 1]), int(cache_seqlens[r])
-            kr, vr = _pages(k_cache, page_table[r], n), _pages(v_cache, page_table[r], n)
-            out[qs:qe] = _attend(q[qs:qe], kr, vr, softmax_scale, window_size, softcap)
+        for r in range(cu_q.numel() - 1):
+            qs, qe, n = int(cu_q[r]), int(cu_q[r + 1]), int(seqlens[r])
+            kr, vr = _pages(k_cache, table[r], n), _pages(v_cache, table[r], n)
+            out[qs:qe] = _attend(
+                q[qs:qe], kr, vr, a["softmax_scale"], a["window_size"], a["softcap"]
+            )
         return out
 
     m.flash_attn_with_kvcache = flash_attn_with_kvcache
@@ -113,15 +161,33 @@ def fake_flashinfer() -> types.ModuleType:
     m = _module("flashinfer")
 
     class _Wrapper:
-        def __init__(self, workspace, kv_layout="NHD", use_tensor_cores=False):
-            assert kv_layout == "NHD" and workspace.dtype == torch.uint8
-            self.plan_args = None
+        init_signature = staticmethod(upstream_api.decode_wrapper_init)
 
-        def _run(self, q, pages, qo, k_scale, v_scale):
-            indptr, indices, last, _hq, _hkv, _d, page_size = self.plan_args[:7]
-            kw = self.plan_kw
+        def __init__(self, *args, **kw):
+            a = bind(self.init_signature, self, *args, **kw)
+            workspace = a["float_workspace_buffer"]
+            assert a["kv_layout"] == "NHD" and workspace.dtype == torch.uint8
+            self.workspace = workspace
+            self.planned = False
+
+        def _plan(self, indptr, indices, last, kw):
+            for t in (indptr, indices, last):
+                _check(t.dtype == torch.int32, "plan's page tables must be int32")
+            # Documented: the float workspace "must be initialized to 0 for its first use".
+            _check(self.planned or not self.workspace.any(), "workspace is not zeroed")
+            self.planned = True
+            self.pages = (indptr, indices, last, kw["page_size"])
+            self.kw = kw
+
+        def _run(self, a, qo):
+            q, pages = a["q"], a["paged_kv_cache"]
+            kw = self.kw
+            indptr, indices, last, page_size = self.pages
             assert kw["pos_encoding_mode"] == "NONE" and kw["q_data_type"] == q.dtype
             assert kw["kv_data_type"] == pages[0].dtype
+            _check(q.is_contiguous(), "q must be contiguous")
+            for name in ("k_scale", "v_scale"):  # Python floats: a tensor would sync per call
+                assert a[name] is None or type(a[name]) is float, (name, type(a[name]))
             out = torch.empty_like(q)
             for r in range(indptr.numel() - 1):
                 ids = indices[int(indptr[r]) : int(indptr[r + 1])]
@@ -130,25 +196,31 @@ def fake_flashinfer() -> types.ModuleType:
                 qs, qe = int(qo[r]), int(qo[r + 1])
                 out[qs:qe] = _attend(
                     q[qs:qe], k, v, kw["sm_scale"], (kw["window_left"], 0),
-                    kw["logits_soft_cap"] or 0.0, k_scale or 1.0, v_scale or 1.0,
+                    kw["logits_soft_cap"] or 0.0, a["k_scale"] or 1.0, a["v_scale"] or 1.0,
                 )  # fmt: skip
             return out
 
     class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
         def plan(self, *args, **kw):
-            self.plan_args, self.plan_kw = args, kw
+            a = bind(upstream_api.decode_plan, self, *args, **kw)
+            self._plan(a["indptr"], a["indices"], a["last_page_len"], a)
 
-        def run(self, q, pages, k_scale=None, v_scale=None):
-            qo = torch.arange(q.shape[0] + 1)
-            return self._run(q, pages, qo, k_scale, v_scale)
+        def run(self, *args, **kw):
+            a = bind(upstream_api.decode_run, self, *args, **kw)
+            return self._run(a, torch.arange(a["q"].shape[0] + 1))
 
     class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
-        def plan(self, qo_indptr, *args, causal, **kw):
-            assert causal
-            self.qo, self.plan_args, self.plan_kw = qo_indptr, args, kw
+        init_signature = staticmethod(upstream_api.prefill_wrapper_init)
 
-        def run(self, q, pages, k_scale=None, v_scale=None):
-            return self._run(q, pages, self.qo, k_scale, v_scale)
+        def plan(self, *args, **kw):
+            a = bind(upstream_api.prefill_plan, self, *args, **kw)
+            assert a["causal"]
+            _check(a["qo_indptr"].dtype == torch.int32, "qo_indptr must be int32")
+            self.qo = a["qo_indptr"]
+            self._plan(a["paged_kv_indptr"], a["paged_kv_indices"], a["paged_kv_last_page_len"], a)
+
+        def run(self, *args, **kw):
+            return self._run(bind(upstream_api.prefill_run, self, *args, **kw), self.qo)
 
     m.BatchDecodeWithPagedKVCacheWrapper = BatchDecodeWithPagedKVCacheWrapper
     m.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper
@@ -364,3 +436,76 @@ def test_flashinfer_glue_matches_reference(cuda_platform, libs, case):
         assert all("head_size" in r for r in result.skipped), result.skipped
         return
     assert result.failures == ()
+
+
+# ------------------------------------------------------------- the stand-ins fail like the real
+def _varlen_inputs():
+    q = torch.randn(5, 4, 64, dtype=torch.bfloat16)
+    kv = torch.randn(5, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    return q, kv, cu
+
+
+def test_stand_ins_refuse_what_the_libraries_refuse():
+    fa2 = fake_flash_attn().flash_attn_varlen_func
+    q, kv, cu = _varlen_inputs()
+    assert fa2(q, kv, kv, cu, cu, 3, 3, softmax_scale=0.125, causal=True).shape == q.shape
+    with pytest.raises(RuntimeError, match="cu_seqlens_q must have dtype int32"):
+        fa2(q, kv, kv, cu.long(), cu, 3, 3, softmax_scale=0.125, causal=True)
+    with pytest.raises(RuntimeError, match="contiguous last dimension"):
+        fa2(q.transpose(1, 2).contiguous().transpose(1, 2), kv, kv, cu, cu, 3, 3, causal=True)
+    with pytest.raises(AssertionError):  # softmax_scale in 8th place is dropout_p upstream
+        fa2(q, kv, kv, cu, cu, 3, 3, 0.125, causal=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'logits_soft_cap'"):
+        fa2(q, kv, kv, cu, cu, 3, 3, causal=True, logits_soft_cap=30.0)  # aiter's name
+    fi = fake_flashinfer()
+    workspace = torch.zeros(1024, dtype=torch.uint8)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'use_tensorcores'"):
+        fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensorcores=True)
+    decode = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+    pages = (torch.tensor([0, 1]), torch.tensor([0]), torch.tensor([1]))  # int64
+    with pytest.raises(RuntimeError, match="int32"):
+        decode.plan(*pages, 4, 2, 64, 16, pos_encoding_mode="NONE")
+    with pytest.raises(TypeError, match="too many positional arguments"):
+        decode.plan(*(t.int() for t in pages), 4, 2, 64, 16, "NONE")  # keyword-only upstream
+
+
+def test_flashinfer_workspace_starts_zeroed(cuda_platform, libs, monkeypatch):
+    """A reused allocation holds old bytes; FlashInfer needs zeros before its first plan."""
+    platform = cuda_platform("H100")
+    libs("flashinfer")
+    real_empty = torch.empty
+
+    def used_memory(*args, **kw):
+        return (
+            real_empty(*args, **kw).fill_(0xA5)
+            if kw.get("dtype") == torch.uint8
+            else (real_empty(*args, **kw))
+        )
+
+    monkeypatch.setattr(torch, "empty", used_memory)
+    case = _cases(FlashInferBackend)[0]
+    result = run_attention_case(FlashInferBackend, case, platform=platform)
+    assert result.failures == () and not result.skipped
+
+
+def test_flashinfer_reads_fp8_scales_from_the_device_once():
+    from llmhal_cuda.attention.flashinfer import FlashInferImpl
+
+    reads = []
+
+    class Scale(torch.Tensor):
+        def __float__(self):
+            reads.append(1)
+            return super().__float__()
+
+    def scale(value: float) -> torch.Tensor:
+        return torch.Tensor._make_subclass(Scale, torch.tensor(value))
+
+    impl = FlashInferImpl(8, 64, 0.125, 2, kv_cache_dtype="fp8_e4m3")
+    layer = types.SimpleNamespace(k_scale=scale(0.5), v_scale=scale(0.25))
+    for _ in range(3):  # three steps
+        assert impl.kv_scales(layer) == {"k_scale": 0.5, "v_scale": 0.25}
+    assert len(reads) == 2
+    layer.k_scale.fill_(2.0)  # rewritten in place (a reload): read again
+    assert impl.kv_scales(layer)["k_scale"] == 2.0 and len(reads) == 4

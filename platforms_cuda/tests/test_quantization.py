@@ -4,6 +4,9 @@ the GPU kernels themselves in tests marked ``gpu``."""
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
 
@@ -19,7 +22,9 @@ from llmhal.testing.quant_layers import (
     load_tensors,
     relative_error,
 )
+from llmhal.testing.signatures import bound_to
 from llmhal.utils.imports import resolve_obj_by_qualname
+from llmhal_cuda import upstream_api
 from llmhal_cuda.platform import CudaPlatform
 from llmhal_cuda.quantization.awq_marlin import AWQMarlinConfig
 from llmhal_cuda.quantization.fbgemm_fp8 import FBGEMMFp8Config, FBGEMMFp8LinearMethod
@@ -140,6 +145,59 @@ def test_fbgemm_fp8_bounds_the_activation_scale(on_gpu):
     assert relative_error(layer_output(layer, x), ref) < 4e-3
     with pytest.raises(ValueError, match="activation_scale_ub"):
         FBGEMMFp8Config.from_config({"quant_method": "fbgemm_fp8"})
+
+
+def _fake_fbgemm_ops(calls: list) -> types.SimpleNamespace:
+    """torch.ops.fbgemm's two fp8 ops, called like their schemas. fbgemm-gpu-genai 1.6.0's
+    quantize kernel reads the input pointer as contiguous bf16 whatever its dtype, so the stand-in
+    refuses anything else (the real one would quantize garbage)."""
+
+    @bound_to(upstream_api.quantize_fp8_per_row)
+    def quantize_fp8_per_row(a):
+        x = a["input"]
+        if x.dtype != torch.bfloat16 or not x.is_contiguous():
+            raise AssertionError(f"kernel reads contiguous bf16; got {x.dtype}, {x.stride()}")
+        calls.append("quantize")
+        amax = x.float().abs().amax(dim=1).clamp(max=float(a["scale_ub"]))
+        scale = (amax / 448).clamp(min=1e-12)
+        return [(x.float() / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn), scale]
+
+    @bound_to(upstream_api.f8f8bf16_rowwise)
+    def f8f8bf16_rowwise(a):
+        x = a["XQ"].float() * a["x_scale"][:, None]
+        w = a["WQ"].float() * a["w_scale"].reshape(-1, 1)
+        return (x @ w.T).to(torch.bfloat16)
+
+    return types.SimpleNamespace(
+        quantize_fp8_per_row=quantize_fp8_per_row, f8f8bf16_rowwise=f8f8bf16_rowwise
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fbgemm_rowwise_gets_contiguous_bf16_activations(on_gpu, monkeypatch, dtype):
+    on_gpu("H100")
+    calls: list[str] = []
+    monkeypatch.setattr(torch.ops, "fbgemm", _fake_fbgemm_ops(calls), raising=False)
+    for name in ("fbgemm_gpu", "fbgemm_gpu.experimental", "fbgemm_gpu.experimental.gen_ai"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(64, 128, generator=gen)
+    ws = w.abs().amax(dim=1, keepdim=True) / 448
+    w8 = (w / ws).to(torch.float8_e4m3fn)
+    layer = build_linear(FBGEMMFp8Config(None, 8.0), "replicated", in_features=128,
+                         out_features=64, dtype=dtype)  # fmt: skip
+    load_tensors(layer, {"weight": w8, "weight_scale": ws})
+    finish(layer)
+    # The weights are on the CPU here: switch the layer to the GPU path by hand.
+    layer.fbgemm_rowwise = True
+    layer.register_buffer("fbgemm_scale_ub", torch.tensor(8.0))
+    x = torch.randn(3, 256, generator=gen).to(dtype)[:, ::2]  # strided, as a sliced activation
+    y = layer_output(layer, x)
+    assert calls == ["quantize"] and y.dtype == dtype
+    xb = x.to(torch.bfloat16).float()  # what FBGEMM quantizes
+    sx = xb.abs().amax(dim=1, keepdim=True).clamp(max=8.0) / 448
+    xq = (xb / sx).clamp(-448, 448).to(torch.float8_e4m3fn).float() * sx
+    assert relative_error(y, xq @ (w8.float() * ws).T) < 4e-3  # bf16 output
 
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]

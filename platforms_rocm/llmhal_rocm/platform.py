@@ -18,7 +18,7 @@ from llmhal.logger import init_logger
 from llmhal.platforms import AcceleratorPlatform, PlatformCapabilities
 from llmhal.utils.imports import is_available
 from llmhal_rocm import arch as gfx
-from llmhal_rocm import visibility
+from llmhal_rocm import libraries, visibility
 from llmhal_rocm.detect import RocmDevice, RocmInventory, amdsmi_session, detect_rocm, vram_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -120,7 +120,9 @@ class RocmPlatform(AcceleratorPlatform[RocmInventory]):
                 "gcn_arch": ",".join(sorted(set(archs))),
                 "fp8_fnuz": fnuz,
                 "fp8_dtype": "float8_e4m3fnuz" if fnuz else "float8_e4m3fn",
-                "aiter": aiter_enabled() and is_available("aiter") and every(gfx.supports_aiter),
+                "aiter": aiter_enabled()
+                and every(gfx.supports_aiter)
+                and libraries.aiter_reason() is None,
                 "driver_version": self.inventory.driver_version,
             },
         )

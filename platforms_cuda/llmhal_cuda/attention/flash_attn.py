@@ -32,8 +32,8 @@ from llmhal.attention.backend import (
 from llmhal.attention.paged_kv import SharedKVLayout, VarlenStep, gather_kv, store_and_allocate
 from llmhal.attention.utils import check_step, flash_window_size, require_model_dtype_cache
 from llmhal.utils.imports import is_available, require
-from llmhal_cuda.attention.common import not_installed
 from llmhal_cuda.attention.common import platform_reasons as _platform_reasons
+from llmhal_cuda.libraries import flash_attn2_reason, flash_attn3_reason
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -48,11 +48,11 @@ MAX_HEAD_SIZE = 256
 
 
 def flash_attn_version(capability: tuple[int, int] | None) -> int | None:
-    """3 when FA3 is installed and the device is Hopper (9.x), else 2 when FA2 is installed, else
-    None."""
-    if capability is not None and capability[0] == 9 and is_available(FA3_MODULE):
+    """3 when FA3's API is importable and the device is Hopper (9.x), else 2 when FA2's is, else
+    None (see :mod:`llmhal_cuda.libraries` for why an import name alone is not enough)."""
+    if capability is not None and capability[0] == 9 and flash_attn3_reason() is None:
         return 3
-    if is_available(FA2_MODULE):
+    if flash_attn2_reason() is None:
         return 2
     return None
 
@@ -78,9 +78,7 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder[FlashAttnMetadata]):
             cap = tuple(torch.cuda.get_device_capability(device))
         version = flash_attn_version(cap)
         if version is None:
-            raise RuntimeError(
-                f"The flash_attn backend was built but {not_installed(FA2_MODULE, EXTRA)}"
-            )
+            raise RuntimeError(f"The flash_attn backend was built but {flash_attn2_reason()}")
         self.version = version
         self.block_size = requirements.block_size
         self.gather = version == 2 and requirements.block_size % FA2_PAGE_MULTIPLE != 0
@@ -181,8 +179,13 @@ class FlashAttentionBackend(SharedKVLayout, AttentionBackend):
     @classmethod
     def availability(cls, platform: Platform) -> list[str]:
         reasons = _platform_reasons(platform)
-        if not is_available(FA2_MODULE) and not is_available(FA3_MODULE):
-            reasons.append(not_installed(FA2_MODULE, EXTRA))
+        fa2 = flash_attn2_reason()
+        if fa2 is not None:
+            fa3 = flash_attn3_reason()
+            if fa3 is None:
+                return reasons  # FA3 alone: supports_combination checks for Hopper
+            # A missing FA3 is worth naming only when something of it is installed.
+            reasons += [fa2] if not is_available(FA3_MODULE) else [fa2, fa3]
         return reasons
 
     @classmethod
@@ -190,11 +193,11 @@ class FlashAttentionBackend(SharedKVLayout, AttentionBackend):
         hs = requirements.head_size
         if hs % 8 or hs > MAX_HEAD_SIZE:
             return f"head_size {hs} not supported (multiples of 8 up to {MAX_HEAD_SIZE})"
-        if flash_attn_version(requirements.device_capability) is None and is_available(FA3_MODULE):
-            cap = requirements.device_capability
+        cap = requirements.device_capability
+        if flash_attn_version(cap) is None and flash_attn3_reason() is None:
             have = ".".join(map(str, cap)) if cap else "unknown"
             return (
                 f"only FlashAttention 3 (flash_attn_interface) is installed, which needs compute "
-                f"capability 9.x (this device: {have}); {not_installed(FA2_MODULE, EXTRA)}"
+                f"capability 9.x (this device: {have}); {flash_attn2_reason()}"
             )
         return None

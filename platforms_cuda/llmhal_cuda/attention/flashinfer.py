@@ -27,9 +27,9 @@ from llmhal.attention.backend import (
 )
 from llmhal.attention.paged_kv import SharedKVLayout, store_and_allocate
 from llmhal.attention.utils import check_step, flash_window_size
-from llmhal.utils.imports import is_available, require
-from llmhal_cuda.attention.common import not_installed
+from llmhal.utils.imports import require
 from llmhal_cuda.attention.common import platform_reasons as _platform_reasons
+from llmhal_cuda.libraries import flashinfer_reason
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -143,7 +143,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
 
         fi = _flashinfer()
         if self._workspace is None:
-            self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+            # FlashInfer requires the float workspace to be zeroed before its first use.
+            self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         if kind == "decode":
             tensor_cores = self.num_heads // self.num_kv_heads > TENSOR_CORE_GQA_RATIO
             w = fi.BatchDecodeWithPagedKVCacheWrapper(
@@ -167,6 +168,19 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
             flash_window_size(self.sliding_window)[0],
             float(self.logits_soft_cap or 0.0),
         )
+        self._kv_scales: tuple[Any, dict[str, float]] | None = None
+
+    def kv_scales(self, layer: AttentionLayerState) -> dict[str, float]:
+        """The layer's fp8 scales as Python floats, read from the device once (FlashInfer takes
+        floats; ``float(tensor)`` at every step would synchronise the GPU once per layer). Read
+        again only when the tensors are replaced or written in place (their version changes)."""
+        key = tuple((id(t), t._version) for t in (layer.k_scale, layer.v_scale))
+        if self._kv_scales is None or self._kv_scales[0] != key:
+            self._kv_scales = (
+                key,
+                {"k_scale": float(layer.k_scale), "v_scale": float(layer.v_scale)},
+            )
+        return self._kv_scales[1]
 
     def forward(
         self,
@@ -183,9 +197,8 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
         if n == 0:
             return out
         pages = (kv_cache[0], kv_cache[1])
-        scales: dict[str, float] = {}
-        if self.kv_cache_dtype != "auto":  # fp8: stored values are multiplied by the scales
-            scales = {"k_scale": float(layer.k_scale), "v_scale": float(layer.v_scale)}
+        # fp8: stored values are multiplied by the scales.
+        scales = self.kv_scales(layer) if self.kv_cache_dtype != "auto" else {}
         decode, prefill = m.wrappers(self.plan_key, query.dtype, kv_cache.dtype)
         d = m.num_decode_tokens
         if decode is not None:
@@ -215,6 +228,5 @@ class FlashInferBackend(SharedKVLayout, AttentionBackend):
     @classmethod
     def availability(cls, platform: Platform) -> list[str]:
         reasons = _platform_reasons(platform)
-        if not is_available(MODULE):
-            reasons.append(not_installed(MODULE, EXTRA))
-        return reasons
+        missing = flashinfer_reason()
+        return reasons if missing is None else [*reasons, missing]

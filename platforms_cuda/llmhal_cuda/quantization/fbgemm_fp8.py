@@ -5,10 +5,15 @@ absolute value used for its scale), ``modules_to_not_convert``; per layer ``weig
 float8_e4m3fn [N, K] and ``weight_scale`` float32 [N, 1].
 
 Kernels, in order: FBGEMM's ``f8f8bf16_rowwise`` when ``fbgemm-gpu-genai`` is installed
-(``pip install fbgemm-gpu-genai``) on fp8-capable GPUs (>= 8.9); otherwise torch's own
+(``pip install fbgemm-gpu-genai``, the release paired with this torch) and its GenAI ops load, on
+fp8-capable GPUs (>= 8.9); otherwise torch's own
 ``torch._scaled_mm`` with rowwise scales (no extra install); on older GPUs, fp8 weights
 dequantized per call (core's fp8 weight-only path). Activations are quantized per token with
 ``scale = min(amax, activation_scale_ub) / 448``.
+
+FBGEMM's ``quantize_fp8_per_row`` reads its input as contiguous bf16 whatever its dtype (1.6.0's
+kernel reinterprets the pointer; fp16 activations became garbage), so activations are cast to
+contiguous bf16 first; ``f8f8bf16_rowwise`` returns bf16, cast back to the model dtype.
 """
 
 from __future__ import annotations
@@ -21,12 +26,13 @@ from torch import nn
 from llmhal.quantization.base import QuantizationConfig, QuantizeMethodBase
 from llmhal.quantization.fp8 import Fp8LinearMethod, Fp8Scheme, fp8_availability, fp8_max
 from llmhal.quantization.module_names import quantizes_linear
-from llmhal.utils.imports import is_available
+from llmhal_cuda.libraries import fbgemm_genai_reason
 
 
 def fbgemm_rowwise_available() -> bool:
-    """True when FBGEMM's GenAI fp8 ops can be imported (without importing them)."""
-    return is_available("fbgemm_gpu")
+    """True when FBGEMM's GenAI fp8 ops load and are registered (see
+    :func:`llmhal_cuda.libraries.fbgemm_genai_reason` for why not)."""
+    return fbgemm_genai_reason() is None
 
 
 class FBGEMMFp8Config(QuantizationConfig):
@@ -96,6 +102,9 @@ class FBGEMMFp8LinearMethod(Fp8LinearMethod):
             and layer.weight_fp8.is_cuda
             and fbgemm_rowwise_available()
         )
+        if layer.fbgemm_rowwise:  # made once: a tensor per call would copy host -> device
+            ub = torch.tensor(self.input_scale_ub, dtype=torch.float32)
+            layer.register_buffer("fbgemm_scale_ub", ub.to(layer.weight_fp8.device))
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -105,8 +114,9 @@ class FBGEMMFp8LinearMethod(Fp8LinearMethod):
         import fbgemm_gpu.experimental.gen_ai  # noqa: F401  (registers torch.ops.fbgemm)
 
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        ub = torch.tensor(self.input_scale_ub, dtype=torch.float32, device=x.device)
+        # The quantize kernel reads contiguous bf16 (see the module docstring).
+        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous()
+        ub = layer.fbgemm_scale_ub
         xq, x_scale = torch.ops.fbgemm.quantize_fp8_per_row(x2, None, scale_ub=ub)
         y = torch.ops.fbgemm.f8f8bf16_rowwise(
             xq, layer.weight_fp8, x_scale, layer.weight_scale_rows, use_fast_accum=True
@@ -117,4 +127,6 @@ class FBGEMMFp8LinearMethod(Fp8LinearMethod):
     def describe(self, layer: nn.Module) -> str:
         if getattr(layer, "fbgemm_rowwise", False):
             return "fbgemm_fp8 -> fbgemm f8f8bf16_rowwise"
-        return "fbgemm_fp8 -> " + getattr(layer, "fp8_mode", "not loaded")
+        mode = getattr(layer, "fp8_mode", "not loaded")
+        why = fbgemm_genai_reason() if mode == "scaled_mm" else None
+        return f"fbgemm_fp8 -> {mode}" + (f" (FBGEMM not used: {why})" if why else "")

@@ -5,7 +5,9 @@ The config is ``quantization_config`` (``quant_method: "modelopt"``) or ``hf_qua
 ``exclude_modules`` (names or ``*`` wildcards) and, for NVFP4, ``group_size`` (16).
 
 FP8 per layer: ``weight`` float8_e4m3fn [N, K], ``weight_scale`` [] and ``input_scale`` [] (static,
-per tensor): served by core's fp8 method (``torch._scaled_mm`` on fp8-capable GPUs).
+per tensor): served by core's fp8 method (``torch._scaled_mm`` on fp8-capable GPUs). With an fp8
+KV cache (``kv_cache_quant_algo: "FP8"``) the attention scales are ``self_attn.k_proj.k_scale`` and
+``self_attn.v_proj.v_scale``, mapped onto the attention layer (:meth:`ModelOptConfig.get_cache_scale`).
 
 NVFP4 per layer: ``weight`` uint8 [N, K/2] (two e2m1 codes per byte, the even element in the low
 nibble), ``weight_scale`` float8_e4m3fn [N, K/16] (one per 16 inputs), ``weight_scale_2`` float32
@@ -27,7 +29,7 @@ from torch import nn
 
 from llmhal.quantization.base import QuantizationConfig, QuantizeMethodBase
 from llmhal.quantization.fp8 import Fp8LinearMethod, Fp8Scheme, fp8_availability
-from llmhal.quantization.module_names import agree, name_matches
+from llmhal.quantization.module_names import agree, kv_cache_scale_name, name_matches
 from llmhal.quantization.tracked_params import (
     add_param,
     add_stash_param,
@@ -91,6 +93,11 @@ class ModelOptConfig(QuantizationConfig):
     @classmethod
     def availability(cls, platform: Any) -> list[str]:
         return fp8_availability(platform)  # both formats store fp8 tensors (weights or scales)
+
+    def get_cache_scale(self, name: str) -> str | None:
+        """ModelOpt writes fp8 KV-cache scales as ``self_attn.k_proj.k_scale`` and
+        ``self_attn.v_proj.v_scale``: they go to the attention layer, not to the projections."""
+        return kv_cache_scale_name(name)
 
     def _excluded(self, name: str) -> bool:
         return any(

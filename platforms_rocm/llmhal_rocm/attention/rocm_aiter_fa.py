@@ -27,9 +27,10 @@ from llmhal.attention.backend import (
 )
 from llmhal.attention.paged_kv import SharedKVLayout, VarlenStep, gather_kv, store_and_allocate
 from llmhal.attention.utils import check_step, flash_window_size, require_model_dtype_cache
-from llmhal.utils.imports import is_available, require
+from llmhal.utils.imports import require
 from llmhal_rocm.arch import AITER_ARCHS, supports_aiter
-from llmhal_rocm.attention.common import not_installed, rocm_platform
+from llmhal_rocm.attention.common import rocm_platform
+from llmhal_rocm.libraries import aiter_reason
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -114,8 +115,9 @@ class AiterFlashAttentionBackend(SharedKVLayout, AttentionBackend):
         rocm, reasons = rocm_platform(platform)
         if rocm is None:
             return reasons
-        if not is_available(MODULE):
-            reasons.append(not_installed(MODULE, EXTRA))
+        missing = aiter_reason()
+        if missing is not None:
+            reasons.append(missing)
         archs = sorted({d.arch for d in rocm.visible_devices()})
         unsupported = [a for a in archs if not supports_aiter(a)]
         if unsupported:
