@@ -54,6 +54,8 @@ def test_report_has_every_section_with_its_fields(cli_report):
         "quantization_methods": {"name", "provider", "supported", "reasons"},
         "ops": {"name", "implementation", "source"},
         "structured_output_backends": {"name", "available", "reasons"},
+        "tool_parsers": {"name", "class_path", "available", "reasons"},
+        "reasoning_parsers": {"name", "class_path", "available", "reasons"},
     }
     for section, keys in fields.items():
         assert report[section], section
