@@ -146,3 +146,38 @@ def test_the_server_hands_the_requests_template_kwargs_to_the_parser(tok):
             c, r, _, _ = choice.step(text[:k], [], "stop" if k == len(text) else None)
             content, reasoning = content + c, reasoning + r
         assert (reasoning, content) == split
+
+
+@pytest.mark.parametrize("with_call", [True, False])
+def test_gpt_oss_and_the_openai_tool_parser_together(with_call, tok):
+    """gpt-oss served as vLLM does it (--reasoning-parser gpt_oss --tool-call-parser openai):
+    the analysis channel is reasoning, a function message a call, the final channel content;
+    the stream and the finished answer agree."""
+    import json
+
+    from llmhal.entrypoints.chat_output import ChatOutput
+    from llmhal.entrypoints.chat_tools import ToolPlan
+    from llmhal.tool_parsers.openai import OpenAIToolParser
+
+    analysis = "<|channel|>analysis<|message|>The user wants the weather.<|end|>"
+    tail = ("<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+            '{"city": "Paris"}<|call|>') if with_call else "<|start|>assistant<|channel|>final<|message|>Sunny.<|return|>"  # fmt: skip
+    text = analysis + tail
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    plan = ToolPlan("auto", tools, {}, parser_cls=OpenAIToolParser)
+    out = ChatOutput(
+        plan, ReasoningParserManager.get_reasoning_parser("gpt_oss"), tok, {"tools": tools}
+    )
+    msg, finish = out.message(text, "stop")
+    calls = [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]
+    ]
+    assert msg["reasoning_content"] == "The user wants the weather."
+    assert (calls, msg["content"] or "", finish) == (([("get_weather", {"city": "Paris"})], "", "tool_calls") if with_call else ([], "Sunny.", "stop"))  # fmt: skip
+    for cuts in chunkings(text, 6, seed=7):
+        choice, reasoning, content, streamed, reason = out.stream(), "", "", [], None
+        for k in cuts:
+            c, r, deltas, reason = choice.step(text[:k], [], "stop" if k == len(text) else None)
+            content, reasoning = content + c, reasoning + r
+            streamed += [(d.name, json.loads(d.arguments)) for d in deltas]
+        assert (reasoning, content, streamed, reason) == (msg["reasoning_content"], msg["content"] or "", calls, finish)  # fmt: skip
