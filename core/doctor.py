@@ -11,7 +11,10 @@ class_path, supported, reasons}], ``structured_output_backends`` [{name, availab
 ``tool_parsers`` and ``reasoning_parsers`` [{name, class_path, available, reasons}], ``ops``
 [{name, implementation, source, note}],
 ``attention_selections`` [{name, selected_by, reason, requirements}] (this process's selections, then
-the one the default model would get, marked ``model``), ``env`` {name: value}, ``errors`` [str].
+the one the default model would get, marked ``model``: its dtype and block size come from the engine's
+own rules, after the platform's ``check_and_update_config``), ``slow_paths`` [str] (where the default
+model would run core's pure-torch reference code, with the cost), ``env`` {name: value}, ``errors``
+[str].
 """
 
 from __future__ import annotations
@@ -240,13 +243,34 @@ def _selections_section() -> list[dict[str, Any]]:
     ]
 
 
-def _default_model_selection() -> dict[str, Any] | None:
-    """The attention backend the default model would get here (honours VLLM_ATTENTION_BACKEND).
+def _default_model_config(path: str, platform: Any) -> Any:
+    """The engine config the default model would get here: the engine's auto dtype, then the
+    platform's ``check_and_update_config`` (which may change the block size, cache dtype, ...)."""
+    from llmhal.config import EngineConfig, ModelConfig
+    from llmhal.engine.builder import derive_max_model_len, resolve_dtype
+    from llmhal.model_loader.gguf_loader import GGUFFile
+
+    cfg = GGUFFile(path).hf_config()
+    model = ModelConfig(
+        model=path,
+        hf_config=cfg,
+        dtype=resolve_dtype("auto", cfg, platform, is_gguf=True),
+        architecture=(getattr(cfg, "architectures", None) or ["?"])[0],
+        max_model_len=derive_max_model_len(cfg, None),
+        quantization="gguf",
+        gguf_file=path,
+    )
+    config = EngineConfig(model=model)
+    platform.check_and_update_config(config)
+    return config
+
+
+def _default_model_selection(platform: Any) -> tuple[dict[str, Any], Any] | None:
+    """The attention backend the default model would get here (honours VLLM_ATTENTION_BACKEND), and
+    the selection itself (None when refused).
 
     Reads only the GGUF header (no weights); None when the default model is not installed.
     """
-    import torch
-
     from llmhal.attention.backend import AttentionRequirements
     from llmhal.attention.selector import select_attention_backend
     from llmhal.default_model import FILENAME, default_model_path
@@ -257,17 +281,18 @@ def _default_model_selection() -> dict[str, Any] | None:
         return None
     entry: dict[str, Any] = {"model": FILENAME if path.endswith(FILENAME) else path}
     try:
-        from llmhal.model_loader.gguf_loader import GGUFFile
-
-        cfg = GGUFFile(path).hf_config()
+        config = _default_model_config(path, platform)
+        cfg = config.model.hf_config
         heads = cfg.num_attention_heads
         req = AttentionRequirements(
             head_size=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             num_heads=heads,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-            dtype=torch.float32,  # GGUF models compute in float32 outside their quantized matmuls
+            dtype=config.model.dtype,
+            kv_cache_dtype=config.cache.kv_cache_dtype,
+            block_size=config.cache.block_size,
         )
-        sel = select_attention_backend(req)
+        sel = select_attention_backend(req, explicit=config.attention_backend)
         entry.update(
             name=sel.name,
             selected_by=sel.selected_by,
@@ -276,7 +301,18 @@ def _default_model_selection() -> dict[str, Any] | None:
         )
     except Exception as e:  # a refused explicit choice is information, not a doctor failure
         entry.update(name=None, selected_by=None, reason=_error(e), requirements="")
-    return entry
+        return entry, None
+    return entry, sel
+
+
+def _slow_paths(platform: Any, selection: Any, errors: list[str]) -> list[str]:
+    try:
+        from llmhal.engine.slow_paths import slow_path_notes
+
+        return slow_path_notes([selection] if selection is not None else [], platform)
+    except Exception as e:
+        errors.append(f"slow paths: {_error(e)}")
+        return []
 
 
 def collect() -> dict[str, Any]:
@@ -302,6 +338,7 @@ def collect() -> dict[str, Any]:
         "reasoning_parsers": [],
         "ops": [],
         "attention_selections": [],
+        "slow_paths": [],
         "env": envs.in_effect(),
         "errors": errors,
     }
@@ -342,9 +379,10 @@ def collect() -> dict[str, Any]:
         report["ops"] = _ops_section()
     report["attention_selections"] = _selections_section()
     if usable:
-        model = _default_model_selection()
+        model = _default_model_selection(platform)
         if model is not None:
-            report["attention_selections"].append(model)
+            report["attention_selections"].append(model[0])
+        report["slow_paths"] = _slow_paths(platform, model and model[1], errors)
     return report
 
 
@@ -440,6 +478,9 @@ def format_report(report: dict[str, Any]) -> str:
                 for s in report["attention_selections"]
             ]
         )
+    if report["slow_paths"]:
+        lines += ["", "Slow paths (core's pure-torch reference code runs here):"]
+        lines += [f"  - {note}" for note in report["slow_paths"]]
     lines += ["", "Environment:"]
     lines += _table([[k, val or "''"] for k, val in report["env"].items()])
     if report["errors"]:

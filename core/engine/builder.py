@@ -75,7 +75,10 @@ def resolve_dtype(
 ) -> torch.dtype:
     """ "auto" keeps the checkpoint's dtype where the platform runs it well, else float32.
 
-    GGUF files compute in float32 outside their quantized matmuls (as llama.cpp and transformers do).
+    GGUF files compute in float32 outside their quantized matmuls (as llama.cpp and transformers do),
+    except on a platform that declares fast half-precision matmuls (``fast_bf16_matmul``): there they
+    compute in its preferred half dtype (the first of ``supported_dtypes``), as vLLM runs GGUF on GPUs,
+    so a vendor's bf16-only backend is not passed over for float32 reference code.
     bf16/fp16 checkpoints fall back to float32 on platforms without fast half-precision matmuls.
     """
     if isinstance(requested, torch.dtype):
@@ -93,7 +96,11 @@ def resolve_dtype(
         if isinstance(ckpt, str):
             ckpt = _DTYPES.get(ckpt.removeprefix("torch."), torch.float32)
         dtype = torch.float32 if is_gguf or ckpt is None else ckpt
-        if dtype in (torch.bfloat16, torch.float16) and not platform.capabilities.fast_bf16_matmul:
+        fast_half = platform.capabilities.fast_bf16_matmul
+        if is_gguf and fast_half:
+            dtype = _preferred_half(platform) or dtype
+            logger.info("dtype=auto: the GGUF model computes in %s (fast on this platform)", dtype)
+        if dtype in (torch.bfloat16, torch.float16) and not fast_half:
             logger.info(
                 "dtype=auto: %s checkpoint runs in float32 (no fast half-precision matmul here)",
                 dtype,
@@ -103,6 +110,12 @@ def resolve_dtype(
             dtype = platform.supported_dtypes[0]
     platform.verify_dtype(dtype)
     return dtype
+
+
+def _preferred_half(platform: Any) -> torch.dtype | None:
+    return next(
+        (d for d in platform.supported_dtypes if d in (torch.bfloat16, torch.float16)), None
+    )
 
 
 def derive_max_model_len(hf_config: Any, requested: int | None) -> int:
@@ -288,6 +301,7 @@ def _build(
 
     runner = ModelRunner(config, model, device)
     _check_prefix_caching(config, runner)
+    _warn_slow_paths(runner, platform)
     speculator = None
     if proposer is not None:
         from llmhal.spec_decode.speculator import Speculator
@@ -351,6 +365,14 @@ def _check_prefix_caching(config: EngineConfig, runner: Any) -> None:
     if config.cache.enable_prefix_caching and kinds:
         logger.info("Prefix caching is off: the model has %s layers", ", ".join(sorted(kinds)))
         config.cache.enable_prefix_caching = False
+
+
+def _warn_slow_paths(runner: Any, platform: Any) -> None:
+    """Say so when attention or an op runs core's pure-torch reference (no silent slow path)."""
+    from llmhal.engine.slow_paths import slow_path_notes
+
+    for note in slow_path_notes([layer.selection for layer in runner.layers], platform):
+        logger.warning("Slow path: %s", note)
 
 
 def _check_all_loaded(model: torch.nn.Module, loaded: set[str] | None) -> None:

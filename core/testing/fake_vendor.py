@@ -5,15 +5,19 @@ would: a platform that beats the CPU, a pluggy hook module registering a model, 
 and an op kernel, a plain ``register()`` callable, an IO-processor entry and a stat-logger entry. Its
 platform runs on the host (``device_type = "cpu"``) so everything it declares really works.
 
-``accelerator_distribution(...)`` builds one platform plugin with knobs for each way a vendor package
-can go wrong (a probe that raises, a module that fails to import, a class of another framework, an
-incompatible API version, touching ``current_platform`` too early, a slow probe).
+``acme_distribution()`` is a vendor that follows the writing-a-platform guide and so runs on core's
+reference code. ``accelerator_distribution(...)`` builds one platform plugin with knobs for each way
+a vendor package can go wrong (a probe that raises, a module that fails to import, a class of
+another framework, an incompatible API version, touching ``current_platform`` too early, a slow
+probe).
 
 Every module records its import with :func:`llmhal.testing.distributions.marker_code` under its
 module name, and ``fakenpu.register:register`` records each run under ``fakenpu.register.ran``.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from llmhal.testing.distributions import MARKER_DIR_ENV, FakeDistribution, marker_code
 
@@ -216,3 +220,39 @@ def fakenpu_distribution(version: str = "0.3.1") -> FakeDistribution:
         },
         modules=modules,
     )
+
+
+_ACME_PLATFORM_BODY = """
+    attention_backends = {"acme_attn": "acme.attn:AcmeBackend"}
+
+    @property
+    def capabilities(self):
+        from llmhal.platforms import PlatformCapabilities
+
+        return PlatformCapabilities(fast_bf16_matmul=True)
+
+    def attention_backend_priority(self, requirements):
+        return ["acme_attn", "reference"]
+
+    def check_and_update_config(self, config):
+        config.cache.block_size = 32
+"""
+
+_ACME_ATTENTION = """
+from llmhal.attention.reference import ReferenceAttentionBackend
+
+
+class AcmeBackend(ReferenceAttentionBackend):
+    name = "acme_attn"
+    supported_dtypes = ("bfloat16",)
+    supported_block_sizes = (32,)
+"""
+
+
+def acme_distribution() -> FakeDistribution:
+    """``acme`` (distribution ``acme-fake``), a vendor that follows docs/writing-a-platform.md:
+    priority 100, one attention backend that reuses core's reference kernels and runs bf16 with
+    32-token blocks only (its ``check_and_update_config`` sets 32), ``fast_bf16_matmul`` declared,
+    no op kernels: everything runs, on core's pure-torch code."""
+    dist = accelerator_distribution("acme", platform_body=_ACME_PLATFORM_BODY)
+    return replace(dist, modules={**dist.modules, "acme/attn.py": _ACME_ATTENTION})
