@@ -28,9 +28,10 @@ class XLamToolParser(SectionToolParser):
 
     def read(self, text: str, request: dict[str, Any], final: bool) -> tuple[str, list[ToolCall]]:
         if not final and self.section_start(text) < 0:
-            after = text.rfind(THINK_END)
-            if not text[after + len(THINK_END) if after >= 0 else 0 :].strip():
-                return text[: max(after, 0)] if after >= 0 else "", []  # a list may follow
+            think = text.rfind(THINK_END)
+            answer = text[think + len(THINK_END) :] if think >= 0 else text
+            if not answer.strip():  # the answer may still open with a list of calls
+                return (text[:think] if think >= 0 else ""), []
         return super().read(text, request, final)
 
     def calls(self, section: str, request: dict[str, Any], final: bool) -> list[ToolCall]:
