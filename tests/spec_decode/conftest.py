@@ -43,6 +43,16 @@ class ReplayProposer(Proposer):
         return out
 
 
+class FixedProposer(Proposer):
+    """Drafts ``tokens`` (set by the test) for every request."""
+
+    tokens: list[int] = []
+
+    def propose(self, requests):
+        return [self.tokens[: r.max_draft] for r in requests]
+
+
+register_proposer("test_fixed", FixedProposer)
 register_proposer("test_random", RandomProposer)
 register_proposer("test_replay", ReplayProposer)
 
@@ -91,3 +101,8 @@ def new_llm(tiny_folder):
 @pytest.fixture(scope="session")
 def replay_proposer():
     return ReplayProposer
+
+
+@pytest.fixture(scope="session")
+def fixed_proposer():
+    return FixedProposer
