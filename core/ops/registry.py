@@ -1,7 +1,8 @@
 """Custom-op dispatch.
 
-Each op has a pure-torch implementation in :mod:`llmhal.ops.native` (the definition, used in tests
-as the reference). The kernel that runs is resolved once per op and process, in this order:
+Each op has a pure-torch implementation in :mod:`llmhal.ops.native` (``fused_moe`` in
+:mod:`llmhal.ops.fused_moe`): the definition, used in tests as the reference. The kernel that runs
+is resolved once per op and process, in this order:
 
 1. a kernel registered with :func:`register_op_kernel` (out-of-tree code, general plugins);
 2. the active platform's ``Platform.op_kernels``;
@@ -31,6 +32,8 @@ CORE_OPS: dict[str, str] = {
     "silu_and_mul": "llmhal.ops.native:silu_and_mul",
     # A kernel class, not a function: see llmhal.ops.quant_linear for the contract.
     "quant_linear": "llmhal.ops.quant_linear:NativeQuantLinear",
+    # Routing plus the experts' gated MLPs: see llmhal.ops.fused_moe for the signature.
+    "fused_moe": "llmhal.ops.fused_moe:fused_moe",
 }
 
 

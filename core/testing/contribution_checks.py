@@ -128,6 +128,13 @@ def _op_inputs(op: str, dtype: torch.dtype, device: torch.device, gen: torch.Gen
             )
             for neox in (True, False)
         ]
+    if op == "fused_moe":
+        experts, inter, top_k = 6, 48, 2
+        return [
+            (rand(t, hidden), rand(experts, 2 * inter, hidden) * 0.1,
+             rand(experts, hidden, inter) * 0.1, rand(t, experts), top_k)
+            for t in (1, tokens)
+        ]  # fmt: skip
     return None
 
 

@@ -37,6 +37,7 @@ class CpuPlatform(Platform):
         "rotary_embedding": "llmhal_cpu.ops:rotary_embedding",
         "silu_and_mul": "llmhal_cpu.ops:silu_and_mul",
         "quant_linear": "llmhal_cpu.kernels.quant_linear:CpuQuantLinear",
+        "fused_moe": "llmhal_cpu.moe:fused_moe",
     }
     # None: every registered method may run here (each checks its own needs in validate()).
     supported_quantization = None
