@@ -23,11 +23,6 @@ class Llama3JsonToolParser(SectionToolParser):
         body = text.lstrip()  # a bare JSON call is the whole answer, not JSON inside prose
         return len(text) - len(body) if body.startswith("{") else -1
 
-    def read(self, text: str, request: dict[str, Any], final: bool) -> tuple[str, list[ToolCall]]:
-        if not final and PYTHON_TAG not in text and not text.lstrip():
-            return "", []  # the answer may still open with a call
-        return super().read(text, request, final)
-
     def calls(self, section: str, request: dict[str, Any], final: bool) -> list[ToolCall]:
         pos = len(PYTHON_TAG) if section.startswith(PYTHON_TAG) else 0
         objs, _, _ = json_objects(section, pos, separators=";")
