@@ -32,6 +32,9 @@ class RocmDevice:
     arch: str  # normalised, e.g. "gfx942"
     capability: DeviceCapability
     total_memory: int
+    # The ASIC's unique id as 16 lower-case hex digits: what ROCr's ``GPU-<id>`` names (amdsmi's
+    # dashed UUID is generated from it and the device id, and never equals ROCr's form).
+    serial: str = ""
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,16 @@ def vram_bytes(smi: ModuleType, handle: Any) -> tuple[int, int]:
     return int(usage["vram_total"]) * MiB, int(usage["vram_used"]) * MiB
 
 
+def normalize_serial(value: Any) -> str:
+    """amdsmi's ``asic_serial`` ("0x4B8A7E3A1C6D2F90") as ROCr writes it ("4b8a7e3a1c6d2f90");
+    "" when amdsmi has none ("N/A", empty)."""
+    text = str(value or "").strip().lower().removeprefix("0x")
+    try:
+        return f"{int(text, 16):016x}" if text else ""
+    except ValueError:
+        return ""
+
+
 def _read_device(smi: ModuleType, index: int, handle: Any) -> RocmDevice:
     asic = smi.amdsmi_get_gpu_asic_info(handle)
     raw_arch = str(asic.get("target_graphics_version", "") or "")
@@ -89,6 +102,7 @@ def _read_device(smi: ModuleType, index: int, handle: Any) -> RocmDevice:
         arch=arch,
         capability=arch_capability(arch),
         total_memory=total,
+        serial=normalize_serial(asic.get("asic_serial")),
     )
 
 

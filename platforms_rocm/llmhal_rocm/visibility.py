@@ -1,7 +1,8 @@
 """Which physical AMD GPUs a process sees: ``ROCR_VISIBLE_DEVICES`` then ``HIP_VISIBLE_DEVICES``.
 
-Two filters stack. The ROCr runtime applies ``ROCR_VISIBLE_DEVICES`` first (indices or ``GPU-``
-UUIDs of physical GPUs); HIP then applies ``HIP_VISIBLE_DEVICES`` (or ``CUDA_VISIBLE_DEVICES``, which
+Two filters stack. The ROCr runtime applies ``ROCR_VISIBLE_DEVICES`` first (indices, or ``GPU-``
+followed by the ASIC's 16-hex-digit unique id, as ``rocminfo`` prints it; amdsmi's dashed UUID is a
+different string, derived from that id); HIP then applies ``HIP_VISIBLE_DEVICES`` (or ``CUDA_VISIBLE_DEVICES``, which
 HIP honours the same way) as indices into what ROCr left. Each list stops at its first invalid or
 repeated entry, and a list that is set but empty hides everything. amdsmi ignores both and numbers
 physical GPUs, which is what the platform's device records are keyed by.
@@ -13,7 +14,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 from llmhal.platforms.accelerator import visible_prefix
-from llmhal_rocm.detect import RocmDevice
+from llmhal_rocm.detect import RocmDevice, normalize_serial
 
 ENV_VAR = "HIP_VISIBLE_DEVICES"
 ROCR_VAR = "ROCR_VISIBLE_DEVICES"
@@ -24,8 +25,9 @@ def _filter(value: str | None, candidates: list[RocmDevice], allow_uuid: bool) -
     def pick(token: str) -> RocmDevice | None:
         if token.isdigit() and int(token) < len(candidates):
             return candidates[int(token)]
-        if allow_uuid and token.startswith("GPU-"):
-            hits = [d for d in candidates if d.uuid and token[4:].lower() in d.uuid.lower()]
+        if allow_uuid and token.upper().startswith("GPU-"):
+            serial = normalize_serial(token[4:])
+            hits = [d for d in candidates if serial and d.serial == serial]
             return hits[0] if len(hits) == 1 else None
         return None
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from llmhal_rocm.arch import arch_capability
-from llmhal_rocm.detect import RocmDevice, RocmInventory
+from llmhal_rocm.detect import RocmDevice, RocmInventory, normalize_serial
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -30,23 +30,49 @@ class FakeAmdGpu:
     arch: str
     total: int = 192 * GiB
     used: int = 2 * GiB
-    uuid: str = ""
+    uuid: str = ""  # amdsmi's dashed form, derived from the serial and the device id
+    serial: str = ""  # asic_info["asic_serial"]; ROCr's GPU-<16 hex> names it
 
 
 MI300X = FakeAmdGpu(
-    "AMD Instinct MI300X", "gfx942", 192 * GiB, 1 * GiB, "4bff74a1-0000-1000-80f4-c2f6e9e2a4b1"
+    "AMD Instinct MI300X",
+    "gfx942",
+    192 * GiB,
+    1 * GiB,
+    "4bff74a1-0000-1000-80f4-c2f6e9e2a4b1",
+    "0x4B8A7E3A1C6D2F90",
 )
 MI355X = FakeAmdGpu(
-    "AMD Instinct MI355X", "gfx950", 288 * GiB, 1 * GiB, "5cff74a1-0000-1000-80f4-c2f6e9e2a4b2"
+    "AMD Instinct MI355X",
+    "gfx950",
+    288 * GiB,
+    1 * GiB,
+    "5cff74a1-0000-1000-80f4-c2f6e9e2a4b2",
+    "0x5C9B8F4B2D7E3A01",
 )
 MI250X = FakeAmdGpu(
-    "AMD Instinct MI250X", "gfx90a", 64 * GiB, 1 * GiB, "6dff74a1-0000-1000-80f4-c2f6e9e2a4b3"
+    "AMD Instinct MI250X",
+    "gfx90a",
+    64 * GiB,
+    1 * GiB,
+    "6dff74a1-0000-1000-80f4-c2f6e9e2a4b3",
+    "0x6DAC905C3E8F4B12",
 )
 RX7900 = FakeAmdGpu(
-    "Radeon RX 7900 XTX", "gfx1100", 24 * GiB, 1 * GiB, "7eff74a1-0000-1000-80f4-c2f6e9e2a4b4"
+    "Radeon RX 7900 XTX",
+    "gfx1100",
+    24 * GiB,
+    1 * GiB,
+    "7eff74a1-0000-1000-80f4-c2f6e9e2a4b4",
+    "0x7EBDA16D4F905C23",
 )
 R9700 = FakeAmdGpu(
-    "Radeon AI PRO R9700", "gfx1201", 32 * GiB, 1 * GiB, "8fff74a1-0000-1000-80f4-c2f6e9e2a4b5"
+    "Radeon AI PRO R9700",
+    "gfx1201",
+    32 * GiB,
+    1 * GiB,
+    "8fff74a1-0000-1000-80f4-c2f6e9e2a4b5",
+    "0x8FCEB27E50A16D34",
 )
 
 
@@ -81,7 +107,12 @@ def make_fake_amdsmi(
     def asic_info(h: FakeAmdGpu) -> dict[str, Any]:
         if query_error is not None:
             raise query_error
-        return {"market_name": h.name, "target_graphics_version": h.arch, "vendor_id": "0x1002"}
+        return {
+            "market_name": h.name,
+            "target_graphics_version": h.arch,
+            "vendor_id": "0x1002",
+            "asic_serial": h.serial,
+        }
 
     m.amdsmi_init = amdsmi_init
     m.amdsmi_shut_down = amdsmi_shut_down
@@ -134,7 +165,15 @@ def install_amdsmi(
 def inventory(*gpus: FakeAmdGpu) -> RocmInventory:
     return RocmInventory(
         tuple(
-            RocmDevice(i, g.name, g.uuid, g.arch, arch_capability(g.arch), g.total)
+            RocmDevice(
+                i,
+                g.name,
+                g.uuid,
+                g.arch,
+                arch_capability(g.arch),
+                g.total,
+                normalize_serial(g.serial),
+            )  # fmt: skip
             for i, g in enumerate(gpus)
         ),
         "6.10.5",

@@ -30,6 +30,8 @@ from llmhal.testing.attention_conformance import (
     run_attention_case,
 )
 from llmhal.testing.isolation import switched_platform
+from llmhal.testing.signatures import bound_to
+from llmhal_rocm import upstream_api
 from llmhal_rocm.attention.rocm_aiter_fa import AiterFlashAttentionBackend, AiterFlashAttentionImpl
 from llmhal_rocm.attention.rocm_attn import RocmAttentionBackend, _sub_step
 from llmhal_rocm.platform import RocmPlatform
@@ -218,16 +220,28 @@ def fake_aiter() -> types.ModuleType:
     m = types.ModuleType("aiter")
     m.__spec__ = importlib.machinery.ModuleSpec("aiter", None)
 
-    def flash_attn_varlen_func(
-        q, k, v, cu_q, cu_k, max_q, max_k, *, softmax_scale, logits_soft_cap, causal, window_size
-    ):
-        assert causal and k.shape[0] == int(cu_k[-1])
+    @bound_to(upstream_api.flash_attn_varlen_func)
+    def flash_attn_varlen_func(a):
+        q, k, v, cu_q, cu_k = (a[n] for n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"))
+        # aiter's varlen preconditions (as flash-attention's): int32 contiguous cumulative
+        # lengths, contiguous last dimensions, fp16/bf16.
+        for name in ("cu_seqlens_q", "cu_seqlens_k"):
+            if a[name].dtype != torch.int32 or not a[name].is_contiguous():
+                raise RuntimeError(f"{name} must be a contiguous int32 tensor")
+        if any(t.stride(-1) != 1 for t in (q, k, v)):
+            raise RuntimeError("Input tensor must have contiguous last dimension")
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise RuntimeError("aiter's flash attention takes fp16 and bf16 only")
+        # Inference: no dropout, causal, the 8th positional is min_seqlen_q here.
+        assert a["causal"] and a["dropout_p"] == 0.0 and a["min_seqlen_q"] == 0
+        assert k.shape[0] == int(cu_k[-1])
         out = torch.empty_like(q)
         for r in range(cu_q.numel() - 1):
             qs, qe, ks, ke = (int(x) for x in (cu_q[r], cu_q[r + 1], cu_k[r], cu_k[r + 1]))
             out[qs:qe] = _attend(
-                q[qs:qe], k[ks:ke], v[ks:ke], softmax_scale, window_size, logits_soft_cap
-            )
+                q[qs:qe], k[ks:ke], v[ks:ke], a["softmax_scale"], a["window_size"],
+                a["logits_soft_cap"],
+            )  # fmt: skip
         return out
 
     m.flash_attn_varlen_func = flash_attn_varlen_func
@@ -291,3 +305,33 @@ def test_aiter_explicit_choice_on_an_unsupported_arch(rocm, aiter, monkeypatch):
     msg = str(err.value)
     assert "on the rocm platform" in msg and "this device: gfx1100" in msg
     assert "Backends that work here:" in msg
+
+
+def test_pypi_aiter_is_not_amd_aiter(rocm, monkeypatch, tmp_path):
+    """PyPI's 'aiter' (asynchronous iterators) owns the same import name as AMD's kernels."""
+    monkeypatch.delitem(sys.modules, "aiter", raising=False)
+    (tmp_path / "aiter").mkdir()
+    (tmp_path / "aiter" / "__init__.py").write_text("async def aiter_chain(*its): ...\n")
+    dist = tmp_path / "aiter-0.13.20191203.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: aiter\nVersion: 0.13.20191203\n")
+    (dist / "top_level.txt").write_text("aiter\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (reason,) = AiterFlashAttentionBackend.availability(rocm("MI300X"))
+    assert "has no flash_attn_varlen_func" in reason
+    assert "'aiter' here comes from aiter" in reason
+    assert reason.endswith("pip uninstall aiter && pip install amd-aiter")
+
+
+def test_the_aiter_stand_in_refuses_what_aiter_refuses():
+    fa = fake_aiter().flash_attn_varlen_func
+    q = torch.randn(3, 4, 64, dtype=torch.bfloat16)
+    kv = torch.randn(3, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    assert fa(q, kv, kv, cu, cu, 3, 3, softmax_scale=0.125, causal=True).shape == q.shape
+    with pytest.raises(AssertionError):  # a positional 8th argument is min_seqlen_q in aiter
+        fa(q, kv, kv, cu, cu, 3, 3, 0.0, 0.125, causal=True)
+    with pytest.raises(TypeError, match="'softcap'"):  # flash-attention's name, not aiter's
+        fa(q, kv, kv, cu, cu, 3, 3, causal=True, softcap=30.0)
+    with pytest.raises(RuntimeError, match="int32"):
+        fa(q, kv, kv, cu.long(), cu, 3, 3, causal=True)

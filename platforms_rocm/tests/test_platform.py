@@ -154,7 +154,10 @@ def test_resolution_records_why_rocm_is_unavailable(
         ({"HIP_VISIBLE_DEVICES": "2,0"}, [2, 0]),
         ({"CUDA_VISIBLE_DEVICES": "1"}, [1]),
         ({"ROCR_VISIBLE_DEVICES": "1,2", "HIP_VISIBLE_DEVICES": "1"}, [2]),
-        ({"ROCR_VISIBLE_DEVICES": "GPU-5cff74a1"}, [1]),
+        # ROCr names a GPU by its ASIC serial (rocminfo's Uuid), not amdsmi's dashed UUID.
+        ({"ROCR_VISIBLE_DEVICES": "GPU-5c9b8f4b2d7e3a01"}, [1]),
+        ({"ROCR_VISIBLE_DEVICES": "GPU-6DAC905C3E8F4B12,GPU-4b8a7e3a1c6d2f90"}, [2, 0]),
+        ({"ROCR_VISIBLE_DEVICES": "GPU-5cff74a1-0000-1000-80f4-c2f6e9e2a4b2"}, []),
         ({"HIP_VISIBLE_DEVICES": "0,5,1"}, [0]),
         ({"HIP_VISIBLE_DEVICES": "0,0"}, [0]),
         ({"ROCR_VISIBLE_DEVICES": ""}, []),
@@ -272,3 +275,11 @@ def test_conformance_instance_on_fake_amdsmi(install_amdsmi, gpus):
         # Seeding/set_device/synchronize need a real device; everything else runs on the fakes.
         problems = [p for p in problems if not p.startswith("device_control:")]
     assert problems == []
+
+
+def test_rocr_uuids_match_the_serial_amdsmi_reports(install_amdsmi, gpus):
+    install_amdsmi([gpus.MI300X, gpus.MI355X])
+    devices = detect_rocm().devices
+    assert [d.serial for d in devices] == ["4b8a7e3a1c6d2f90", "5c9b8f4b2d7e3a01"]
+    env = {"ROCR_VISIBLE_DEVICES": "GPU-5C9B8F4B2D7E3A01"}  # rocminfo's "Uuid:" line
+    assert [d.index for d in visible_devices(devices, env)] == [1]
