@@ -110,8 +110,16 @@ class MarkerReasoningParser(SplitReasoningParser):
         return self._tidy(body, before, False, final)
 
     def _ended(self, text: str) -> bool:
-        found = self._start(text, True)
-        return found is not None and find_first(text, self.end_markers, found[1])[0] >= 0
+        """Whether the last reasoning in ``text`` was closed: an end marker after the last start
+        marker (after none, with ``starts_inside``), so that an earlier turn's closed reasoning
+        in a prompt does not count for the one being written."""
+        last_start = max((text.rfind(m) for m in self.start_markers), default=-1)
+        last_end = max((text.rfind(m) for m in self.end_markers), default=-1)
+        if last_start < 0 and not self.starts_inside:
+            return False
+        if self.start_at_beginning and last_start >= 0 and text[:last_start].strip():
+            return False  # a start marker that does not open the answer starts nothing
+        return last_end > last_start
 
     # -- the id-based answers ----------------------------------------------------------------
     def _decode(self, ids: Sequence[int]) -> str:

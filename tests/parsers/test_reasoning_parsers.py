@@ -181,3 +181,9 @@ def test_gpt_oss_and_the_openai_tool_parser_together(with_call, tok):
             content, reasoning = content + c, reasoning + r
             streamed += [(d.name, json.loads(d.arguments)) for d in deltas]
         assert (reasoning, content, streamed, reason) == (msg["reasoning_content"], msg["content"] or "", calls, finish)  # fmt: skip
+
+
+def test_an_earlier_turns_closed_reasoning_does_not_end_the_new_one(tok):
+    history = tok.encode("<think>\nold\n</think>\n<answer>\nA\n</answer>user: again<think>\nnew", add_special_tokens=False)  # fmt: skip
+    assert not parser_for("hunyuan_a13b", tok).is_reasoning_end(history)
+    assert parser_for("hunyuan_a13b", tok).is_reasoning_end(history + tok.encode("\n</think>\n"))
