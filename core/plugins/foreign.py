@@ -34,15 +34,25 @@ def _normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def _requirements(ep: EntryPoint) -> list[tuple[str, bool]]:
-    """(normalized name, only under an extra) for each requirement of the entry point's distribution."""
+def _metadata(ep: EntryPoint) -> tuple[str | None, list[str]]:
+    """(distribution name, its requirement lines) of the entry point, parsing METADATA once."""
     dist = getattr(ep, "dist", None)
+    if dist is None:
+        return None, []
     try:
-        reqs = (dist.requires if dist is not None else None) or []
+        md = dist.metadata  # parsed on every access, so once here
+        reqs = md.get_all("Requires-Dist")
+        if reqs is None:  # an egg-info install keeps them in requires.txt
+            reqs = dist.requires or []
+        return md["Name"], list(reqs)
     except Exception:  # broken metadata: decide nothing from it
-        return []
+        return None, []
+
+
+def _requirements(lines: list[str]) -> list[tuple[str, bool]]:
+    """(normalized name, only under an extra) for each requirement line."""
     out = []
-    for req in reqs:
+    for req in lines:
         m = _NAME.match(req)
         if m:
             out.append((_normalize(m.group(1)), "extra" in req.partition(";")[2]))
@@ -51,12 +61,8 @@ def _requirements(ep: EntryPoint) -> list[tuple[str, bool]]:
 
 def targets_vllm_reason(ep: EntryPoint) -> str | None:
     """Why the entry point's distribution targets vLLM rather than llmhal, or None if it does not."""
-    dist = getattr(ep, "dist", None)
-    try:
-        dist_name = dist.metadata["Name"] if dist is not None else None
-    except Exception:
-        dist_name = None
-    reqs = _requirements(ep)
+    dist_name, lines = _metadata(ep)
+    reqs = _requirements(lines)
     if any(name == "llmhal" for name, _ in reqs):
         return None
     label = dist_name or "its distribution"

@@ -6,17 +6,12 @@ from __future__ import annotations
 
 import logging
 
-import pytest
-
 from llmhal.testing import fixtures
 from llmhal.testing.fake_vendor import acme_distribution
 
 install_dists = fixtures.install_dists  # the plugin tests' fixture, shared here
 
 
-# Slow tier: builds an engine on pure-torch code (30-60 s on 2 loaded cores); the fast tier checks
-# the same notes through doctor (tests/platforms/test_slow_paths.py).
-@pytest.mark.slow
 def test_engine_start_up_warns_when_attention_and_ops_run_on_the_reference(
     install_dists, tiny_models, caplog
 ):
