@@ -1,7 +1,8 @@
 """Continuous batching over a paged KV cache.
 
-Each step has a token budget (``max_num_batched_tokens``). Running requests are served first, in
-arrival order: a decode costs one token, a partially prefilled prompt continues with the next chunk.
+Each step has a token budget (``max_num_batched_tokens``). Running requests are served first:
+decodes (one token each, plus any speculative drafts), then partially prefilled prompts, which
+continue with a chunk of what budget is left, each group in arrival order.
 Waiting requests are then admitted while budget, blocks and ``max_num_seqs`` allow, their prompts
 chunked to fit the budget. When a running request cannot get a block, the most recently admitted
 running request is preempted: its blocks are freed and it goes back to the front of the queue, to be
@@ -76,9 +77,14 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        # Decodes first, then the prompts being prefilled in chunks, each group in arrival order:
+        # a long prompt's chunk takes what budget the running streams leave, never their turn.
+        scheduled: set[int] = set()
+        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
             known = req.num_tokens - req.num_computed_tokens
             n = min(known + len(req.spec_token_ids), budget)
             if n > known and not self.kv.allocate(req, n):
@@ -86,15 +92,17 @@ class Scheduler:
             # Speculative drafts are verified after the last token, as far as the budget goes.
             del req.spec_token_ids[max(0, n - known) :]
             while not self.kv.allocate(req, n):
-                victim = self.running.pop()
+                # The most recently admitted request not scheduled in this step gives way.
+                victim = next(r for r in reversed(self.running) if id(r) not in scheduled)
+                self.running.remove(victim)
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is req:
                     break
             else:
                 batch.items.append((req, n))
+                scheduled.add(id(req))
                 budget -= n
-                i += 1
         if not batch.preempted:
             pending: set[bytes] | None = None  # blocks running requests are computing
             deferred: list[Request] = []  # waiting for those; they keep their place in line

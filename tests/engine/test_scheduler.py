@@ -85,3 +85,20 @@ def test_blocks_come_from_a_stack_so_freed_pages_are_reused_first():
     # the freed (already faulted-in) blocks, not untouched ones further up the cache
     assert kv.allocate(b, 20) and b.block_ids == blocks_a[:2]
     assert kv.num_free_blocks == 62
+
+
+def test_a_prompt_being_prefilled_never_takes_a_running_streams_turn():
+    # b's long prompt arrived first and is still being prefilled in chunks when a, admitted
+    # after it, starts decoding: a's one token comes before b's next chunk, every step.
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=8)
+    b, a = req("b", 40), req("a", 2)
+    s.add(b)
+    s.add(a)
+    assert [(r.request_id, n) for r, n in run_step(s).items] == [("b", 8)]
+    s.running.append(s.waiting.popleft())  # a was admitted (as if by a larger earlier budget)
+    a.status = RequestStatus.RUNNING
+    kv.allocate(a, 2)
+    a.num_computed_tokens, a.output_token_ids = 2, [1]
+    for _ in range(3):
+        assert [(r.request_id, n) for r, n in run_step(s).items] == [("a", 1), ("b", 7)]
