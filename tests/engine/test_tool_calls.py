@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 
 from llmhal import LLM
+from llmhal.reasoning.manager import ReasoningParserManager
 from llmhal.testing.http_client import post_json
 from llmhal.tool_parsers.base import ToolParser
 from llmhal.tool_parsers.hermes import HermesToolParser
@@ -290,12 +291,12 @@ def test_a_parser_without_a_streaming_path_is_known():
     [
         (
             ["--tool-call-parser", "nope"],
-            "unknown --tool-call-parser 'nope' (known: deepseek_v3, deepseek_v31, glm45, granite, hermes,",
+            f"unknown --tool-call-parser 'nope' (known: {', '.join(ToolParserManager.list_registered())})",
         ),
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
         (
             ["--reasoning-parser", "nope"],
-            "unknown --reasoning-parser 'nope' (known: deepseek_r1, qwen3)",
+            f"unknown --reasoning-parser 'nope' (known: {', '.join(ReasoningParserManager.list_registered())})",
         ),
     ],
 )
