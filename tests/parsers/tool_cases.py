@@ -234,7 +234,10 @@ CASES = [
 ]
 
 # Each family's chat template, the part that renders an assistant turn's calls (arguments are
-# dicts, as transformers passes them), written after the published templates.
+# dicts, as transformers passes them), written after the published templates (InternLM2's writes
+# "arguments" where the model writes "parameters"; both are read). Phi-4-mini's template writes
+# past calls without their functools[...] wrapper, a form no parser reads (vLLM's neither): its
+# snippet renders the form its system prompt asks the model to write.
 _EACH = "{%- for m in messages if m.role == 'assistant' %}{%- for tc in m.tool_calls %}"
 _END = "{%- endfor %}{%- endfor %}"
 _ARGS = "{{ tc.function.arguments | tojson }}"
@@ -287,7 +290,7 @@ TEMPLATES = {
     + "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>",  # fmt: skip
     "granite": "{%- for m in messages if m.role == 'assistant' %}<|tool_call|>{{ m.tool_calls | map(attribute='function') | list | tojson }}{%- endfor %}",  # fmt: skip
     "internlm": _EACH
-    + '<|action_start|><|plugin|>\n{"name": "{{ tc.function.name }}", "parameters": '
+    + '<|action_start|><|plugin|>\n{"name": "{{ tc.function.name }}", "arguments": '
     + _ARGS
     + "}<|action_end|>"
     + _END,  # fmt: skip
