@@ -37,6 +37,8 @@ class CudaDevice:
     uuid: str
     capability: DeviceCapability
     total_memory: int
+    pci_bus_id: str = ""  # "00000000:3B:00.0": CUDA's order under CUDA_DEVICE_ORDER=PCI_BUS_ID
+    mig_uuids: tuple[str, ...] = ()  # "MIG-..." of the MIG instances, when MIG is enabled
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,32 @@ def nvml_session() -> Iterator[ModuleType]:
             nvml.nvmlShutdown()
 
 
+def _pci_bus_id(nvml: ModuleType, handle: Any) -> str:
+    try:
+        return _text(nvml.nvmlDeviceGetPciInfo(handle).busId).upper()
+    except Exception:
+        return ""
+
+
+def _mig_uuids(nvml: ModuleType, handle: Any) -> tuple[str, ...]:
+    """UUIDs of the MIG instances of a GPU in MIG mode (empty otherwise, or without MIG support)."""
+    try:
+        current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+        if current != getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1):
+            return ()
+        count = int(nvml.nvmlDeviceGetMaxMigDeviceCount(handle))
+    except Exception:  # no MIG support on this GPU or driver
+        return ()
+    uuids = []
+    for i in range(count):
+        try:
+            mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, i)
+            uuids.append(_text(nvml.nvmlDeviceGetUUID(mig)))
+        except Exception:  # NVML_ERROR_NOT_FOUND: no instance in this slot
+            continue
+    return tuple(uuids)
+
+
 def _read_device(nvml: ModuleType, index: int) -> CudaDevice:
     handle = nvml.nvmlDeviceGetHandleByIndex(index)
     major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
@@ -93,6 +121,8 @@ def _read_device(nvml: ModuleType, index: int) -> CudaDevice:
         uuid=uuid,
         capability=DeviceCapability(int(major), int(minor)),
         total_memory=int(nvml.nvmlDeviceGetMemoryInfo(handle).total),
+        pci_bus_id=_pci_bus_id(nvml, handle),
+        mig_uuids=_mig_uuids(nvml, handle),
     )
 
 

@@ -71,7 +71,9 @@ class CudaPlatform(AcceleratorPlatform[CudaInventory]):
 
     # ------------------------------------------------------------------------------ devices
     def detect(self) -> CudaInventory:
-        return detect_cuda()
+        inventory = detect_cuda()
+        self._cuda_uuids = visibility.pin_device_order(inventory.devices)
+        return inventory
 
     @property
     def is_jetson(self) -> bool:
@@ -81,7 +83,11 @@ class CudaPlatform(AcceleratorPlatform[CudaInventory]):
         """The NVML devices this process sees, in logical order (empty on Jetson)."""
         inv = self.inventory
         by_index = {d.index: d for d in inv.devices}
-        order = visibility.visible_indices(os.environ.get(visibility.ENV_VAR), inv.devices)
+        order = visibility.visible_indices(
+            os.environ.get(visibility.ENV_VAR),
+            inv.devices,
+            getattr(self, "_cuda_uuids", None),
+        )
         return [by_index[i] for i in order]
 
     def device_count(self) -> int:

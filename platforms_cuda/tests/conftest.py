@@ -29,6 +29,8 @@ class FakeGpu:
     total: int = 80 * GiB
     free: int = 70 * GiB
     uuid: str = ""
+    pci: str = ""  # NVML's busId
+    mig: tuple[str, ...] = ()  # MIG instance UUIDs (MIG mode on when non-empty)
 
 
 H100 = FakeGpu("NVIDIA H100 80GB HBM3", (9, 0), 80 * GiB, 79 * GiB, "GPU-11111111-aaaa")
@@ -107,6 +109,17 @@ def make_fake_nvml(
         total=h.total, free=h.free, used=h.total - h.free
     )
     m.nvmlSystemGetDriverVersion = lambda: b"570.86.15"
+    m.nvmlDeviceGetPciInfo = lambda h: types.SimpleNamespace(busId=h.pci.encode())
+    m.NVML_DEVICE_MIG_ENABLE = 1
+    m.nvmlDeviceGetMigMode = lambda h: [1 if h.mig else 0, 1 if h.mig else 0]
+    m.nvmlDeviceGetMaxMigDeviceCount = lambda h: 7
+
+    def mig_handle(h: FakeGpu, i: int) -> FakeGpu:
+        if i >= len(h.mig):
+            raise NVMLError(6)  # NVML_ERROR_NOT_FOUND
+        return FakeGpu(h.name + " MIG", h.capability, h.total // 7, h.free // 7, h.mig[i])
+
+    m.nvmlDeviceGetMigDeviceHandleByIndex = mig_handle
     return m
 
 
@@ -141,7 +154,7 @@ def inventory(*gpus: FakeGpu) -> CudaInventory:
     return CudaInventory(
         NVML,
         tuple(
-            CudaDevice(i, g.name, g.uuid, DeviceCapability(*g.capability), g.total)
+            CudaDevice(i, g.name, g.uuid, DeviceCapability(*g.capability), g.total, g.pci, g.mig)
             for i, g in enumerate(gpus)
         ),
         "570.86.15",

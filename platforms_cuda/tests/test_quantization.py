@@ -200,6 +200,24 @@ def test_fbgemm_rowwise_gets_contiguous_bf16_activations(on_gpu, monkeypatch, dt
     assert relative_error(y, xq @ (w8.float() * ws).T) < 4e-3  # bf16 output
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_tinygemm_gets_a_contiguous_bf16_input(monkeypatch, dtype):
+    from llmhal_cuda.quantization.int4_tinygemm import TinygemmInt4Linear
+
+    def int4pack_mm(a, b, group_size, scales_and_zeros):  # aten's CUDA checks
+        assert a.dtype == torch.bfloat16, a.dtype
+        assert a.is_contiguous(), "A must be contiguous"
+        return torch.zeros(a.shape[0], 16, dtype=torch.bfloat16)
+
+    monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm", int4pack_mm)
+    kernel = object.__new__(TinygemmInt4Linear)  # the packing needs a GPU; the call does not
+    kernel.shape, kernel.group_size = (16, 64), 32
+    kernel.packed = kernel.scales_and_zeros = None
+    x = torch.randn(3, 128).to(dtype)[:, ::2]
+    y = kernel(x)
+    assert y.shape == (3, 16) and y.dtype == dtype
+
+
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 
 

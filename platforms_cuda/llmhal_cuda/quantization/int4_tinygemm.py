@@ -84,7 +84,9 @@ class TinygemmInt4Linear:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        # The CUDA kernel checks for a contiguous bf16 A: sliced activations are strided and
+        # fp16 models hand over fp16.
+        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous()
         y = torch.ops.aten._weight_int4pack_mm(
             x2, self.packed, self.group_size, self.scales_and_zeros
         )
