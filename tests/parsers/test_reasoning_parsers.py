@@ -70,7 +70,10 @@ def test_a_token_by_token_stream_and_the_id_based_answers(reasoning_case, tok):
     assert fresh.is_reasoning_end(ids) == reasoning_case.ended
     # the gate's per-token answer turns true at the token that ends the reasoning (it looks at
     # the end marker alone, as vLLM's: an end marker in text that never started reasoning counts)
-    ends = [k for k in range(1, len(ids) + 1) if fresh.is_reasoning_end_streaming(ids[:k], ids[k - 1 : k])]  # fmt: skip
+    # (asked as the engine asks: the prompt and output ids as one TokenView, the new token alone)
+    from llmhal.engine.request import TokenView
+
+    ends = [k for k in range(1, len(ids) + 1) if fresh.is_reasoning_end_streaming(TokenView([], ids[: k - 1], ids[k - 1 : k]), ids[k - 1 : k])]  # fmt: skip
     if reasoning_case.ended:
         assert not fresh.is_reasoning_end(ids[: ends[0] - 1]) and fresh.is_reasoning_end(ids[: ends[0]])  # fmt: skip
         content_ids = fresh.extract_content_ids(ids)
