@@ -40,6 +40,12 @@ from llmhal.platforms.interface import (
 
 logger = init_logger(__name__)
 
+# vLLM's built-in platform names, past and present. vLLM's resolver takes a plugin of one of these
+# names as activated whenever its own built-in is; an llmhal probe returning None there breaks vLLM.
+VLLM_BUILTIN_PLATFORMS = frozenset(
+    {"tpu", "cuda", "rocm", "hpu", "xpu", "cpu", "neuron", "openvino", "gaudi", "npu"}
+)
+
 # ProbeResult.status values
 SELECTED = "selected"
 AVAILABLE = "available"
@@ -291,6 +297,17 @@ def _resolve(results: list[ProbeResult]) -> tuple[Platform, PlatformSelection]:
     probes = _load_probes()
     records = {r.name: r for r in plugin_records() if r.group == PLATFORM_PLUGINS_GROUP}
     to_probe = _entries_to_probe(requested, probes)
+    for name in sorted(to_probe & VLLM_BUILTIN_PLATFORMS):
+        logger.warning(
+            "Platform plugin %r (%s) is named like one of vLLM's built-in platforms: with vLLM in "
+            "the same environment, vLLM takes it as activated whenever its own %s platform is and "
+            "then fails on the class path it returns. Its package should rename the entry point "
+            "(e.g. 'acme_%s'); VLLM_PLATFORM can still select it by its platform name.",
+            name,
+            records[name].origin if name in records else "distribution unknown",
+            name,
+            name,
+        )
 
     classes: dict[str, type[Platform]] = {}
     for name, rec in records.items():

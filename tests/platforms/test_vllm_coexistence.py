@@ -15,17 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from llmhal.platforms.resolver import VLLM_BUILTIN_PLATFORMS
 from llmhal.plugins import PLATFORM_PLUGINS_GROUP
 from llmhal.utils.imports import resolve_obj_by_qualname
 
 ROOT = Path(__file__).resolve().parents[2]
 FIRST_PARTY = ("platforms_cpu", "platforms_cuda", "platforms_rocm")
-
-# vLLM's built-in platform names, past and present (tpu..neuron in the resolver's table; openvino
-# and others moved out of tree under their old names).
-VLLM_BUILTIN_PLATFORMS = frozenset(
-    {"tpu", "cuda", "rocm", "hpu", "xpu", "cpu", "neuron", "openvino", "gaudi", "npu"}
-)
 
 
 class VllmResolutionError(RuntimeError):
@@ -128,3 +123,16 @@ def test_vllm_platform_by_platform_name_still_selects_the_first_party_platform(
     for other in ("llmhal_cuda", "llmhal_rocm"):
         assert said[other].status == "not loaded" and "VLLM_PLATFORM=cpu" in said[other].reason
     assert resolve_obj_by_qualname(sel.class_path) is type(platforms.current_platform)
+
+
+def test_a_platform_plugin_named_like_a_vllm_builtin_is_warned_about(install_dists, caplog):
+    import logging
+
+    import llmhal.platforms as platforms
+    from llmhal.testing.fake_vendor import accelerator_distribution
+
+    install_dists(accelerator_distribution("neuron", priority=50))
+    with caplog.at_level(logging.WARNING, logger="llmhal"):
+        assert platforms.current_platform.name == "neuron"  # it still works in llmhal
+    said = [r.getMessage() for r in caplog.records if "vLLM's built-in platforms" in r.getMessage()]
+    assert len(said) == 1 and "'neuron' (neuron-fake 1.0.0)" in said[0]
