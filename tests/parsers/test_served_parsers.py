@@ -1,6 +1,7 @@
-"""A new parser end to end through ``llmhal serve``'s HTTP server: a tiny random model is made
-to write a Mistral v11 call (a structured-output regex), and the ``mistral`` parser reads it in
-a full answer and in a stream (content first, then the call with a Mistral-shaped id)."""
+"""New parsers end to end on a tiny random model: through ``llmhal serve``'s HTTP server, the
+model made to write a Mistral v11 call (a structured-output regex) and the ``mistral`` parser
+reading it in a full answer and a stream; and in the engine, the structured-output gate of a
+reasoning parser whose end marker is several tokens (``hunyuan_a13b``)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,17 @@ FORCED = {"structured_outputs": {"regex": r'Sure\.\[TOOL_CALLS\]get_time\[ARGS\]
 
 
 @pytest.fixture(scope="module")
-def mistral_server(tmp_path_factory):
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_for_parsers")
+    make_tiny_model(folder, "llama")
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def mistral_server(tiny_folder):
     from llmhal.entrypoints.serve import build_server
 
-    folder = tmp_path_factory.mktemp("tiny_mistral_calls")
-    make_tiny_model(folder, "llama")
-    llm = LLM(str(folder), dtype="float32", max_model_len=256)
+    llm = LLM(tiny_folder, dtype="float32", max_model_len=256)
     srv = build_server(llm, "127.0.0.1", 0, model_name="tiny", tool_call_parser="mistral", enable_auto_tool_choice=True)  # fmt: skip
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{srv.server_address[1]}"
@@ -50,3 +56,25 @@ def test_the_mistral_parser_through_the_server(mistral_server):
         calls += [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in delta.get("tool_calls", [])]  # fmt: skip
         finish = e["choices"][0]["finish_reason"] or finish
     assert (content, calls, finish) == ("Sure.", [("get_time", {"zone": "CET"})], "tool_calls")
+
+
+def test_the_gate_of_a_parser_whose_end_marker_is_several_tokens(tiny_folder):
+    """The prompt leaves ``</think`` open and the model is pushed to write ``>``: the gate
+    (``hunyuan_a13b``, which reads the decoded ids) sees the end marker completed by that token
+    and the JSON grammar starts after it; without the gate the grammar rules ``>`` out."""
+    from llmhal import SamplingParams
+    from llmhal.structured_output import StructuredOutputsParams
+
+    gated = LLM(tiny_folder, dtype="float32", max_model_len=128, structured_outputs_config={"reasoning_parser": "hunyuan_a13b"})  # fmt: skip
+    tok = gated.get_tokenizer()
+    prompt = tok.encode("<think>\nhmm\n</think", add_special_tokens=False)
+    close = tok.encode(">", add_special_tokens=False)
+    assert len(close) == 1 and len(tok.encode("</think>", add_special_tokens=False)) > 1
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}  # fmt: skip
+    so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    params = SamplingParams(temperature=0, max_tokens=30, logit_bias={close[0]: 100.0}, structured_outputs=so)  # fmt: skip
+    out = gated.generate({"prompt_token_ids": prompt}, params)[0].outputs[0]
+    assert out.token_ids[0] == close[0] and json.loads(out.text[1:]) in ({"ok": True}, {"ok": False})  # fmt: skip
+    plain = LLM(tiny_folder, dtype="float32", max_model_len=128)
+    out = plain.generate({"prompt_token_ids": prompt}, params)[0].outputs[0]
+    assert out.token_ids[0] != close[0] and isinstance(json.loads(out.text)["ok"], bool)
