@@ -43,7 +43,7 @@ logger = init_logger(__name__)
 # vLLM's built-in platform names, past and present. vLLM's resolver takes a plugin of one of these
 # names as activated whenever its own built-in is; an llmhal probe returning None there breaks vLLM.
 VLLM_BUILTIN_PLATFORMS = frozenset(
-    {"tpu", "cuda", "rocm", "hpu", "xpu", "cpu", "neuron", "openvino", "gaudi", "npu"}
+    {"tpu", "cuda", "rocm", "hpu", "xpu", "cpu", "neuron", "openvino"}
 )
 
 # ProbeResult.status values
