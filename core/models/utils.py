@@ -156,17 +156,28 @@ def _load_buffer(buffers: dict[str, torch.Tensor], target: str, name: str, t: to
 
 
 def _check_shards(shards: dict[str, set[Any]], stacked: Sequence[StackedParam]) -> None:
-    expected: dict[str, list[Any]] = {}
+    expected: dict[str, list[StackedParam]] = {}
     for sp in stacked:
-        expected.setdefault(sp.target, []).append(sp.shard_id)
+        expected.setdefault(sp.target, []).append(sp)
     for target, got in shards.items():
-        module = target.rpartition(".")[0].rpartition(".")[2]
-        missing = [s for s in expected.get(module, []) if s not in got]
+        parent, module, param = _split_param(target)
+        missing = [sp for sp in expected.get(module, []) if sp.shard_id not in got]
         if missing:
+            # Name the tensors as the checkpoint does (q_proj.weight_scale), which is what a
+            # user searches the files for, then how they merge.
+            names = ", ".join(f"{parent}{sp.source}.{param}" for sp in missing)
             raise WeightLoadError(
-                f"{target}: the checkpoint has shards {sorted(map(str, got))} but not "
-                f"{[str(m) for m in missing]}"
+                f"the checkpoint has no {names}: {target} merges "
+                f"{', '.join(sp.source for sp in expected[module])} and the checkpoint has shards "
+                f"{sorted(map(str, got))} but not {[str(sp.shard_id) for sp in missing]}"
             )
+
+
+def _split_param(target: str) -> tuple[str, str, str]:
+    """``"a.b.qkv_proj.weight"`` -> (``"a.b."``, ``"qkv_proj"``, ``"weight"``)."""
+    path, _, param = target.rpartition(".")
+    parent, _, module = path.rpartition(".")
+    return (parent + "." if parent else ""), module, param
 
 
 def missing_parameters(model: nn.Module, loaded: set[str]) -> list[str]:

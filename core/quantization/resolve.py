@@ -2,8 +2,9 @@
 
 Order: the checkpoint's own method (``quantization_config.quant_method``, or "gguf" for a GGUF file)
 may be claimed by another registered method (``override_quantization_method``, e.g. gptq -> a GPU
-kernel variant). A user's ``quantization=`` must agree with it, or, for an unquantized checkpoint, name
-a method that quantizes online. Then: the platform's allow-list, the method's availability on this
+kernel variant). A user's ``quantization=`` must agree with it, name a kernel variant of the
+checkpoint's method (``awq_marlin`` for an ``awq`` checkpoint, as vLLM accepts), or, for an
+unquantized checkpoint, name a method that quantizes online. Then: the platform's allow-list, the method's availability on this
 platform, its minimum device capability and its activation dtypes.
 """
 
@@ -128,6 +129,18 @@ def resolve_quantization(
     ckpt = checkpoint_method.strip().lower() if checkpoint_method else None
     if ckpt:
         name = _claimed_by(ckpt, checkpoint_config or {}, user, platform)
+        provider = _variant_provider(user, ckpt) if user and user not in (ckpt, name) else None
+        if provider is not None and provider not in (CORE, REGISTERED, platform.name):
+            raise QuantizationError(
+                f"quantization={user!r} is the {provider} platform's kernel for {ckpt!r} "
+                f"checkpoints and needs the {provider} platform; this is the {platform.name} "
+                f"platform. Drop the quantization argument (or pass quantization={ckpt!r}) to run "
+                f"this checkpoint with {name!r} here."
+            )
+        if provider is not None:
+            # A kernel variant for this format (awq_marlin for awq): the user's override stands,
+            # and check_method_usable below says what it needs when it cannot run here.
+            name = user
         if user and user not in (ckpt, name):
             raise QuantizationError(
                 f"The checkpoint is quantized with {ckpt!r}, but quantization={user!r} was requested. "
@@ -150,6 +163,27 @@ def resolve_quantization(
     check_method_usable(name, cls, platform, act_dtype)
     config = from_checkpoint(cls) if ckpt else cls.online_config()
     return name, config
+
+
+def _variant_provider(variant: str, checkpoint_method: str) -> str | None:
+    """The provider of method ``variant`` when it reads ``checkpoint_method``'s checkpoints (its
+    config subclasses that method's: a kernel variant such as awq_marlin of awq), else None. The
+    class is looked up wherever it is declared, active platform or not, so that the error can say
+    which platform it needs."""
+    from llmhal.quantization.registry import get_method_entry
+    from llmhal.utils.imports import resolve_obj_by_qualname
+
+    entry, base = get_method_entry(variant), get_method_entry(checkpoint_method)
+    if entry is None or base is None:
+        return None
+    try:
+        variant_cls = resolve_obj_by_qualname(entry.class_path)
+        checkpoint_cls = resolve_obj_by_qualname(base.class_path)
+    except Exception:
+        return None
+    if variant_cls is checkpoint_cls or not issubclass(variant_cls, checkpoint_cls):
+        return None
+    return entry.provider
 
 
 def _is_online(name: str) -> bool:

@@ -301,3 +301,36 @@ def test_fbgemm_rowwise_on_gpu():
     x = torch.randn(4, 512, generator=gen).cuda().bfloat16()
     ref = x.float() @ (w8.float() * ws).cuda().T
     assert (layer_output(layer, x).float() - ref).norm() / ref.norm() < 2e-2
+
+
+def _resolve(platform, user, cfg=AWQ, dtype=torch.bfloat16):
+    from llmhal.quantization.resolve import resolve_quantization
+
+    method = cfg["quant_method"]
+    return resolve_quantization(method, cfg, user, platform, dtype, lambda c: c.from_config(cfg))
+
+
+def test_awq_marlin_is_an_override_for_awq_checkpoints(on_gpu):
+    from llmhal.quantization.resolve import QuantizationError
+
+    name, config = _resolve(on_gpu("H100"), "awq_marlin")
+    assert name == "awq_marlin" and isinstance(config, AWQMarlinConfig)
+    # On a GPU the kernel cannot serve, the override stands and the error says what it needs.
+    with pytest.raises(QuantizationError, match=r"needs compute capability >= 8\.0"):
+        _resolve(on_gpu("T4"), "awq_marlin")
+    # A method of another format is still a conflict.
+    with pytest.raises(QuantizationError, match="quantized with 'awq', but quantization='gptq'"):
+        _resolve(on_gpu("H100"), "gptq")
+
+
+def test_awq_marlin_on_the_cpu_says_it_needs_a_cuda_platform():
+    from llmhal.quantization.resolve import QuantizationError
+
+    cpu = get_current_platform()
+    if cpu.name == "cuda":
+        pytest.skip("checks the message off the cuda platform")
+    with pytest.raises(QuantizationError) as err:
+        _resolve(cpu, "awq_marlin")
+    msg = str(err.value)
+    assert "quantization='awq_marlin' is the cuda platform's kernel for 'awq' checkpoints" in msg
+    assert f"this is the {cpu.name} platform" in msg and "Drop the quantization argument" in msg
