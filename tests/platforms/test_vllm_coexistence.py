@@ -136,3 +136,21 @@ def test_a_platform_plugin_named_like_a_vllm_builtin_is_warned_about(install_dis
         assert platforms.current_platform.name == "neuron"  # it still works in llmhal
     said = [r.getMessage() for r in caplog.records if "vLLM's built-in platforms" in r.getMessage()]
     assert len(said) == 1 and "'neuron' (neuron-fake 1.0.0)" in said[0]
+
+
+def test_vllm_loading_llmhals_probes_imports_nothing_heavy_and_activates_nothing():
+    """What vLLM's process sees: each llmhal probe loaded by its entry point and called cold."""
+    from llmhal.testing.distributions import run_python
+
+    code = """
+    import sys
+    from importlib.metadata import entry_points
+
+    said = {ep.name: ep.load()() for ep in entry_points(group="vllm.platform_plugins")
+            if ep.dist.metadata["Name"].startswith("llmhal")}
+    print(sorted(said.items()), "torch" in sys.modules)
+    """
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr
+    expected = "[('llmhal_cpu', None), ('llmhal_cuda', None), ('llmhal_rocm', None)] False"
+    assert proc.stdout.strip() == expected
