@@ -135,3 +135,20 @@ def test_fbgemm_genai_that_registers_the_ops(site, monkeypatch):
     monkeypatch.setattr(torch.ops, "fbgemm", ops, raising=False)
     libraries.fbgemm_genai_reason.cache_clear()
     assert libraries.fbgemm_genai_reason() is None
+
+
+def test_doctor_shows_why(site, h100):
+    from llmhal import doctor
+    from llmhal.testing.isolation import switched_platform
+
+    site({"flash_attn/cute/__init__.py": "", "flashinfer/__init__.py": ""})
+    with switched_platform() as use:
+        use(h100)
+        report = doctor.collect()
+    rows = {b["name"]: b for b in report["attention_backends"]}
+    assert not rows["flash_attn"]["available"]
+    assert any("flash-attn-4" in r for r in rows["flash_attn"]["reasons"])
+    assert any(
+        "has no BatchDecodeWithPagedKVCacheWrapper" in r for r in rows["flashinfer"]["reasons"]
+    )
+    assert "flash-attn-4" in doctor.format_report(report)
