@@ -11,7 +11,8 @@ from pathlib import Path
 
 ENV_VARS: dict[str, str] = {
     "VLLM_PLUGINS": "comma-separated allow-list of plugin entry-point names; unset = all, '' = none",
-    "VLLM_PLATFORM": "entry-point name of the platform to use; skips every other platform plugin",
+    "VLLM_PLATFORM": "platform to use, by entry-point name (llmhal_cpu) or platform name (cpu); "
+    "no other platform probe runs",
     "VLLM_ATTENTION_BACKEND": "attention backend to use (validated, never silently replaced)",
     "LLMHAL_LOGGING_LEVEL": "log level of the 'llmhal' logger (default WARNING)",
     "LLMHAL_MODEL": "model used by the CLI when --model is not given",
