@@ -194,6 +194,8 @@ def prepare(state: Any, body: dict[str, Any], chat: bool, sink: Sink, request_id
             body = tools.parser().adjust_request(body)  # type: ignore[union-attr]
     elif "tools" in body or "tool_choice" in body:
         raise api.BadRequest("tools are only supported on /v1/chat/completions")
+    if chat and state.reasoning_cls is not None:  # e.g. keep [THINK] (a special token) in the text
+        body = state.reasoning_cls(state.llm.get_tokenizer()).adjust_request(body)
     params = api.sampling_params(body, chat=chat, defaults=state.defaults)
     if tools is not None and tools.structured is not None:
         if params.structured_outputs is not None:

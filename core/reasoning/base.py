@@ -30,6 +30,11 @@ class ReasoningParser:
     def vocab(self) -> dict[str, int]:
         return self.model_tokenizer.get_vocab()
 
+    def adjust_request(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The request body before generation (vLLM's hook; default: unchanged). Parsers whose
+        markers are special tokens ask to keep them in the text (``skip_special_tokens``)."""
+        return request
+
     def is_reasoning_end(self, input_ids: Sequence[int]) -> bool:
         raise NotImplementedError
 
@@ -75,10 +80,6 @@ class SplitReasoningParser(ReasoningParser):
 
     def _split(self, text: str, final: bool) -> tuple[str, str]:
         raise NotImplementedError
-
-    def adjust_request(self, request: dict[str, Any]) -> dict[str, Any]:
-        """The request body before generation (vLLM's hook; default: unchanged)."""
-        return request
 
     def flush(self, current_text: str) -> DeltaMessage | None:
         """What a stream still owes once it has ended (text held back as a possible marker); an

@@ -78,3 +78,29 @@ def test_the_gate_of_a_parser_whose_end_marker_is_several_tokens(tiny_folder):
     plain = LLM(tiny_folder, dtype="float32", max_model_len=128)
     out = plain.generate({"prompt_token_ids": prompt}, params)[0].outputs[0]
     assert out.token_ids[0] != close[0] and isinstance(json.loads(out.text)["ok"], bool)
+
+
+def test_a_reasoning_parser_whose_tags_are_special_tokens_sees_them(tmp_path):
+    """``mistral``'s [THINK] is a special token: the server keeps special tokens in the text of
+    a request (the parser's adjust_request), else the tags would vanish before the split. The
+    model is pushed to write [THINK] three times; the answer's reasoning holds the last two."""
+    from llmhal.entrypoints.serve import build_server
+    from llmhal.testing.tiny_models import make_tokenizer
+
+    make_tiny_model(tmp_path, "llama")
+    tok = make_tokenizer(382)
+    tok.add_special_tokens({"additional_special_tokens": ["[THINK]", "[/THINK]"]})
+    tok.save_pretrained(tmp_path)  # 384 entries, as the tiny model's vocabulary
+    think = tok.convert_tokens_to_ids("[THINK]")
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=128)
+    srv = build_server(llm, "127.0.0.1", 0, model_name="tiny", reasoning_parser="mistral")
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0, "logit_bias": {str(think): 100}}  # fmt: skip
+        status, resp = post_json(f"http://127.0.0.1:{srv.server_address[1]}/v1/chat/completions", body)  # fmt: skip
+        assert status == 200, resp
+        assert resp["choices"][0]["message"]["reasoning_content"] == "[THINK][THINK]"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        srv.state.loop.shutdown()
