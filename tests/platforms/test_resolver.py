@@ -204,13 +204,15 @@ def test_first_party_probes_return_none_outside_the_resolver():
     import llmhal_cuda
     import llmhal_rocm
 
-    for probe in (
-        llmhal_cpu.cpu_platform_plugin,
-        llmhal_cuda.cuda_platform_plugin,
-        llmhal_rocm.rocm_platform_plugin,
+    for probe, name in (
+        (llmhal_cpu.cpu_platform_plugin, "cpu"),
+        (llmhal_cuda.cuda_platform_plugin, "cuda"),
+        (llmhal_rocm.rocm_platform_plugin, "rocm"),
     ):
         assert probe() is None
         assert isinstance(probe.llmhal_platform_class, str)
+        # Declared, so VLLM_PLATFORM=<name> finds the renamed entry point without other probes.
+        assert probe.llmhal_platform_name == name
 
 
 def test_set_current_platform_swaps_and_forgets(install_dists):
