@@ -21,8 +21,14 @@ FORCED = {"structured_outputs": {"regex": r'Sure\.\[TOOL_CALLS\]get_time\[ARGS\]
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
+    """The tiny llama, its tokenizer with Magistral's [THINK] and [/THINK] as special tokens."""
+    from llmhal.testing.tiny_models import make_tokenizer
+
     folder = tmp_path_factory.mktemp("tiny_for_parsers")
     make_tiny_model(folder, "llama")
+    tok = make_tokenizer(382)
+    tok.add_special_tokens({"additional_special_tokens": ["[THINK]", "[/THINK]"]})
+    tok.save_pretrained(folder)  # 384 entries, as the tiny model's vocabulary
     return str(folder)
 
 
@@ -80,19 +86,14 @@ def test_the_gate_of_a_parser_whose_end_marker_is_several_tokens(tiny_folder):
     assert out.token_ids[0] != close[0] and isinstance(json.loads(out.text)["ok"], bool)
 
 
-def test_a_reasoning_parser_whose_tags_are_special_tokens_sees_them(tmp_path):
+def test_a_reasoning_parser_whose_tags_are_special_tokens_sees_them(tiny_folder):
     """``mistral``'s [THINK] is a special token: the server keeps special tokens in the text of
     a request (the parser's adjust_request), else the tags would vanish before the split. The
     model is pushed to write [THINK] three times; the answer's reasoning holds the last two."""
     from llmhal.entrypoints.serve import build_server
-    from llmhal.testing.tiny_models import make_tokenizer
 
-    make_tiny_model(tmp_path, "llama")
-    tok = make_tokenizer(382)
-    tok.add_special_tokens({"additional_special_tokens": ["[THINK]", "[/THINK]"]})
-    tok.save_pretrained(tmp_path)  # 384 entries, as the tiny model's vocabulary
-    think = tok.convert_tokens_to_ids("[THINK]")
-    llm = LLM(str(tmp_path), dtype="float32", max_model_len=128)
+    llm = LLM(tiny_folder, dtype="float32", max_model_len=128)
+    think = llm.get_tokenizer().convert_tokens_to_ids("[THINK]")
     srv = build_server(llm, "127.0.0.1", 0, model_name="tiny", reasoning_parser="mistral")
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
