@@ -153,8 +153,10 @@ def _entries_to_probe(requested: str | None, probes: dict[str, Any]) -> set[str]
     A probe that declares another platform name cannot be the choice and is not called; one that
     declares none is called, and its class's ``name`` decides.
     """
-    if requested is None or requested in probes:
-        return set(probes) if requested is None else {requested}
+    if requested is None:
+        return set(probes)
+    if requested in probes:
+        return {requested}
     declared = {n for n, p in probes.items() if _declared_name(p) == requested}
     return declared or {n for n, p in probes.items() if _declared_name(p) is None}
 
