@@ -26,6 +26,17 @@ def _current_quant_and_dtype() -> tuple[QuantizationConfig | None, torch.dtype]:
     return cfg.quant_config, cfg.model.dtype
 
 
+def quant_and_dtype(
+    quant_config: QuantizationConfig | None, params_dtype: torch.dtype | None
+) -> tuple[QuantizationConfig | None, torch.dtype]:
+    """The layer's quantization config and parameter dtype: the given ones, else the engine's."""
+    if quant_config is None or params_dtype is None:
+        q, dt = _current_quant_and_dtype()
+        quant_config = quant_config if quant_config is not None else q
+        params_dtype = params_dtype or dt
+    return quant_config, params_dtype
+
+
 class LinearBase(nn.Module):
     """``y = x @ W.T + b`` where ``W`` stacks ``output_sizes`` shards named ``shard_names``."""
 
@@ -41,10 +52,7 @@ class LinearBase(nn.Module):
         prefix: str = "",
     ) -> None:
         super().__init__()
-        if quant_config is None or params_dtype is None:
-            q, dt = _current_quant_and_dtype()
-            quant_config = quant_config if quant_config is not None else q
-            params_dtype = params_dtype or dt
+        quant_config, params_dtype = quant_and_dtype(quant_config, params_dtype)
         self.input_size = input_size
         self.output_sizes = list(output_sizes)
         self.output_size = sum(self.output_sizes)

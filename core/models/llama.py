@@ -41,9 +41,16 @@ def _join(prefix: str, name: str) -> str:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, *, bias: bool = False, prefix: str = "") -> None:
+    def __init__(
+        self,
+        config: Any,
+        *,
+        bias: bool = False,
+        intermediate_size: int | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedLinear(
             config.hidden_size, [inter, inter], bias=bias, prefix=_join(prefix, "gate_up_proj")
         )
@@ -119,12 +126,18 @@ class LlamaDecoderLayer(nn.Module):
         self, config: Any, rotary_emb: RotaryEmbedding, layer_opts: dict[str, Any], prefix: str
     ) -> None:
         super().__init__()
+        opts = dict(layer_opts)
+        # MoE models pass their own block (a callable of the module prefix) for this layer.
+        build_mlp = opts.pop("build_mlp", None)
         self.self_attn = LlamaAttention(
-            config, rotary_emb, prefix=_join(prefix, "self_attn"), **layer_opts
+            config, rotary_emb, prefix=_join(prefix, "self_attn"), **opts
         )
-        self.mlp = LlamaMLP(
-            config, bias=bool(getattr(config, "mlp_bias", False)), prefix=_join(prefix, "mlp")
-        )
+        if build_mlp is not None:
+            self.mlp = build_mlp(_join(prefix, "mlp"))
+        else:
+            self.mlp = LlamaMLP(
+                config, bias=bool(getattr(config, "mlp_bias", False)), prefix=_join(prefix, "mlp")
+            )
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps=eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps)
@@ -206,7 +219,9 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def layer_options(cls, config: Any, layer_idx: int) -> dict[str, Any]:
-        """Per-layer attention options (biases, q/k norm, sliding window) for this architecture."""
+        """Per-layer options (attention biases, q/k norm, sliding window; ``build_mlp``, a callable
+        of the module prefix building the layer's MLP, where it is not Llama's) for this
+        architecture."""
 
         def flag(attr: str | None) -> bool:
             return bool(attr and getattr(config, attr, False))

@@ -19,6 +19,9 @@ _BUILTIN: dict[str, str] = {
     "MistralForCausalLM": "llmhal.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "llmhal.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "llmhal.models.qwen3:Qwen3ForCausalLM",
+    "MixtralForCausalLM": "llmhal.models.mixtral:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "llmhal.models.qwen2_moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "llmhal.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
 
 

@@ -22,6 +22,7 @@ CORE_METHODS: dict[str, str] = {
     "gptq": "llmhal.quantization.gptq:GPTQConfig",
     "awq": "llmhal.quantization.awq:AWQConfig",
     "bitsandbytes": "llmhal.quantization.bitsandbytes:BitsAndBytesConfig",
+    "experts_int8": "llmhal.quantization.experts_int8:ExpertsInt8Config",
 }
 
 CORE = "core"

@@ -1,0 +1,228 @@
+"""The mixture-of-experts layer: every expert's weights stacked in one tensor, run by ``fused_moe``.
+
+:class:`FusedMoE` holds ``w13_weight`` [E, 2I, H] (each expert's gate rows, then its up rows) and
+``w2_weight`` [E, H, I] (its down projection) in the form its quantization method chooses, and
+computes ``fused_moe(x, ..., router_logits)`` through the op registry (so a platform's kernel runs
+when it brings one). The method comes from the engine's quantization config, as for linear layers:
+``quant_config.get_quant_method(layer, prefix)`` returns a :class:`FusedMoEMethodBase` for a MoE
+layer, or None for unquantized experts.
+
+Checkpoint layouts (:func:`route_expert_tensor`): the published per-expert tensors
+(``experts.<e>.w1/w3/w2.weight`` for Mixtral, ``experts.<e>.gate_proj/up_proj/down_proj.weight`` for
+Qwen-MoE and DeepSeek) and the fused tensors transformers 5 saves with
+``save_original_format=False`` (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]).
+A shard id is ``(expert, part)``: part ``w1`` (gate), ``w3`` (up) or ``w2`` (down) of one expert,
+or ``(None, "w13")`` / ``(None, "w2")`` for every expert at once.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmhal.layers.weights import WeightLoadError, copy_checked
+from llmhal.quantization.base import QuantizationConfig, QuantizeMethodBase
+
+ShardId = tuple[int | None, str]
+
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_FUSED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+_PART = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2": "w2", "down_proj": "w2"}
+
+
+def route_expert_tensor(name: str) -> tuple[str, ShardId] | None:
+    """(our parameter name, shard id) for a checkpoint expert tensor; None for any other tensor."""
+    m = _PER_EXPERT.match(name)
+    if m:
+        part = _PART[m.group(3)]
+        param = "w2_weight" if part == "w2" else "w13_weight"
+        return f"{m.group(1)}.{param}", (int(m.group(2)), part)
+    m = _FUSED.match(name)
+    if m:
+        whole = "w13" if m.group(2) == "gate_up_proj" else "w2"
+        return f"{m.group(1)}.{whole}_weight", (None, whole)
+    return None
+
+
+def expert_rows(param: torch.Tensor, shard: ShardId, intermediate: int) -> torch.Tensor:
+    """The view of a stacked [E, rows, cols] tensor that shard ``shard`` fills."""
+    expert, part = shard
+    if expert is None:
+        return param
+    if not 0 <= expert < param.shape[0]:
+        raise WeightLoadError(f"expert {expert} is out of range: the layer has {param.shape[0]}")
+    if part == "w1":
+        return param[expert, :intermediate]
+    if part == "w3":
+        return param[expert, intermediate:]
+    return param[expert]
+
+
+class FusedMoEMethodBase(QuantizeMethodBase):
+    """How a :class:`FusedMoE` layer stores and runs its experts (a quantization method's MoE side).
+
+    ``create_weights(layer, num_experts, hidden_size, intermediate_size, params_dtype)`` registers
+    ``w13_weight`` and ``w2_weight`` (and what else the method keeps) with a ``weight_loader(param,
+    tensor, shard_id)`` taking the shard ids of :func:`route_expert_tensor`; ``apply(layer, x,
+    router_logits)`` returns the layer's output.
+    """
+
+    def create_weights(  # type: ignore[override]
+        self,
+        layer: nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        params_dtype: torch.dtype,
+        **extra: Any,
+    ) -> None:
+        raise NotImplementedError
+
+    def apply(  # type: ignore[override]
+        self, layer: nn.Module, x: torch.Tensor, router_logits: torch.Tensor
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def _new_param(shape: tuple[int, ...], dtype: torch.dtype, loader: Callable[..., None]) -> Any:
+    p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    p.weight_loader = loader
+    return p
+
+
+class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
+    """Experts in the model dtype."""
+
+    def create_weights(  # type: ignore[override]
+        self,
+        layer: nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        params_dtype: torch.dtype,
+        **extra: Any,
+    ) -> None:
+        def load(param: torch.Tensor, loaded: torch.Tensor, shard: ShardId) -> None:
+            dst = expert_rows(param.data, shard, intermediate_size)
+            copy_checked(dst, loaded, f"expert {shard[0]} {shard[1]}")
+
+        shape13 = (num_experts, 2 * intermediate_size, hidden_size)
+        layer.w13_weight = _new_param(shape13, params_dtype, load)
+        layer.w2_weight = _new_param(
+            (num_experts, hidden_size, intermediate_size), params_dtype, load
+        )
+
+    def apply(  # type: ignore[override]
+        self, layer: nn.Module, x: torch.Tensor, router_logits: torch.Tensor
+    ) -> torch.Tensor:
+        return layer.run_op(x, layer.w13_weight, layer.w2_weight, router_logits)
+
+    def describe(self, layer: nn.Module) -> str:
+        return f"unquantized experts {str(layer.w13_weight.dtype).removeprefix('torch.')}"
+
+
+class FusedMoE(nn.Module):
+    """``num_experts`` gated MLPs of width ``intermediate_size``; each token uses ``top_k`` of them.
+
+    Routing options are those of :func:`llmhal.ops.fused_moe.select_experts`.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        renormalize: bool = True,
+        scoring_func: str = "softmax",
+        num_expert_group: int | None = None,
+        topk_group: int | None = None,
+        e_score_correction_bias: bool = False,
+        routed_scaling_factor: float = 1.0,
+        activation: str = "silu",
+        quant_config: QuantizationConfig | None = None,
+        params_dtype: torch.dtype | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        from llmhal.layers.linear import quant_and_dtype
+        from llmhal.ops.fused_moe import gated_activation
+
+        quant_config, params_dtype = quant_and_dtype(quant_config, params_dtype)
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
+        gated_activation(activation)  # an unknown activation fails here, not at the first step
+        self.num_experts, self.top_k = num_experts, top_k
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.activation = activation
+        self.prefix = prefix
+        self.routing: dict[str, Any] = {
+            "renormalize": renormalize,
+            "scoring_func": scoring_func,
+            "num_expert_group": num_expert_group,
+            "topk_group": topk_group,
+            "routed_scaling_factor": routed_scaling_factor,
+        }
+        if e_score_correction_bias:
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(num_experts, dtype=torch.float32), requires_grad=False
+            )
+        else:
+            self.e_score_correction_bias = None
+        self.quant_method = self._method(quant_config, prefix)
+        self.quant_method.create_weights(
+            self, num_experts, hidden_size, intermediate_size, params_dtype
+        )
+        self._op: Callable[..., torch.Tensor] | None = None
+
+    def _method(self, quant_config: QuantizationConfig | None, prefix: str) -> FusedMoEMethodBase:
+        method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
+        if method is None:
+            return UnquantizedFusedMoEMethod()
+        if not isinstance(method, FusedMoEMethodBase):
+            raise NotImplementedError(
+                f"Quantization method {quant_config.get_name()!r} has no mixture-of-experts method: "  # type: ignore[union-attr]
+                f"layer {prefix or 'experts'} would get {type(method).__name__}, which runs linear "
+                "layers only. MoE experts run unquantized or with quantization='experts_int8' "
+                "(an unquantized checkpoint quantized to int8 while loading)."
+            )
+        return method
+
+    def run_op(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        router_logits: torch.Tensor,
+        **scales: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``fused_moe`` with this layer's routing (for quantization methods' ``apply``)."""
+        if self._op is None:
+            from llmhal.ops.registry import get_op
+
+            self._op = get_op("fused_moe")
+        return self._op(
+            x,
+            w13,
+            w2,
+            router_logits,
+            self.top_k,
+            e_score_correction_bias=self.e_score_correction_bias,
+            activation=self.activation,
+            **self.routing,
+            **scales,
+        )
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, router_logits)
+
+    def extra_repr(self) -> str:
+        return (
+            f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
+            f"intermediate={self.intermediate_size}, method={type(self.quant_method).__name__}"
+        )

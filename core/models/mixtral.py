@@ -1,0 +1,33 @@
+"""Mixtral: the Mistral decoder with a sparse MoE block (softmax top-k, renormalized) on every layer.
+
+The published checkpoints name the block ``block_sparse_moe`` and the experts' projections
+``w1`` (gate), ``w3`` (up), ``w2`` (down); transformers 5 names it ``mlp`` (and fuses the experts when
+saving with ``save_original_format=False``). Both load: the block is ``mlp`` here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from llmhal.models.moe import MoeForCausalLM, SparseMoeBlock, num_experts
+
+
+class MixtralForCausalLM(MoeForCausalLM):
+    supports_sliding_window = True
+
+    @classmethod
+    def build_mlp(cls, config: Any, layer_idx: int, prefix: str) -> nn.Module:
+        return SparseMoeBlock(
+            config.hidden_size,
+            num_experts(config),
+            prefix,
+            top_k=config.num_experts_per_tok,
+            intermediate_size=config.intermediate_size,
+            renormalize=True,
+            activation=config.hidden_act,
+        )
+
+    def rename_checkpoint_tensor(self, name: str) -> str:
+        return name.replace(".block_sparse_moe.", ".mlp.")
