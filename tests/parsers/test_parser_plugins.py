@@ -29,6 +29,20 @@ class AllReasoning(ReasoningParser):
     def extract_reasoning(self, model_output, request=None):
         return model_output, None
 """
+
+
+@pytest.fixture(autouse=True)
+def restored_registries():
+    """Each test's plugins are forgotten after it (other tests list the registered names)."""
+    saved = [(m, dict(m.eager), dict(m.lazy)) for m in (ToolParserManager, ReasoningParserManager)]
+    yield
+    for m, eager, lazy in saved:
+        m.eager.clear()
+        m.eager.update(eager)
+        m.lazy.clear()
+        m.lazy.update(lazy)
+
+
 MANAGERS = {"tool": (ToolParserManager, TOOL_PLUGIN), "reasoning": (ReasoningParserManager, REASONING_PLUGIN)}  # fmt: skip
 
 
