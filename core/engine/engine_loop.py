@@ -59,6 +59,8 @@ class EngineLoop:
         # steps: tokenizing and compiling grammars must not stall everyone's decoding.
         arrival = time.monotonic()
         prepared = [engine.prepare_request(prompt, params, arrival) for prompt, params in requests]
+        for prep in prepared:  # a constraint that cannot compile fails here, before any is added
+            prep.wait_for_grammar()
         q = queue.Queue() if sink is None else sink
         group = _Group(q, len(prepared))
         with self._cv:

@@ -145,6 +145,8 @@ class LLM:
             if isinstance(prompt, dict) and "cache_salt" in prompt:
                 inp["cache_salt"] = prompt["cache_salt"]
             prepared.append([engine.prepare_request(inp, c) for c in kids])
+        for prep in (p for g in prepared for p in g):  # compiled together, on the manager's threads
+            prep.wait_for_grammar()
         groups = [[engine.add_request(prep) for prep in g] for g in prepared]
         owner = {rid: gi for gi, g in enumerate(groups) for rid in g}
         left = [len(g) for g in groups]  # completions each prompt still waits for

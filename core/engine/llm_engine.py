@@ -77,10 +77,15 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int
-    grammar: Any  # a StructuredOutputGrammar, or None
+    grammar: Any  # a PendingGrammar (its constraint compiling off the engine's path), or None
     arrival_time: float
     bad_words_token_ids: list[list[int]]
     cache_salt: str | None = None
+
+    def wait_for_grammar(self, timeout: float | None = None) -> None:
+        """Wait until the request's constraint is compiled; ValueError if it cannot be."""
+        if self.grammar is not None:
+            self.grammar.result(timeout)
 
 
 def _cache_salt(prompt: str | dict[str, Any]) -> str | None:
@@ -122,6 +127,9 @@ class LLMEngine:
         # A llmhal.spec_decode.speculator.Speculator when a speculative config was given.
         self.speculator = speculator
         self._structured: StructuredOutputManager | None = None  # made on first use
+        # Requests whose constraint is still compiling (vLLM's WAITING_FOR_FSM): the scheduler
+        # gets them once it is done, and the running ones keep decoding meanwhile.
+        self._compiling: list[Request] = []
         # structured_outputs_config's reasoning_parser: constrained requests reason freely first.
         self.reasoner = None
         if config.structured_outputs_reasoning_parser is not None:
@@ -263,8 +271,8 @@ class LLMEngine:
                 f"({self.kv.num_blocks} blocks). Raise kv_cache_memory_bytes, or lower max_tokens."
             )
         grammar = None
-        if params.structured_outputs is not None:  # compiled now: a bad constraint is refused here
-            grammar = self.structured_outputs().compile(params.structured_outputs)
+        if params.structured_outputs is not None:  # compiling starts now, on the manager's threads
+            grammar = self.structured_outputs().request(params.structured_outputs)
         return max_tokens, grammar
 
     def prepare_request(
@@ -302,6 +310,8 @@ class LLMEngine:
         rid = request_id or str(next(self._ids))
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
+        if prep.grammar is not None and prep.grammar.ready():
+            prep.wait_for_grammar()  # compiled already (or cached): a failure is refused here
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         req = Request(
             request_id=rid,
@@ -326,12 +336,47 @@ class LLMEngine:
             cache_salt=prep.cache_salt,
         )
         self._requests[rid] = req
-        self.scheduler.add(req)
+        if prep.grammar is not None and not prep.grammar.ready():
+            req.status = RequestStatus.WAITING_FOR_FSM
+            self._compiling.append(req)
+        else:
+            self._admit(req)
         return rid
+
+    def _admit(self, req: Request) -> RequestOutput | None:
+        """Hand a request to the scheduler, its grammar compiled; a constraint that failed to
+        compile ends the request alone ("abort", the reason logged) and returns its output."""
+        if req.grammar is not None:
+            try:
+                req.grammar = req.grammar.result()
+            except ValueError as e:
+                logger.warning("request %s: its structured-output constraint failed: %s", req.request_id, e)  # fmt: skip
+                req.metrics.finished_time = time.monotonic()
+                req.status = RequestStatus.FINISHED_ABORTED
+                self._requests.pop(req.request_id, None)
+                return req.to_output(0)
+        self.scheduler.add(req)
+        return None
+
+    def _admit_compiled(self, wait: bool) -> list[RequestOutput]:
+        """Admit the requests whose constraint has compiled; ``wait``: nothing else can run, so
+        wait (briefly) for one rather than spin."""
+        if wait and not any(r.grammar.ready() for r in self._compiling):
+            import concurrent.futures
+
+            pending = [r.grammar._compiled for r in self._compiling]
+            concurrent.futures.wait(pending, 0.05, concurrent.futures.FIRST_COMPLETED)
+        done = [r for r in self._compiling if r.grammar.ready()]
+        self._compiling = [r for r in self._compiling if not r.grammar.ready()]
+        return [out for r in done if (out := self._admit(r)) is not None]
 
     def abort_request(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
-        if req is not None and not req.status.finished:
+        if req is not None and req in self._compiling:
+            self._compiling.remove(req)
+            req.status = RequestStatus.FINISHED_ABORTED
+            req.metrics.finished_time = time.monotonic()
+        elif req is not None and not req.status.finished:
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             if self.speculator is not None:
                 self.speculator.finish(request_id)
@@ -341,7 +386,7 @@ class LLMEngine:
                 self._record_stats(0.0, [], [req], 0)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
 
     def warmup(self) -> None:
         """Run one tiny greedy request (a 4-token prefill, then decodes) so one-time costs are
@@ -380,6 +425,7 @@ class LLMEngine:
     # --------------------------------------------------------------------------- steps
     def step(self) -> list[RequestOutput]:
         """Run one step; return the outputs of the requests that progressed or finished."""
+        failed = self._admit_compiled(wait=not self.scheduler.has_unfinished()) if self._compiling else []  # fmt: skip
         batch = self.scheduler.schedule()
         # Taken every step, so lookups made while no stat logger listens are never reported late.
         prefix_stats = self.kv.take_stats()
@@ -390,7 +436,7 @@ class LLMEngine:
                 raise RuntimeError(
                     "the scheduler made no progress with requests waiting (KV cache too small?)"
                 )
-            return []
+            return failed
         t0 = time.perf_counter()
         # Speculative drafts being verified this step (the scheduler trimmed them to what runs).
         verifying = any(r.spec_token_ids for r, _ in batch.items)
@@ -415,7 +461,7 @@ class LLMEngine:
             # Of a verified chunk, only the last token is known computed; accepted drafts follow.
             req.num_computed_tokens += n - len(req.spec_token_ids)
             self.kv.cache_blocks(req)
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestOutput] = failed
         # Each sampled request's previous token time, for the stat loggers' latencies.
         before = [r.metrics.last_token_time for r in sample_reqs] if self.stat_loggers else []
         if result is not None:

@@ -48,6 +48,7 @@ class TokenView(Sequence):
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_FSM = "waiting_for_fsm"  # its structured-output constraint is compiling
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"

@@ -6,8 +6,10 @@ of word ``t // 32`` set when token ``t`` is allowed; an all-ones row (-1) is "no
 
 When the engine calls what:
 
-* :meth:`StructuredOutputBackend.compile_grammar` when a request is submitted (the request is
-  refused, with the backend's reason, if its constraint does not compile), once per request;
+* :meth:`StructuredOutputBackend.compile` when a request is submitted, on one of the manager's
+  compile threads, once per distinct constraint (the result is cached; the request is refused,
+  with the backend's reason, if its constraint does not compile), then
+  :meth:`StructuredOutputBackend.grammar` once per request;
 * :meth:`StructuredOutputGrammar.fill_bitmask` before each token of the request is sampled;
 * :meth:`StructuredOutputGrammar.accept_tokens` with the sampled token; False means the grammar
   rejected it (only possible when another setting, e.g. ``min_tokens`` banning EOS, masked out
@@ -74,11 +76,23 @@ class StructuredOutputBackend(ABC):
         self.stop_token_ids = list(stop_token_ids)
 
     @abstractmethod
+    def compile(
+        self, request_type: StructuredOutputOptions, grammar_spec: str, *, compact: bool = False
+    ) -> Any:
+        """The constraint compiled, to be shared by every request that asks for it (the manager
+        caches it by backend and spec, and calls this on its compile threads: it must not touch
+        per-request state). ``compact``: JSON without optional whitespace. Raises ValueError,
+        saying why, for a constraint this backend cannot compile or would not enforce."""
+
+    @abstractmethod
+    def grammar(self, compiled: Any) -> StructuredOutputGrammar:
+        """A fresh grammar for one request over what :meth:`compile` returned (cheap)."""
+
     def compile_grammar(
         self, request_type: StructuredOutputOptions, grammar_spec: str, *, compact: bool = False
     ) -> StructuredOutputGrammar:
-        """A fresh grammar for one request. ``compact``: JSON without optional whitespace.
-        Raises ValueError, saying why, for a constraint this backend cannot compile."""
+        """:meth:`compile` then :meth:`grammar`, uncached."""
+        return self.grammar(self.compile(request_type, grammar_spec, compact=compact))
 
     def allocate_token_bitmask(self, max_num_seqs: int) -> torch.Tensor:
         return torch.full((max_num_seqs, bitmask_words(self.vocab_size)), -1, dtype=torch.int32)

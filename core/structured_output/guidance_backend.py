@@ -58,9 +58,9 @@ class GuidanceBackend(StructuredOutputBackend):
         self._llg = llg
         self._fill = torch_fill.fill_next_token_bitmask
 
-    def compile_grammar(
+    def compile(
         self, request_type: StructuredOutputOptions, grammar_spec: str, *, compact: bool = False
-    ) -> StructuredOutputGrammar:
+    ) -> Any:
         llg = self._llg
         kind = StructuredOutputOptions
         defaults = {"whitespace_flexible": not compact}
@@ -85,4 +85,8 @@ class GuidanceBackend(StructuredOutputBackend):
                 f"llguidance cannot compile this {request_type.value} constraint: "
                 f"{matcher.get_error()}"
             )
-        return GuidanceGrammar(matcher, self._fill)
+        return grammar
+
+    def grammar(self, compiled: Any) -> StructuredOutputGrammar:
+        # llguidance builds masks lazily: a matcher per request is all there is to make.
+        return GuidanceGrammar(self._llg.LLMatcher(self.ll_tokenizer, compiled, log_level=0), self._fill)  # fmt: skip

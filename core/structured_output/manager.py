@@ -1,16 +1,25 @@
-"""Which backend compiles a request's constraint, and the per-step token masks.
+"""Which backend compiles a request's constraint, where and when, and the per-step token masks.
 
-Backends by name, as lazy class paths (vLLM's names): ``xgrammar`` and ``guidance``. ``auto`` (the
-default) tries xgrammar, then guidance for what xgrammar cannot compile (e.g. a schema with
-``patternProperties``, a Lark grammar) or when xgrammar is not installed; the choice is made per
-request, unlike vLLM, whose first request fixes the backend for the engine. vLLM's ``outlines`` and
-``lm-format-enforcer`` backends are not implemented in llmhal and are refused by name.
+Backends by name, as lazy class paths (vLLM's names): ``xgrammar``, ``guidance``, ``outlines`` and
+``lm-format-enforcer``. ``auto`` (the default) tries xgrammar, then guidance for what xgrammar
+cannot compile or would not enforce (e.g. a schema with ``patternProperties``, a Lark grammar) or
+when xgrammar is not installed; the choice is made per request, unlike vLLM, whose first request
+fixes the backend for the engine. outlines and lm-format-enforcer are used only when named: they
+take JSON schemas, regexes and choices but no grammars, and enforce fewer schema keywords.
+
+Compiling is off the engine's path, as in vLLM: :meth:`StructuredOutputManager.request` hands the
+constraint to a small thread pool and returns a :class:`PendingGrammar` at once; the compiled
+result is cached by (backend, kind, spec, compactness), so a schema sent again (or by n requests
+at once) is compiled once, and a failure is remembered too. ``async_compile=False`` compiles on the
+caller's thread instead (vLLM turns the pool off for its ``external_launcher`` executor).
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -28,12 +37,23 @@ from llmhal.utils.imports import resolve_obj_by_qualname
 BACKENDS = {
     "xgrammar": "llmhal.structured_output.xgrammar_backend:XgrammarBackend",
     "guidance": "llmhal.structured_output.guidance_backend:GuidanceBackend",
+    "outlines": "llmhal.structured_output.outlines_backend:OutlinesBackend",
+    "lm-format-enforcer": "llmhal.structured_output.lm_format_enforcer_backend:LMFormatEnforcerBackend",
 }
 AUTO_ORDER = ("xgrammar", "guidance")
-NOT_IMPLEMENTED = ("outlines", "lm-format-enforcer")
 
-
-_MODULES = {"xgrammar": ("xgrammar", "xgrammar"), "guidance": ("llguidance", "llguidance")}
+# Each backend's (module to import, package to install).
+_MODULES = {
+    "xgrammar": ("xgrammar", "xgrammar"),
+    "guidance": ("llguidance", "llguidance"),
+    "outlines": ("outlines_core", "outlines-core"),
+    "lm-format-enforcer": ("lmformatenforcer", "lm-format-enforcer"),
+}
+# Compiled constraints kept per engine (least recently used dropped first), and compile threads:
+# two, so one slow schema does not hold up every other request's, and no more, so compiling
+# never takes the cores decoding runs on.
+CACHE_SIZE = 256
+COMPILE_THREADS = 2
 
 
 def backend_status() -> list[dict[str, Any]]:
@@ -46,8 +66,6 @@ def backend_status() -> list[dict[str, Any]]:
         module, package = _MODULES[name]
         ok = is_available(module)
         rows.append({"name": name, "available": ok, "reasons": [] if ok else [not_installed(module, package)]})  # fmt: skip
-    for name in NOT_IMPLEMENTED:
-        rows.append({"name": name, "available": False, "reasons": ["not implemented in llmhal"]})
     return rows
 
 
@@ -62,11 +80,6 @@ def check_backend_name(name: str) -> str:
         module, package = _MODULES[name]
         require(module, package=package, purpose=f"the {name} structured-output backend")
         return name
-    if name in NOT_IMPLEMENTED:
-        raise ValueError(
-            f"the {name!r} structured-output backend is not implemented in llmhal; use "
-            f"'auto', {', '.join(map(repr, BACKENDS))}"
-        )
     raise ValueError(
         f"unknown structured-output backend {name!r}; choose 'auto', "
         f"{', '.join(map(repr, BACKENDS))}"
@@ -89,20 +102,66 @@ def check_json_schema(spec: str) -> None:
         )
 
 
+def _lower_priority() -> None:
+    """Run a compile thread below the engine's priority (Linux threads have their own nice
+    value): on a busy machine decoding keeps its cores and the compile takes what is left."""
+    import os
+
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the default priority
+        pass
+
+
+class PendingGrammar:
+    """One request's grammar while its constraint compiles: :meth:`ready` says whether the
+    compile is over (never blocks), :meth:`result` waits for it and returns the request's own
+    grammar, or raises ValueError saying why the constraint cannot be served."""
+
+    def __init__(self, compiled: Future, manager: StructuredOutputManager) -> None:
+        self._compiled = compiled
+        self._manager = manager
+        self._grammar: StructuredOutputGrammar | None = None
+
+    def ready(self) -> bool:
+        return self._compiled.done()
+
+    def result(self, timeout: float | None = None) -> StructuredOutputGrammar:
+        if self._grammar is None:
+            name, compiled = self._compiled.result(timeout)
+            self._grammar = self._manager.backend(name).grammar(compiled)
+        return self._grammar
+
+    def error(self) -> BaseException | None:
+        """Why the compile failed (None while it runs or when it succeeded)."""
+        return self._compiled.exception() if self._compiled.done() else None
+
+
 class StructuredOutputManager:
-    """One per engine: backends made on first use, a grammar per constrained request."""
+    """One per engine: backends made on first use, compiled constraints cached, a grammar per
+    constrained request."""
 
     def __init__(
-        self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], backend: str = "auto"
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        backend: str = "auto",
+        *,
+        async_compile: bool = True,
     ) -> None:
         self.backend_name = check_backend_name(backend)
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
+        self.async_compile = async_compile
         self._backends: dict[str, StructuredOutputBackend] = {}
         self._failed: dict[str, str] = {}  # backends that could not start, and why (not retried)
-        self._lock = threading.Lock()  # requests are compiled on the callers' threads
+        self._lock = threading.Lock()  # requests are submitted from the callers' threads
+        self._compiled: OrderedDict[tuple[Any, ...], Future] = OrderedDict()
+        self._pool: ThreadPoolExecutor | None = None
         self._bitmask = torch.empty(0, bitmask_words(vocab_size), dtype=torch.int32)
+        self.compiles = 0  # constraints compiled (cache misses), for tests and benchmarks
 
     def backend(self, name: str) -> StructuredOutputBackend:
         """The engine's instance of backend ``name``; ValueError if it cannot start here."""
@@ -117,17 +176,49 @@ class StructuredOutputManager:
                 raise ValueError(self._failed[name])
             return self._backends[name]
 
-    def compile(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
-        """A new grammar for one request; ValueError (every backend's reason) if none compiles it."""
+    def request(self, params: StructuredOutputsParams) -> PendingGrammar:
+        """Start compiling a request's constraint (or find it compiled, or compiling) and return
+        at once. A constraint refused before any compile (an unsatisfiable schema) raises here."""
         kind, spec = params.key()
         if kind is StructuredOutputOptions.JSON:
             check_json_schema(spec)
-        compact = params.disable_any_whitespace
+        key = (self.backend_name, kind, spec, params.disable_any_whitespace)
+        with self._lock:
+            fut = self._compiled.get(key)
+            if fut is None:
+                if self.async_compile:
+                    if self._pool is None:
+                        self._pool = ThreadPoolExecutor(COMPILE_THREADS, "llmhal-grammar", _lower_priority)  # fmt: skip
+                    fut = self._pool.submit(self._compile, kind, spec, params.disable_any_whitespace)  # fmt: skip
+                else:
+                    fut = Future()
+                self._compiled[key] = fut
+                while len(self._compiled) > CACHE_SIZE:
+                    self._compiled.popitem(last=False)
+                fresh = not self.async_compile
+            else:
+                self._compiled.move_to_end(key)
+                fresh = False
+        if fresh:  # compiled here, outside the lock
+            try:
+                fut.set_result(self._compile(kind, spec, params.disable_any_whitespace))
+            except BaseException as e:
+                fut.set_exception(e)
+        return PendingGrammar(fut, self)
+
+    def compile(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
+        """A new grammar for one request, waiting for its compile; ValueError (every backend's
+        reason) if none compiles it."""
+        return self.request(params).result()
+
+    def _compile(self, kind: StructuredOutputOptions, spec: str, compact: bool) -> tuple[str, Any]:
+        """(backend name, compiled constraint); ValueError with every backend's reason."""
         names = AUTO_ORDER if self.backend_name == "auto" else (self.backend_name,)
         reasons = []
+        self.compiles += 1
         for name in names:
             try:
-                return self.backend(name).compile_grammar(kind, spec, compact=compact)
+                return name, self.backend(name).compile(kind, spec, compact=compact)
             except RecursionError:
                 raise ValueError("the structured-output constraint is nested too deeply") from None
             except ValueError as e:
@@ -159,6 +250,9 @@ class StructuredOutputManager:
         logits.index_copy_(0, index, sub)
 
     def destroy(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
         for b in self._backends.values():
             b.destroy()
         self._backends.clear()
+        self._compiled.clear()

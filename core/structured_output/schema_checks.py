@@ -96,3 +96,56 @@ class _Walk:
             if min_items > len(prefix) and "items" in node and not ok(node["items"], path):
                 return False
         return True
+
+
+# Keywords that describe a schema without constraining its instances.
+ANNOTATIONS = frozenset({
+    "title", "description", "$schema", "$id", "$comment", "default", "examples", "deprecated",
+    "readOnly", "writeOnly", "$defs", "definitions",
+})  # fmt: skip
+# Keywords whose value maps names to subschemas; those whose value is one subschema or a list.
+_NAMED_SUBSCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})  # fmt: skip
+_SUBSCHEMA = frozenset({"items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames", "unevaluatedProperties", "unevaluatedItems", "additionalItems"})  # fmt: skip
+_SUBSCHEMA_LISTS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems"})
+
+
+def keywords_outside(
+    schema: Any,
+    supported: frozenset[str],
+    formats: frozenset[str],
+    *,
+    length_with_pattern: bool = True,
+    unenforced_types: frozenset[str] = frozenset(),
+) -> list[str]:
+    """The keywords of ``schema`` (at any depth, where they are keywords) outside ``supported``,
+    and any ``format`` outside ``formats``, sorted: what a backend would silently ignore.
+    ``length_with_pattern`` False: a length beside a ``pattern`` is one of them (the backend
+    keeps only one of the two). ``unenforced_types``: values of ``type`` the backend lets
+    other values through for."""
+    found: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if not isinstance(node, dict):
+            return
+        if not length_with_pattern and "pattern" in node and {"minLength", "maxLength"} & set(node):
+            found.add("minLength/maxLength with pattern")
+        for key, value in node.items():
+            if key == "type":
+                types = value if isinstance(value, list) else [value]
+                found.update(f"type {t!r}" for t in types if t in unenforced_types)
+            elif key == "format":
+                if key not in supported or value not in formats:
+                    found.add(f"format {value!r}")
+            elif key not in supported and key not in ANNOTATIONS:
+                found.add(key)
+            if key in _NAMED_SUBSCHEMAS and isinstance(value, dict):
+                for sub in value.values():
+                    walk(sub)
+            elif key in _SUBSCHEMA:
+                walk(value)
+            elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+                for sub in value:
+                    walk(sub)
+
+    walk(schema)
+    return sorted(found)

@@ -7,7 +7,8 @@ alternation of its strings. Lark grammars are not xgrammar's format: the guidanc
 Some JSON-schema keywords xgrammar 0.2 compiles but does not enforce: it accepted ``[1]`` for an
 array that must ``contains`` 5, ``3`` for ``{"not": {"type": "integer"}}``, ``"x"`` for an
 unknown ``format``, and ``"aaaa"`` for a ``pattern`` with ``maxLength: 2`` (checked with its own
-matcher; ``if``/``then`` likewise). A schema using them is refused here, so ``auto`` hands it to
+matcher; ``if``/``then`` likewise); and a string with ``minLength``/``maxLength`` took raw control
+characters (``"巽Η\x1e)"``), which JSON forbids, where one without them did not. A schema using them is refused here, so ``auto`` hands it to
 guidance, which enforces them or says it cannot, rather than answering outside the schema.
 """
 
@@ -81,8 +82,8 @@ def unenforced_keywords(schema: Any) -> list[str]:
         found.update(k for k in _IGNORED_KEYWORDS if k in node)
         if isinstance(node.get("format"), str) and node["format"] not in FORMATS:
             found.add(f"format {node['format']!r}")
-        if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
-            found.add("minLength/maxLength with pattern or format")
+        if "minLength" in node or "maxLength" in node:
+            found.add("minLength/maxLength")
         for key, value in node.items():
             if key in _NAME_MAPS and isinstance(value, dict):
                 for sub in value.values():
@@ -108,14 +109,14 @@ class XgrammarBackend(StructuredOutputBackend):
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids or None
         )
-        # Compiling is per request, on the submitting thread; one thread keeps it off the cores
-        # that are decoding.
+        # The manager compiles on its own threads, a few at a time; one thread each keeps a
+        # compile from taking every core away from decoding.
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
         self._xgr = xgr
 
-    def compile_grammar(
+    def compile(
         self, request_type: StructuredOutputOptions, grammar_spec: str, *, compact: bool = False
-    ) -> StructuredOutputGrammar:
+    ) -> Any:
         c = self.compiler
         kind = StructuredOutputOptions
         try:
@@ -136,6 +137,9 @@ class XgrammarBackend(StructuredOutputBackend):
             raise ValueError(
                 f"xgrammar cannot compile this {request_type.value} constraint: {e}"
             ) from None
+        return compiled
+
+    def grammar(self, compiled: Any) -> StructuredOutputGrammar:
         return XgrammarGrammar(self._xgr.GrammarMatcher(compiled))
 
     def destroy(self) -> None:

@@ -1,6 +1,9 @@
-"""Structured outputs through the engine, for both backends, on a tiny random model: every output
-is checked by an independent reference (jsonschema for JSON, re.fullmatch for regexes), with
-random sampling so the model's whims explore the grammar; plus the params' and backends' errors."""
+"""Structured outputs through the engine: one conformance suite that every backend (xgrammar,
+guidance, outlines, lm-format-enforcer) passes on a tiny random model. Every output is checked by
+an independent reference (jsonschema for JSON, re.fullmatch for regexes), with random sampling so
+the model's whims explore the grammar; what each backend supports beyond the common part, and what
+it refuses (naming it) rather than answer outside the schema; plus the params' and manager's
+errors."""
 
 from __future__ import annotations
 
@@ -20,7 +23,23 @@ from llmhal.utils.imports import MissingDependencyError
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 pytest.importorskip("llguidance")
+pytest.importorskip("outlines_core")
+pytest.importorskip("lmformatenforcer")
 
+# What every backend enforces: outlines and lm-format-enforcer ignore numeric bounds, and
+# lm-format-enforcer's integers take exponents, so those are tested per backend below.
+COMMON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "x": {"type": "number"},
+        "tag": {"enum": ["red", "green", "blue"]},
+        "name": {"type": "string", "pattern": "^[a-z]{1,5}$"},
+        "ids": {"type": "array", "items": {"enum": [1, 2, 3]}, "maxItems": 3},
+    },
+    "required": ["ok", "x", "tag", "name", "ids"],
+    "additionalProperties": False,
+}
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -31,7 +50,8 @@ SCHEMA = {
     "required": ["ok", "n", "tag"],
     "additionalProperties": False,
 }
-BACKENDS = ["xgrammar", "guidance"]
+BACKENDS = ["xgrammar", "guidance", "outlines", "lm-format-enforcer"]
+GRAMMAR_BACKENDS = ["xgrammar", "guidance"]  # EBNF grammars; the other two are regex-based
 
 
 @pytest.fixture(scope="module")
@@ -60,27 +80,78 @@ def sample(llm: LLM, so: S, n: int = 4, max_tokens: int = 120, **kw) -> list:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_json_outputs_follow_the_schema(llms, backend):
-    outs = sample(llms(backend), S(json=SCHEMA, disable_any_whitespace=True))
+    outs = sample(llms(backend), S(json=COMMON_SCHEMA, disable_any_whitespace=True), max_tokens=150)
     for o in outs:
         assert o.finish_reason == "stop", o.text
-        jsonschema.validate(json.loads(o.text), SCHEMA)
+        jsonschema.validate(json.loads(o.text), COMMON_SCHEMA)
     assert len({o.text for o in outs}) > 1  # sampled, not one forced path
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_json_object_regex_choice_and_grammar(llms, backend):
+def test_json_object_regex_and_choice(llms, backend):
     llm = llms(backend)
     outs = sample(llm, S(json_object=True, disable_any_whitespace=True), n=6, max_tokens=200)
     done = [o for o in outs if o.finish_reason == "stop"]  # a random model may nest past 200
-    assert done and all(isinstance(json.loads(o.text), dict) for o in done)
+    assert done and all(isinstance(json.loads(o.text), dict) for o in done), [o.text for o in done]
     for o in sample(llm, S(regex=r"[a-c]{2,4}-\d{3}")):
         assert o.finish_reason == "stop" and re.fullmatch(r"[a-c]{2,4}-\d{3}", o.text), o.text
-    choices = ["alpha", "beta gamma", "δέλτα"]  # multi-byte characters too
+    choices = ["alpha", "beta gamma", "δέλτα", "a.b|c"]  # multi-byte characters and regex metas
     outs = sample(llm, S(choice=choices), n=8)
-    assert all(o.text in choices and o.finish_reason == "stop" for o in outs)
+    assert all(o.text in choices and o.finish_reason == "stop" for o in outs), [
+        o.text for o in outs
+    ]
+
+
+@pytest.mark.parametrize("backend", GRAMMAR_BACKENDS)
+def test_grammars(llms, backend):
     grammar = 'root ::= "(" item ("," item)* ")"\nitem ::= [0-9] | "x"'
-    for o in sample(llm, S(grammar=grammar)):
+    for o in sample(llms(backend), S(grammar=grammar)):
         assert o.finish_reason == "stop" and re.fullmatch(r"\(([0-9x])(,[0-9x])*\)", o.text), o.text
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_numeric_bounds_and_integers(llms, backend):
+    for o in sample(llms(backend), S(json=SCHEMA, disable_any_whitespace=True)):
+        assert o.finish_reason == "stop", o.text
+        jsonschema.validate(json.loads(o.text), SCHEMA)
+
+
+@pytest.mark.parametrize("backend", ["guidance", "outlines"])
+def test_formats_and_string_lengths(llms, backend):
+    schema = {"type": "object", "properties": {"d": {"type": "string", "format": "date"},
+              "s": {"type": "string", "minLength": 2, "maxLength": 4}, "i": {"type": "integer"}},
+              "required": ["d", "s", "i"], "additionalProperties": False}  # fmt: skip
+    for o in sample(llms(backend), S(json=schema, disable_any_whitespace=True)):
+        assert o.finish_reason == "stop", o.text
+        value = json.loads(o.text)
+        jsonschema.validate(value, schema)
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d", value["d"]), value
+
+
+@pytest.mark.parametrize(
+    "backend, schema, words",
+    [
+        ("outlines", {"type": "integer", "minimum": 3}, "outlines does not enforce minimum"),
+        ("outlines", {"type": "string", "pattern": "a+", "maxLength": 2}, "minLength/maxLength with pattern"),
+        ("outlines", {"type": "string", "format": "hostname"}, "format 'hostname'"),
+        ("outlines", {"type": "array", "uniqueItems": True}, "uniqueItems"),
+        ("lm-format-enforcer", {"type": "integer"}, "does not enforce type 'integer'"),
+        ("lm-format-enforcer", {"type": "string", "maxLength": 3}, "maxLength"),
+        ("lm-format-enforcer", {"properties": {"a": {"format": "date"}}}, "format 'date'"),
+        ("lm-format-enforcer", {"type": "number", "maximum": 3}, "maximum"),
+    ],
+)  # fmt: skip
+def test_what_a_backend_would_not_enforce_is_refused_by_name(llms, backend, schema, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        llms(backend).generate("x", SamplingParams(structured_outputs=S(json=schema)))
+
+
+@pytest.mark.parametrize("backend", ["outlines", "lm-format-enforcer"])
+def test_regex_backends_refuse_grammars_and_bad_regexes(llms, backend):
+    with pytest.raises(ValueError, match="not grammars; use the xgrammar or guidance backend"):
+        llms(backend).generate("x", SamplingParams(structured_outputs=S(grammar='root ::= "a"')))
+    with pytest.raises(ValueError, match=f"{backend} cannot"):
+        llms(backend).generate("x", SamplingParams(structured_outputs=S(regex="(unclosed")))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -181,7 +252,7 @@ def test_auto_falls_back_to_guidance_for_what_xgrammar_does_not_enforce(llms):
         ({"properties": {"not": {"type": "integer"}, "if": {"format": "email"}}}, []),
         ({"properties": {"a": {"anyOf": [{"format": "nope"}]}}}, ["format 'nope'"]),
         ({"$defs": {"x": {"if": {}, "then": {}}}, "enum": [{"not": 1}]}, ["if", "then"]),
-        ({"type": "string", "format": "email", "minLength": 3}, ["minLength/maxLength with pattern or format"]),
+        ({"type": "string", "format": "email", "minLength": 3}, ["minLength/maxLength"]),
     ],
 )  # fmt: skip
 def test_the_keywords_xgrammar_ignores_are_found_where_they_are_keywords(schema, found):
@@ -267,8 +338,6 @@ def test_params_from_a_dict_and_their_key():
 
 def test_backend_names_are_checked_before_the_model_loads(tiny_models):
     folder, _ = tiny_models("llama")
-    with pytest.raises(ValueError, match="not implemented in llmhal"):
-        LLM(folder, structured_outputs_config={"backend": "outlines"})
     with pytest.raises(ValueError, match="unknown structured-output backend 'nope'"):
         LLM(folder, structured_outputs_config={"backend": "nope"})
     with pytest.raises(ValueError, match="takes"):

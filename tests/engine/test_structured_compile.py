@@ -1,0 +1,146 @@
+"""Structured-output constraints compile off the engine's path: on the manager's threads, cached by
+(backend, spec), while the rest of the batch keeps decoding; a constraint that fails to compile
+fails only its own request."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import pytest
+
+from llmhal import LLM, SamplingParams
+from llmhal.engine.request import RequestStatus
+from llmhal.structured_output import StructuredOutputsParams as S
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("xgrammar")
+pytest.importorskip("llguidance")
+
+# xgrammar compiles this in seconds (1.3 s for 60 of each field here; it releases the GIL while
+# it compiles, so decoding goes on beside it).
+SLOW = {
+    "type": "object",
+    "properties": {f"f{i}": {"type": "string", "format": "email"} for i in range(100)}
+    | {f"g{i}": {"type": "array", "items": {"type": "object", "properties": {
+        "a": {"type": "string", "format": "uri"}, "b": {"type": "number"}}}} for i in range(100)},
+    "required": [f"f{i}" for i in range(3)],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def xgrammar_llm(tiny_models):
+    folder, _ = tiny_models("llama")
+    return LLM(folder, dtype="float32", max_model_len=512, structured_outputs_config={"backend": "xgrammar"})  # fmt: skip
+
+
+def test_a_slow_compile_does_not_slow_a_running_stream(xgrammar_llm):
+    engine = xgrammar_llm.engine
+    plain = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+    streams = [engine.add_request({"prompt_token_ids": [5, 6]}, plain)]
+
+    def step_times(until) -> list[float]:
+        """Each step's time; a stream that ends (500 tokens) is followed by another, so one is
+        always decoding."""
+        times = []
+        while not until():
+            t = time.perf_counter()
+            outs = engine.step()
+            times.append(time.perf_counter() - t)
+            if any(o.request_id == streams[-1] and o.finished for o in outs):
+                streams.append(engine.add_request({"prompt_token_ids": [5, 6]}, plain))
+        return times
+
+    try:
+        measure(engine, streams, step_times)
+    finally:  # the engine is shared by the module's tests
+        for rid in list(engine._requests):
+            engine.abort_request(rid)
+
+
+def measure(engine, streams, step_times) -> None:
+    for _ in range(5):  # past the first steps' one-time costs
+        engine.step()
+    before = step_times(lambda n=iter(range(40)): next(n, None) is None)
+    t = time.perf_counter()
+    slow = engine.add_request({"prompt_token_ids": [7]}, SamplingParams(temperature=1.0, seed=0, max_tokens=200, structured_outputs=S(json=SLOW)))  # fmt: skip
+    assert time.perf_counter() - t < 0.5  # add_request does not wait for the compile
+    req = engine._requests[slow]
+    assert req.status is RequestStatus.WAITING_FOR_FSM
+    during = step_times(lambda: req.status is not RequestStatus.WAITING_FOR_FSM)
+    assert len(during) >= 10, "the compile was too quick to measure anything"
+    # Medians: the machine is shared, a single step may stall for reasons of its own.
+    ratio = statistics.median(during) / statistics.median(before)
+    assert ratio <= 1.5, (ratio, statistics.median(before), statistics.median(during))
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+            if o.request_id == streams[-1] and not o.finished:
+                engine.abort_request(o.request_id)
+    out = outs[slow].outputs[0]
+    if out.finish_reason == "stop":  # a random model may write long strings
+        jsonschema.validate(json.loads(out.text), SLOW)
+    assert out.text.startswith("{")
+
+
+def test_a_constraint_that_fails_to_compile_fails_alone(xgrammar_llm):
+    engine = xgrammar_llm.engine
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    (alone,) = xgrammar_llm.generate({"prompt_token_ids": [4, 5]}, plain)
+    ok = engine.add_request({"prompt_token_ids": [4, 5]}, plain)
+    # Refused on the compile thread: the request ends alone ("abort"), or, when the compile
+    # thread was quicker than add_request, add_request refuses it.
+    try:
+        bad = engine.add_request({"prompt_token_ids": [6]}, SamplingParams(structured_outputs=S(regex="(unclosed")))  # fmt: skip
+    except ValueError as e:
+        assert "xgrammar cannot compile" in str(e)
+        bad = None
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+    if bad is not None:
+        assert (
+            outs[bad].outputs[0].finish_reason == "abort" and outs[bad].outputs[0].token_ids == []
+        )
+    assert outs[ok].outputs[0].token_ids == alone.outputs[0].token_ids
+    # Offline, the same constraint is an error before anything runs.
+    with pytest.raises(ValueError, match="xgrammar cannot compile this regex constraint"):
+        xgrammar_llm.generate("x", SamplingParams(structured_outputs=S(regex="(unclosed")))
+
+
+def test_compiled_constraints_are_cached_by_backend_and_spec(tiny_models):
+    folder, _ = tiny_models("llama")
+    llm = LLM(folder, dtype="float32", max_model_len=128)
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=20, structured_outputs=S(json=schema, disable_any_whitespace=True)) for s in range(4)]  # fmt: skip
+    outs = llm.generate([{"prompt_token_ids": [3, 4]}] * 4, params)
+    manager = llm.engine.structured_outputs()
+    assert manager.compiles == 1  # four requests, one compile
+    assert all(json.loads(o.outputs[0].text) in ({"a": True}, {"a": False}) for o in outs)
+    llm.generate(
+        "x", SamplingParams(max_tokens=5, structured_outputs=S(json=schema))
+    )  # whitespace: another
+    assert manager.compiles == 2
+    for _ in range(2):  # a failure is remembered too
+        with pytest.raises(ValueError, match="no structured-output backend can serve"):
+            llm.generate("x", SamplingParams(structured_outputs=S(regex="(unclosed")))
+    assert manager.compiles == 3
+    # Each request still walks its own grammar over the shared compiled constraint.
+    a, b = manager.compile(S(choice=["yes", "no"])), manager.compile(S(choice=["yes", "no"]))
+    assert a is not b and manager.compiles == 4
+
+
+def test_compiling_on_the_callers_thread(tiny_models):
+    """async_compile=False (vLLM's choice for its external_launcher executor): done at once."""
+    from llmhal.structured_output.manager import StructuredOutputManager
+
+    folder, _ = tiny_models("llama")
+    llm = LLM(folder, dtype="float32", max_model_len=128)
+    manager = StructuredOutputManager(llm.get_tokenizer(), 512, [0], "xgrammar", async_compile=False)  # fmt: skip
+    pending = manager.request(S(regex="[ab]{3}"))
+    assert pending.ready() and manager._pool is None
+    bad = manager.request(S(regex="(unclosed"))
+    assert bad.ready() and isinstance(bad.error(), ValueError)
