@@ -39,3 +39,24 @@ def bound_to(
         return fake
 
     return wrap
+
+
+def signature_drift(ours: Callable[..., Any], real: Callable[..., Any]) -> list[str]:
+    """How the installed library's ``real`` entry point differs from the transcription ``ours``
+    in ways that break llmhal's calls: a parameter llmhal may pass that ``real`` lacks (unless it
+    takes ``**kwargs``), or a positional parameter at another position. Empty: compatible."""
+    mine = list(inspect.signature(ours).parameters.values())
+    theirs = inspect.signature(real).parameters
+    names = list(theirs)
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in theirs.values())
+    problems = []
+    for i, p in enumerate(mine):
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.name not in theirs:
+            if not takes_kwargs:
+                problems.append(f"no parameter {p.name!r}")
+            continue
+        if p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty and names.index(p.name) != i:
+            problems.append(f"{p.name!r} is positional {names.index(p.name)}, expected {i}")
+    return problems

@@ -152,3 +152,24 @@ def test_doctor_shows_why(site, h100):
         "has no BatchDecodeWithPagedKVCacheWrapper" in r for r in rows["flashinfer"]["reasons"]
     )
     assert "flash-attn-4" in doctor.format_report(report)
+
+
+def test_signature_drift_finds_what_breaks_llmhal_calls():
+    from llmhal.testing.signatures import signature_drift
+    from llmhal_cuda import upstream_api
+
+    ours = upstream_api.flash_attn_varlen_func
+    assert signature_drift(ours, ours) == []
+
+    def renamed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                softmax_scale=None, causal=False, window_size=(-1, -1), logits_soft_cap=0.0,
+                alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                block_table=None): ...  # fmt: skip
+
+    def reordered(q, k, v, cu_seqlens_k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, **kwargs): ...
+
+    assert signature_drift(ours, renamed) == ["no parameter 'softcap'"]
+    assert signature_drift(ours, reordered) == [
+        "'cu_seqlens_q' is positional 4, expected 3",
+        "'cu_seqlens_k' is positional 3, expected 4",
+    ]

@@ -63,3 +63,11 @@ def test_decode_kernels_compile_for_every_checked_arch(arch, dtype):
 )
 def test_decode_kernels_compile_with_fp8_caches(arch, kv_dtype):
     _assert_compiled(compile_paged_decode(arch, torch.bfloat16, kv_dtype=kv_dtype))
+
+
+@pytest.mark.slow
+def test_decode_kernels_compile_for_hopper():
+    # The kernel also runs on NVIDIA GPUs (ci/gpu-check checks its numerics on an H200).
+    kernels = compile_paged_decode("sm_90", torch.bfloat16)
+    assert [k.name for k in kernels] == ["_decode_split_kernel", "_merge_kernel"]
+    assert all(k.asm["cubin"] for k in kernels)

@@ -1,4 +1,4 @@
-"""Compiling ``rocm_attn``'s Triton kernels for an AMD GPU architecture without a GPU.
+"""Compiling ``rocm_attn``'s Triton kernels for a GPU architecture without a GPU.
 
 Triton's HIP backend (LLVM's AMDGPU target, shipped inside the ``triton`` wheel) compiles on any
 host, so a kernel that a given ``gfx`` arch would refuse is caught here, before a first decode step
@@ -49,12 +49,21 @@ def wavefront_size(arch: str) -> int:
     return 64 if arch.startswith("gfx9") else 32
 
 
-def compile_launch(launch: KernelLaunch, arch: str) -> Any:
-    """Compile ``launch``'s kernel for ``arch`` with Triton's HIP backend; returns the compiled
-    kernel (``.asm["amdgcn"]`` holds the assembly). Raises Triton's CompilationError when the arch
-    refuses the kernel."""
-    import triton
+def gpu_target(arch: str) -> Any:
+    """Triton's target for ``"gfx942"`` (HIP) or ``"sm_90"`` (CUDA: the kernel also runs on NVIDIA
+    GPUs, and ptxas ships with Triton, so that compile runs on a CPU too)."""
     from triton.backends.compiler import GPUTarget
+
+    if arch.startswith("sm_"):
+        return GPUTarget("cuda", int(arch[3:]), 32)
+    return GPUTarget("hip", arch, wavefront_size(arch))
+
+
+def compile_launch(launch: KernelLaunch, arch: str) -> Any:
+    """Compile ``launch``'s kernel for ``arch`` (see :func:`gpu_target`); returns the compiled
+    kernel (``.asm["amdgcn"]`` or ``.asm["ptx"]`` holds the assembly). Raises Triton's
+    CompilationError when the arch refuses the kernel."""
+    import triton
     from triton.compiler import ASTSource
 
     fn = launch.kernel
@@ -68,7 +77,7 @@ def compile_launch(launch: KernelLaunch, arch: str) -> Any:
         for name in fn.arg_names
     }
     source = ASTSource(fn, signature, constexprs=dict(launch.constexprs))
-    return triton.compile(source, target=GPUTarget("hip", arch, wavefront_size(arch)))
+    return triton.compile(source, target=gpu_target(arch))
 
 
 def example_launches(
