@@ -53,3 +53,37 @@ def test_engine_matches_transformers_across_preemption(arch, tmp_path):
         for step, entry in enumerate(got.logprobs):
             for tok, lp in entry.items():
                 assert abs(lp.logprob - float(logprobs[step, tok])) < LOGPROB_ATOL, (step, tok)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen3moe")
+    cfg = tiny_config("Qwen3MoeForCausalLM", vocab_size=384, **CASES["Qwen3MoeForCausalLM"])
+    save_tiny_model(cfg, folder)
+    make_tokenizer(cfg.vocab_size).save_pretrained(str(folder))
+    return folder
+
+
+def test_generate_cli_with_experts_int8(qwen3_moe, capsys):
+    import json
+
+    from llmhal.entrypoints import generate
+
+    args = ["--model", str(qwen3_moe), "--json", "--max-tokens", "5", "--no-chat",
+            "--dtype", "float32", "--quantization", "experts_int8", "--prompt", "Paris is"]  # fmt: skip
+    assert generate.main(args) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(lines[0]["token_ids"]) == 5
+    assert lines[1]["summary"]["quantization"] == "experts_int8"
+
+
+def test_serve_answers_a_completion_like_the_offline_api(qwen3_moe):
+    from llmhal.testing.http_client import post_json, running_server
+
+    llm = LLM(str(qwen3_moe), dtype="float32", kv_cache_memory_bytes=1 << 20)
+    offline = llm.generate(["Paris is"], SamplingParams(temperature=0, max_tokens=6))[0]
+    with running_server(llm) as (url, _):
+        body = {"model": str(qwen3_moe), "prompt": "Paris is", "max_tokens": 6, "temperature": 0}
+        status, answer = post_json(f"{url}/v1/completions", body)
+    assert status == 200, answer
+    assert answer["choices"][0]["text"] == offline.outputs[0].text
