@@ -25,8 +25,13 @@ bake values into Python scalars or trimmed shapes (``cpu_attn`` keeps the full b
 derives nothing from sequence lengths at build time for decodes); tensors that are not views of the
 static buffers are detected and refuse the graph, scalars cannot be.
 
-A step that is not a pure decode (a prefill or a prefill chunk, draft verification), or whose block
-table does not fit the static one, runs eagerly as before.
+Speculative decoding's verification steps are recorded the same way when every request in the step
+verifies the same number of drafts: ``q`` = 1 + drafts tokens per request, keyed by (batch size,
+q); its graph returns all ``b * q`` rows. A backend that cannot record such a step (refused once
+per q) leaves plain decodes recorded.
+
+A step that is not a pure decode (a prefill or a prefill chunk, verification with draft counts that
+differ between requests), or whose block table does not fit the static one, runs eagerly as before.
 ``LLM(enforce_eager=True)`` (``--enforce-eager``) turns graphs off.
 """
 
@@ -49,17 +54,17 @@ from llmhal.utils.tensors import tensors_in
 
 logger = init_logger(__name__)
 
-MAX_GRAPHS = 8
+MAX_GRAPHS = 16
 
 
 @dataclass
 class _Graph:
-    embeds: torch.Tensor  # [B, hidden]
-    positions: torch.Tensor  # int64 [B]
+    embeds: torch.Tensor  # [B * q, hidden]
+    positions: torch.Tensor  # int64 [B * q]
     seq_lens: torch.Tensor  # int32 [B]
     computed: torch.Tensor  # int32 [B]
     block_table: torch.Tensor  # int32 [B, max_blocks]
-    slots: torch.Tensor  # int64 [B]
+    slots: torch.Tensor  # int64 [B * q]
     output: Any = None
     graph: StepGraph | None = None
     # The metadata the recorded calls point into (query_start_loc, the backends' views): kept
@@ -90,8 +95,10 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.hidden_size = hidden_size
         self.dtype = dtype
-        self._graphs: OrderedDict[tuple[int, int], _Graph] = OrderedDict()
+        self._graphs: OrderedDict[tuple[int, int, int], _Graph] = OrderedDict()
         self.refused: str | None = None  # why steps run eagerly, once a capture was refused
+        # Verification query lengths (q > 1) whose capture was refused: those run eagerly.
+        self.refused_q: dict[int, str] = {}
         self.pool: Any = None  # the graphs' shared memory (after the first capture)
         self.replays = 0
 
@@ -100,59 +107,71 @@ class DecodeGraphs:
         self._graphs.clear()
 
     @staticmethod
-    def _is_decode(batch: ScheduledBatch) -> bool:
-        return all(
-            n == 1 and req.num_computed_tokens + 1 == req.num_tokens for req, n in batch.items
-        )
+    def _query_len(batch: ScheduledBatch) -> int | None:
+        """q when every request runs its last token and the same q - 1 speculative drafts (a
+        pure decode: q = 1); else None."""
+        q = batch.items[0][1]
+        for req, n in batch.items:
+            if n != q or n != 1 + len(req.spec_token_ids) or req.num_computed_tokens + 1 != req.num_tokens:  # fmt: skip
+                return None
+        return q
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor | None:
-        """The step's final hidden states [B, hidden] through a graph, or None: run it eagerly."""
-        if self.refused is not None or not batch.items or not self._is_decode(batch):
+        """The step's final hidden states [B * q, hidden] through a graph, or None: run it
+        eagerly."""
+        if self.refused is not None or not batch.items:
+            return None
+        q = self._query_len(batch)
+        if q is None or q in self.refused_q:
             return None
         reqs = [req for req, _ in batch.items]
         if any(len(req.block_ids) > self.max_blocks for req in reqs):
             return None
-        key = (len(reqs), torch.get_num_threads())
+        key = (len(reqs), q, torch.get_num_threads())
         g = self._graphs.get(key)
         if g is not None:
             self._graphs.move_to_end(key)
-            self._fill(g, reqs)
+            self._fill(g, reqs, q)
             assert g.graph is not None
             g.graph.replay()
             self.replays += 1
             return g.output
         return self._capture(key, reqs)
 
-    def _buffers(self, b: int) -> _Graph:
+    def _buffers(self, b: int, q: int) -> _Graph:
         dev = self.device
         return _Graph(
-            embeds=torch.zeros(b, self.hidden_size, dtype=self.dtype, device=dev),
-            positions=torch.zeros(b, dtype=torch.int64, device=dev),
+            embeds=torch.zeros(b * q, self.hidden_size, dtype=self.dtype, device=dev),
+            positions=torch.zeros(b * q, dtype=torch.int64, device=dev),
             seq_lens=torch.zeros(b, dtype=torch.int32, device=dev),
             computed=torch.zeros(b, dtype=torch.int32),
             block_table=torch.zeros(b, self.max_blocks, dtype=torch.int32, device=dev),
-            slots=torch.zeros(b, dtype=torch.int64, device=dev),
+            slots=torch.zeros(b * q, dtype=torch.int64, device=dev),
         )
 
-    def _fill(self, g: _Graph, reqs: list[Request]) -> None:
+    def _fill(self, g: _Graph, reqs: list[Request], q: int) -> None:
         bs = self.block_size
         pos = [req.num_computed_tokens for req in reqs]
-        ids = [req.token_slice(p, p + 1)[0] for req, p in zip(reqs, pos, strict=True)]
-        slots = [req.block_ids[p // bs] * bs + p % bs for req, p in zip(reqs, pos, strict=True)]
+        ids: list[int] = []
+        slots: list[int] = []
+        for req, p in zip(reqs, pos, strict=True):
+            ids.append(req.token_slice(p, p + 1)[0])
+            ids.extend(req.spec_token_ids)  # q - 1 drafts (checked by _query_len)
+            slots.extend(req.block_ids[t // bs] * bs + t % bs for t in range(p, p + q))
         width = max(len(req.block_ids) for req in reqs)
         table = [req.block_ids + [0] * (width - len(req.block_ids)) for req in reqs]
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         g.embeds.copy_(self.model.embed_input_ids(input_ids))
         p = torch.tensor(pos, dtype=torch.int64)
-        g.positions.copy_(p)
+        g.positions.copy_((p.unsqueeze(1) + torch.arange(q)).reshape(-1))
         g.computed.copy_(p)
-        g.seq_lens.copy_(p + 1)
+        g.seq_lens.copy_(p + q)
         g.slots.copy_(torch.tensor(slots, dtype=torch.int64))
         # Columns past a request's blocks keep stale ids: kernels read ceil(seq_len / bs) of them.
         g.block_table[:, :width].copy_(torch.tensor(table, dtype=torch.int32))
 
-    def _common(self, g: _Graph, b: int) -> CommonAttentionMetadata:
-        qsl = torch.arange(b + 1, dtype=torch.int32, device=self.device)
+    def _common(self, g: _Graph, b: int, q: int) -> CommonAttentionMetadata:
+        qsl = torch.arange(0, b * q + 1, q, dtype=torch.int32, device=self.device)
         return CommonAttentionMetadata(
             query_start_loc=qsl,
             query_start_loc_cpu=qsl.cpu(),
@@ -163,18 +182,18 @@ class DecodeGraphs:
             slot_mapping=g.slots,
             positions=g.positions,
             num_reqs=b,
-            num_actual_tokens=b,
-            max_query_len=1,
+            num_actual_tokens=b * q,
+            max_query_len=q,
             max_seq_len=self.max_model_len,  # an upper bound that holds for every replay
-            num_decodes=b,
-            num_decode_tokens=b,
+            num_decodes=b if q == 1 else 0,
+            num_decode_tokens=b if q == 1 else 0,
         )
 
-    def _capture(self, key: tuple[int, int], reqs: list[Request]) -> torch.Tensor:
-        b = key[0]
-        g = self._buffers(b)
-        self._fill(g, reqs)
-        common = self._common(g, b)
+    def _capture(self, key: tuple[int, int, int], reqs: list[Request]) -> torch.Tensor:
+        b, q = key[0], key[1]
+        g = self._buffers(b, q)
+        self._fill(g, reqs, q)
+        common = self._common(g, b, q)
         attn = {name: builder.build(common) for name, builder in self.builders.items()}
         # Replays change the values in the static buffers only: a backend that copied them into
         # tensors of its own (a dtype change, a derived index) would not see the next step's.
@@ -198,13 +217,18 @@ class DecodeGraphs:
         else:
             out, graph, reason = self.platform.capture_step_graph(step, self.pool)
         if graph is None:
-            self.refused = reason or "the platform recorded no graph"
-            logger.info("Decode steps run eagerly: %s.", self.refused)
+            why = reason or "the platform recorded no graph"
+            if q > 1:  # plain decodes keep their graphs
+                self.refused_q[q] = why
+                logger.info("Verification steps of %d tokens a request run eagerly: %s.", q, why)
+            else:
+                self.refused = why
+                logger.info("Decode steps run eagerly: %s.", self.refused)
             return out
         g.output, g.graph, g.context = out, graph, ctx
         self.pool = graph.pool
         self._graphs[key] = g
         while len(self._graphs) > MAX_GRAPHS:
             self._graphs.popitem(last=False)
-        logger.debug("Recorded the decode step for batch size %d (%s).", b, graph)
+        logger.debug("Recorded the step for batch size %d, %d token(s) each (%s).", b, q, graph)
         return out

@@ -122,7 +122,7 @@ class ModelRunner:
         request verifying speculative drafts has ``1 + len(spec_token_ids)`` rows, in order."""
         if self.decode_graphs is not None:
             hidden = self.decode_graphs.run(batch)
-            if hidden is not None:  # a pure decode: every row is sampled
+            if hidden is not None:  # a decode or uniform verification: every row is sampled
                 logits = self.model.compute_logits(hidden)
                 return logits.float(), [req for req, _ in batch.items], []
         ids: list[int] = []
