@@ -7,8 +7,10 @@ back, is owned by the current user (or by root, who could replace llmhal itself)
 writable by group or others. Below the root nothing is reached through a symbolic link: a link in
 place of an entry is a failure, never followed. The root itself may be a link the user made
 (``LLMHAL_CACHE_DIR`` pointing at a scratch disk); what it points to must pass the rule, unless the
-root sits in a shared temporary folder, where nothing is followed. Folders llmhal creates get mode
-0700, and nobody can then change what is in them.
+root sits in a shared temporary folder, where nothing is followed. No folder above the root may be
+writable by anyone without the sticky bit (there anyone could rename the cache aside and put
+another in its place). Folders llmhal creates get mode 0700, and nobody can then change what is in
+them.
 
 A folder that fails is not used: the caller builds into :func:`fresh_dir` (a new ``mkdtemp``
 folder for this process) or does not cache. :func:`warn_once` says why, once per folder and
@@ -38,7 +40,7 @@ _lock = threading.Lock()
 
 
 class UnsafeDirError(PermissionError):
-    """A cache folder someone else could write: not used. The message says why and what to do."""
+    """A cache folder or file someone else could write: not used. The message says why."""
 
 
 def _owners() -> tuple[int, ...]:
@@ -71,6 +73,35 @@ def file_problem(path: Path) -> str | None:
     """Why the cached file ``path`` may not be read back, or None (FileNotFoundError: none there).
     Call it after :func:`ensure` checked its folder, which nobody else can then change."""
     return path_problem(path, kind="file")
+
+
+def open_file(path: Path) -> int:
+    """A read-only descriptor of the cached file ``path``, checked by the rule on what was opened.
+
+    The check and the read are then about the same file: a name checked and then opened again
+    could meanwhile be swapped (by whoever can rename entries in a folder above the cache) for
+    someone else's file. A link is never followed and a FIFO never blocks. Raises
+    FileNotFoundError when there is none and :class:`UnsafeDirError` when it fails the rule; the
+    caller closes the descriptor.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if os.path.islink(path):  # ELOOP
+            raise UnsafeDirError(f"{path} is a symbolic link (a cache entry never is)") from e
+        raise
+    try:
+        st = os.fstat(fd)
+        problem = (
+            stat_problem(st, path) if stat.S_ISREG(st.st_mode) else f"{path} is not a regular file"
+        )
+    except BaseException:
+        os.close(fd)
+        raise
+    if problem is not None:
+        os.close(fd)
+        raise UnsafeDirError(problem)
+    return fd
 
 
 def tree_problem(folder: Path) -> str | None:
@@ -123,6 +154,28 @@ def in_shared_temp(path: Path) -> bool:
     return bool(st.st_mode & stat.S_ISVTX) or bool(st.st_mode & stat.S_IWOTH)
 
 
+def ancestor_problem(root: Path) -> str | None:
+    """Why a folder above the cache ``root`` lets someone else replace the cache, or None: one that
+    anybody may write and that lacks the sticky bit, where anyone can rename ``root`` (or a folder
+    on the way to it) aside and put their own in its place between a check and a read."""
+    seen: set[Path] = set()
+    for start in (Path(os.path.abspath(root)), Path(os.path.realpath(root))):
+        for folder in start.parents:
+            if folder in seen:
+                continue
+            seen.add(folder)
+            try:
+                mode = os.stat(folder).st_mode
+            except OSError:
+                continue
+            if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+                return (
+                    f"{folder}, a folder above it, is writable by anyone without the sticky bit "
+                    f"(mode {stat.S_IMODE(mode):o}), so anyone can put another folder in its place"
+                )
+    return None
+
+
 def _mkdir(path: Path) -> None:
     try:
         os.mkdir(path, 0o700)
@@ -141,7 +194,7 @@ def ensure(root: Path, *parts: str, create: bool = True) -> Path:
     if create and not os.path.lexists(root):
         root.parent.mkdir(parents=True, exist_ok=True)  # above the cache: not llmhal's to judge
         _mkdir(root)
-    problem = path_problem(root, kind="dir", follow=follow)
+    problem = ancestor_problem(root) or path_problem(root, kind="dir", follow=follow)
     path = root
     for part in parts:
         if problem is not None:

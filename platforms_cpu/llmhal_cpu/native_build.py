@@ -184,6 +184,30 @@ def build(source: Path, stem: str, cxx: str) -> Path:
     return out
 
 
+# Descriptors of the loaded kernels, held for the life of the process: glibc knows a library by
+# the name it was opened under, so a /proc/self/fd/N reused after a close would hand back the
+# first library for the second.
+_held_fds: list[int] = []
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """Load the library file ``path`` through a descriptor checked by the cache rule, so what is
+    loaded is the file that was checked, never one swapped in under its name after the check.
+    Raises :class:`llmhal.utils.private_dir.UnsafeDirError` when it fails the rule."""
+    fd = private_dir.open_file(path)
+    by_fd = f"/proc/self/fd/{fd}"
+    if not os.path.exists(by_fd):  # no procfs (not Linux): the path, checked just now
+        os.close(fd)
+        return ctypes.CDLL(str(path))
+    try:
+        lib = ctypes.CDLL(by_fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    _held_fds.append(fd)
+    return lib
+
+
 def load(
     source: Path, stem: str, cxx: str | None, setup: Callable[[ctypes.CDLL], None]
 ) -> tuple[ctypes.CDLL | None, str]:
@@ -195,7 +219,7 @@ def load(
     if cxx is None:
         return None, "no C++ compiler found (set CXX or install g++/clang++)"
     try:
-        lib = ctypes.CDLL(str(build(source, stem, cxx)))
+        lib = open_library(build(source, stem, cxx))
         setup(lib)
     except Exception as e:  # any failure means: use the torch fallbacks, and say why
         return None, f"{type(e).__name__}: {e}"

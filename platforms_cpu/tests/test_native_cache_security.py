@@ -199,6 +199,47 @@ def test_a_foreign_or_loose_file_in_the_users_cache_is_rebuilt(kit, tmp_path, mo
     assert stale.stat().st_uid == os.getuid() and stat.S_IMODE(stale.stat().st_mode) == 0o755
 
 
+@pytest.mark.parametrize("swap", ["link", pytest.param("foreign", marks=as_root)])
+def test_a_kernel_swapped_after_its_check_is_not_loaded(kit, tmp_path, monkeypatch, marker, swap):
+    # The window between checking the cached file and loading it: whoever can rename entries in a
+    # folder above the cache can put another file under the checked name. The library is loaded
+    # through the descriptor that was checked, so the swapped-in file is refused, never run.
+    ours = tmp_path / "ours"
+    monkeypatch.setenv("LLMHAL_CACHE_DIR", str(ours))
+    real_build = native_build.build
+    evil = tmp_path / "evil.so"
+    shutil.copy(kit.planted, evil)
+
+    def build_then_swap(*args):
+        built = real_build(*args)  # checked (or built) by build: now swapped under its name
+        built.unlink()
+        if swap == "link":
+            built.symlink_to(evil)
+        else:
+            shutil.copy(evil, built)
+            os.chown(built, NOBODY, NOBODY)
+        return built
+
+    monkeypatch.setattr(native_build, "build", build_then_swap)
+    lib, status = native_build.load(kit.source, "standin", kit.cxx, _setup)
+    assert not marker.exists(), "the library swapped in after the check ran"
+    assert lib is None
+    want = "is a symbolic link" if swap == "link" else "owned by uid 65534"
+    assert status.startswith("UnsafeDirError: ") and want in status, status
+
+
+def test_kernels_loaded_through_descriptors_stay_distinct(kit, tmp_path, monkeypatch):
+    # glibc knows a library by the name it was opened under: a /proc/self/fd/N reused after a
+    # close would return the first library for the second, so the descriptors are held.
+    monkeypatch.setenv("LLMHAL_CACHE_DIR", str(tmp_path / "ours"))
+    first = kit.load()
+    other = tmp_path / "other.cpp"
+    other.write_text(STANDIN.replace("a + b", "a * b"))
+    lib, status = native_build.load(other, "standin", kit.cxx, _setup)
+    assert lib is not None, status
+    assert (first.llmhal_standin_add(2, 3), lib.llmhal_standin_add(2, 3)) == (5, 6)
+
+
 def _compiles(monkeypatch) -> list[list[str]]:
     """Records the compiler runs that build a library (not ``--version``)."""
     runs: list[list[str]] = []

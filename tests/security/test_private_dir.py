@@ -64,6 +64,23 @@ def test_the_root_may_be_the_users_link_except_in_a_shared_temp_folder(tmp_path)
         private_dir.ensure(shared / "llmhal-0", "kernels")
 
 
+def test_a_root_below_a_world_writable_folder_without_the_sticky_bit_fails(tmp_path):
+    # There anyone can rename the user's cache (or a folder above it) aside and put their own in
+    # its place between a check and a read; with the sticky bit (as /tmp) only the owner can.
+    open_ = tmp_path / "open"
+    mine = private_dir.ensure(open_ / "mine" / "cache")  # made before the folder above opened
+    open_.chmod(0o777)
+    with pytest.raises(
+        private_dir.UnsafeDirError, match=r"open, a folder above it, .*\(mode 777\)"
+    ):
+        private_dir.ensure(open_ / "mine" / "cache", "kernels")
+    (tmp_path / "link").symlink_to(mine)  # reached through a link: the target's folders count
+    with pytest.raises(private_dir.UnsafeDirError, match="a folder above it"):
+        private_dir.ensure(tmp_path / "link", "kernels")
+    open_.chmod(0o1777)
+    assert private_dir.ensure(open_ / "mine" / "cache", "kernels").is_dir()
+
+
 def test_fresh_dir_is_private_per_purpose_and_the_warning_is_given_once(tmp_path, monkeypatch,
                                                                         caplog):  # fmt: skip
     monkeypatch.setattr(private_dir, "_fresh", {})
