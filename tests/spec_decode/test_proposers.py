@@ -1,0 +1,87 @@
+"""The built-in proposers against plain-Python statements of their rules."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from llmhal.spec_decode.config import SpeculativeConfig
+from llmhal.spec_decode.ngram import NgramProposer, ngram_draft
+from llmhal.spec_decode.proposer import DraftRequest
+from llmhal.spec_decode.suffix import SuffixProposer
+
+
+def naive_ngram(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
+    """vLLM's rule: the longest n in [lo, hi] whose last-n tokens occurred before, at the earliest
+    occurrence; the (at most k) tokens that followed it."""
+    n_tok = len(tokens)
+    for n in range(min(hi, n_tok - 1), lo - 1, -1):
+        suffix = tokens[n_tok - n :]
+        for i in range(n_tok - n):
+            if tokens[i : i + n] == suffix:
+                return tokens[i + n : i + n + k]
+    return []
+
+
+def test_ngram_matches_the_rule_on_random_sequences():
+    rng = random.Random(0)
+    for _ in range(400):
+        alphabet = rng.randint(2, 6)
+        tokens = [rng.randrange(alphabet) for _ in range(rng.randint(1, 60))]
+        lo = rng.randint(1, 3)
+        hi = rng.randint(lo, 6)
+        k = rng.randint(1, 5)
+        got = ngram_draft(np.array(tokens, dtype=np.int64), lo, hi, k).tolist()
+        assert got == naive_ngram(tokens, lo, hi, k), (tokens, lo, hi, k)
+
+
+def _req(rid, prompt, output=(), k=5):
+    return DraftRequest(rid, list(prompt), list(output), k)
+
+
+def test_ngram_proposer_keeps_growing_buffers():
+    cfg = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3})  # fmt: skip
+    prop = NgramProposer(cfg, None)
+    prompt = [1, 2, 3, 4, 5, 9, 1, 2]
+    assert prop.propose([_req("a", prompt, k=3)]) == [[3, 4, 5]]
+    out = [3]
+    assert prop.propose([_req("a", prompt, out, k=3)]) == [[4, 5, 9]]
+    prop.finish("a")
+    assert prop.propose([_req("a", [7, 8], k=3)]) == [[]]
+
+
+def _suffix(**extra):
+    cfg = SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 8, **extra})
+    return SuffixProposer(cfg, None)
+
+
+def test_suffix_drafts_from_the_requests_own_tokens():
+    prop = _suffix()
+    passage = [10, 11, 12, 13, 14, 15, 16, 17]
+    # The passage, then its first four tokens again: the rest of it is drafted (as long as the
+    # match, with max_spec_factor 1).
+    assert prop.propose([_req("a", [1, *passage, 2, *passage[:4]])]) == [passage[4:8]]
+
+
+def test_suffix_drafts_from_earlier_responses_and_respects_min_token_prob():
+    prop = _suffix(suffix_decoding_max_spec_factor=2.0)
+    answer = [20, 21, 22, 23, 24, 25]
+    prop.propose([_req("a", [1, 2], answer)])
+    prop.finish("a")  # its response joins the cache
+    assert prop.propose([_req("b", [3, 4], answer[:2])]) == [answer[2:6]]
+    # Two earlier responses continue the same tokens two ways, half and half: below 0.6 nothing.
+    picky = _suffix(suffix_decoding_min_token_prob=0.6)
+    for rid, tail in (("x", [30]), ("y", [31])):
+        picky.propose([_req(rid, [1], [7, 8, *tail])])
+        picky.finish(rid)
+    assert picky.propose([_req("c", [2], [7, 8])]) == [[]]
+    assert _suffix(suffix_decoding_max_cached_requests=0).propose([_req("d", [2], [7, 8])]) == [[]]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_drafts_never_exceed_max_draft(k):
+    prop = _suffix()
+    passage = list(range(40, 60))
+    assert len(prop.propose([_req("a", passage + passage[:10], k=k)])[0]) <= k
