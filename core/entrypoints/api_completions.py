@@ -214,7 +214,6 @@ def prepare(state: Any, body: dict[str, Any], chat: bool, sink: Sink, request_id
         prompts = _completion_prompts(state, req, raw)
     for p in prompts:
         _check_context(p["prompt_token_ids"], params, state.max_model_len)
-    rids, _ = state.loop.submit(api.choices(api.salted(prompts, body), params), sink)
     suffix = request_id or req.request_id or uuid.uuid4().hex
     token_text = state.token_text
     if req.return_tokens_as_token_ids:
@@ -231,6 +230,8 @@ def prepare(state: Any, body: dict[str, Any], chat: bool, sink: Sink, request_id
             last = req.messages[-1]
             role = "assistant" if req.add_generation_prompt else last.get("role")
             echo_prefix = _text(last.get("content")) if last.get("role") == role else ""
+    # Submitted last: nothing after this can fail and leave the requests running for nobody.
+    rids, _ = state.loop.submit(api.choices(api.salted(prompts, body), params), sink)
     return Plan(
         chat=chat, body=body, req=req, params=params, rids=rids, sink=sink,
         include_usage=include_usage, continuous_usage=include_usage and continuous,

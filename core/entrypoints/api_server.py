@@ -21,7 +21,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
 from llmhal.engine.engine_loop import EngineLoop, EngineStopped
@@ -268,9 +268,9 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+        return PlainTextResponse(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models", response_model=m.ModelList)
     async def models() -> dict[str, Any]:

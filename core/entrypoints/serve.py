@@ -34,6 +34,19 @@ SHUTDOWN_GRACE_S = 5.0
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 # uvicorn answers 503 past this many connections and requests in progress.
 DEFAULT_MAX_CONNECTIONS = 2048
+# The server's step budget unless --max-num-batched-tokens says otherwise: max_num_seqs plus this.
+# A step computes every running stream's next token first and then at most this many prompt
+# tokens, so a new prompt is prefilled in chunks beside the streams instead of stalling them for
+# one long step, and even with every sequence slot decoding a new prompt still advances. (On the
+# CPU platform a token costs about as much in a batch as alone, so a step's time is about its
+# token count: with a 2048-token budget one step stalled 16 streams for seconds.)
+SERVE_PREFILL_TOKENS_PER_STEP = 64
+
+
+def apply_serving_defaults(args: argparse.Namespace) -> None:
+    """The engine settings ``llmhal serve`` uses where the command line leaves them out."""
+    if getattr(args, "max_num_batched_tokens", None) is None:
+        args.max_num_batched_tokens = args.max_num_seqs + SERVE_PREFILL_TOKENS_PER_STEP
 
 
 class ApiServer:
@@ -334,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"llmhal serve: cannot listen on {a.host}:{a.port}: {why}", file=sys.stderr)
         return 2
+    apply_serving_defaults(a)
     llm = build_llm("llmhal serve", a, max_num_seqs=a.max_num_seqs)
     if llm is None:
         return 2
