@@ -136,6 +136,8 @@ class KVCacheManager:
     def _hit_limit(request: Request) -> int:
         """How many leading tokens ``request`` may take from the cache (see cached_prefix)."""
         limit = request.num_tokens - 1
+        if request.pooling is not None and not request.pooling.pooling.reuses_prefix:
+            return 0  # its pooler needs every position's hidden state, which the cache lacks
         if request.prompt_logprobs is not None:
             limit = min(limit, len(request.prompt_logprobs) - 1)
         return limit

@@ -33,6 +33,9 @@ class LLM:
     salts apart. :meth:`reset_prefix_cache` forgets what is cached.
     ``speculative_config`` (vLLM's dict, e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``)
     turns on speculative decoding (see :mod:`llmhal.spec_decode`); output stays the same.
+    ``pooler_config`` (vLLM's, a dict or :class:`llmhal.pooling.PoolerConfig`: ``pooling_type``
+    LAST/MEAN/CLS/ALL, ``normalize``, ``dimensions``) sets how :meth:`embed`, :meth:`encode` and
+    :meth:`score` pool.
 
     Of vLLM's other engine arguments, ``trust_remote_code`` and ``disable_log_stats`` are accepted
     and change nothing (llmhal never runs a checkpoint's own code, and logs no per-step stats), and
@@ -61,6 +64,7 @@ class LLM:
         load_progress: bool | None = None,
         structured_outputs_config: dict[str, Any] | None = None,
         speculative_config: dict[str, Any] | None = None,
+        pooler_config: Any = None,
         trust_remote_code: bool = False,
         disable_log_stats: bool = True,
         tensor_parallel_size: int = 1,
@@ -76,6 +80,9 @@ class LLM:
                 f"tensor_parallel_size={tensor_parallel_size}: llmhal runs a model on one device"
             )
         so_backend, so_reasoning = _structured_outputs_config(structured_outputs_config)
+        from llmhal.pooling.params import PoolerConfig
+
+        pooling = PoolerConfig.parse(pooler_config)  # checked before the model loads
         args = EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, attention_backend=attention_backend,
             quantization=quantization, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
@@ -86,6 +93,7 @@ class LLM:
             structured_outputs_reasoning_parser=so_reasoning, speculative_config=speculative_config,
         )  # fmt: skip
         self.engine, self.load_report = build_engine(args)
+        self.engine.pooler_config = pooling
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's): True when done, False (nothing forgotten) while
@@ -168,6 +176,51 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [_joined([final[r] for r in g]) for g in groups]
+
+    def encode(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: Any = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
+        pooling_task: str | None = None,
+    ) -> list[Any]:
+        """Pool each prompt's final hidden states (vLLM's): ``pooling_task="embed"`` gives one
+        vector per prompt, ``"token_embed"`` one per token; ``list[PoolingRequestOutput]`` whose
+        ``outputs.data`` is a tensor. See :mod:`llmhal.pooling`."""
+        from llmhal.pooling import offline
+
+        bar = lambda n: _progress_bar(use_tqdm, n)  # noqa: E731
+        return offline.encode(self, prompts, pooling_params, pooling_task, bar)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
+        pooling_params: Any = None,
+    ) -> list[Any]:
+        """One embedding per prompt (vLLM's ``list[EmbeddingRequestOutput]``, ``outputs.embedding``
+        a list of floats), pooled per ``pooler_config`` and the PoolingParams."""
+        from llmhal.pooling import offline
+
+        return offline.embed(self, prompts, pooling_params, lambda n: _progress_bar(use_tqdm, n))
+
+    def score(
+        self,
+        data_1: Prompt | Sequence[Prompt],
+        data_2: Prompt | Sequence[Prompt],
+        /,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
+        pooling_params: Any = None,
+    ) -> list[Any]:
+        """The cosine similarity of the texts' embeddings (vLLM's bi-encoder score): 1 text with
+        1, 1 with N or N with N; ``list[ScoringRequestOutput]`` with ``outputs.score``."""
+        from llmhal.pooling import offline
+
+        bar = lambda n: _progress_bar(use_tqdm, n)  # noqa: E731
+        return offline.score(self, data_1, data_2, pooling_params, bar)
 
     def apply_chat_template(
         self,

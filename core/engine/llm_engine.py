@@ -33,6 +33,7 @@ from llmhal.engine.stat_loggers import (
     record_all,
 )
 from llmhal.logger import init_logger
+from llmhal.pooling.params import PoolingParams
 from llmhal.structured_output.manager import StructuredOutputManager
 
 logger = init_logger(__name__)
@@ -81,6 +82,7 @@ class PreparedRequest:
     arrival_time: float
     bad_words_token_ids: list[list[int]]
     cache_salt: str | None = None
+    pooling: Any = None  # a pooling request's ResolvedPooling (llmhal.pooling); None: generate
 
     def wait_for_grammar(self, timeout: float | None = None) -> None:
         """Wait until the request's constraint is compiled; ValueError if it cannot be."""
@@ -124,6 +126,9 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self.eos_token_ids = self._eos_ids()
         self.stat_loggers = load_stat_loggers(config)
+        self.pooler_config: Any = (
+            None  # a llmhal.pooling.PoolerConfig (LLM sets it); None: defaults
+        )
         # A llmhal.spec_decode.speculator.Speculator when a speculative config was given.
         self.speculator = speculator
         self._structured: StructuredOutputManager | None = None  # made on first use
@@ -278,17 +283,24 @@ class LLMEngine:
     def prepare_request(
         self,
         prompt: str | dict[str, Any],
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
     ) -> PreparedRequest:
         """Tokenize and validate a request (compiling its structured-output grammar) without
         touching the engine's state: callers may do this on their own threads, outside the lock
         that serialises steps. ``arrival_time`` (time.monotonic(); default now) starts its
-        latencies."""
+        latencies. ``params`` may be a :class:`llmhal.pooling.PoolingParams`: the request is
+        then prefilled only and answered with a PoolingRequestOutput (see llmhal.pooling)."""
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        params = params or SamplingParams()
         salt = _cache_salt(prompt)
         text, ids = self.tokenize(prompt)
+        if isinstance(params, PoolingParams):
+            from llmhal.pooling.requests import check_pooling_request
+
+            pooling = check_pooling_request(self, ids, params)
+            plain = SamplingParams(max_tokens=1)  # never sampled; the Request's fields need one
+            return PreparedRequest(text, ids, plain, 0, None, arrival, [], salt, pooling)
+        params = params or SamplingParams()
         max_tokens, grammar = self._check(ids, params)
         bad = self.bad_words_token_ids(params.bad_words)
         return PreparedRequest(text, ids, params, max_tokens, grammar, arrival, bad, salt)
@@ -335,6 +347,10 @@ class LLMEngine:
             metrics=RequestMetrics(prep.arrival_time),
             cache_salt=prep.cache_salt,
         )
+        if prep.pooling is not None:
+            from llmhal.pooling.pooler import PoolingState
+
+            req.pooling = PoolingState(prep.pooling, len(ids))
         self._requests[rid] = req
         if prep.grammar is not None and not prep.grammar.ready():
             req.status = RequestStatus.WAITING_FOR_FSM
@@ -461,7 +477,10 @@ class LLMEngine:
             # Of a verified chunk, only the last token is known computed; accepted drafts follow.
             req.num_computed_tokens += n - len(req.spec_token_ids)
             self.kv.cache_blocks(req)
-        outputs: list[RequestOutput] = failed
+        outputs: list[Any] = failed
+        for req, _ in batch.items:  # a pooling request ends once its prompt is computed
+            if req.pooling is not None and req.num_computed_tokens >= len(req.prompt_token_ids):
+                outputs.append(self._finish_pooling(req))
         # Each sampled request's previous token time, for the stat loggers' latencies.
         before = [r.metrics.last_token_time for r in sample_reqs] if self.stat_loggers else []
         if result is not None:
@@ -641,6 +660,13 @@ class LLMEngine:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             self._finish(req, status)
+
+    def _finish_pooling(self, req: Request) -> Any:
+        from llmhal.pooling.requests import pooling_output
+
+        out = pooling_output(req)
+        self._finish(req, RequestStatus.FINISHED_STOPPED)  # its blocks freed (cached ones kept)
+        return out
 
     def _end_without_token(self, req: Request) -> None:
         """End a request whose settings left no token to sample (see SampleResult.dead): its

@@ -120,7 +120,8 @@ class ModelRunner:
         """Run the step; returns the logits for the sampled rows, the requests they belong to, and
         the prompt log-probabilities this step computed (per request that asked, in order). A
         request verifying speculative drafts has ``1 + len(spec_token_ids)`` rows, in order."""
-        if self.decode_graphs is not None:
+        # A one-token pooling prompt looks like a decode, but is pooled, not sampled.
+        if self.decode_graphs is not None and not any(r.pooling for r, _ in batch.items):
             hidden = self.decode_graphs.run(batch)
             if hidden is not None:  # a decode or uniform verification: every row is sampled
                 logits = self.model.compute_logits(hidden)
@@ -132,6 +133,7 @@ class ModelRunner:
         # (request, first hidden row, first position): prompt positions whose next token's
         # log-probability is still missing (after a preemption, recomputed ones are not).
         prompt_spans: list[tuple[Request, int, int, int]] = []
+        pool_spans: list[tuple[Request, int, int, int]] = []  # (request, first row, n, position)
         offset = 0
         for req, n in batch.items:
             start = req.num_computed_tokens
@@ -147,6 +149,10 @@ class ModelRunner:
                 end = min(start + n, len(req.prompt_token_ids) - 1)  # position p predicts p + 1
                 if first < end:
                     prompt_spans.append((req, offset + first - start, first, end))
+            if req.pooling is not None:  # its hidden states go to its pooler, never sampled
+                pool_spans.append((req, offset, n, start))
+                offset += n
+                continue
             offset += n
             if known == req.num_tokens:
                 sample_rows.extend(range(offset - 1 - (start + n - known), offset))
@@ -157,6 +163,8 @@ class ModelRunner:
         with set_forward_context(ctx):
             hidden = self.model(input_ids, common.positions)
         prompt_lps = [(r, self._prompt_logprobs(hidden, r, *span)) for r, *span in prompt_spans]
+        for req, row, n, start in pool_spans:
+            req.pooling.add(hidden[row : row + n], start)
         if not sample_rows:
             return None, [], prompt_lps
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)

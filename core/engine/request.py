@@ -109,6 +109,8 @@ class Request:
     # Speculative decoding: draft tokens to verify in the request's next step (after its last
     # token); the scheduler trims them to what fits, preemption drops them.
     spec_token_ids: list[int] = field(default_factory=list)
+    # A pooling request's llmhal.pooling.pooler.PoolingState: prefilled only, never sampled.
+    pooling: Any = None
     _emitted_chars: int = 0
 
     @property
