@@ -224,3 +224,15 @@ def test_readme_quick_start_is_the_two_commands():
     ]
     for script in ("ci/setup", "ci/test", "ci/lint"):
         assert (ROOT / script).exists(), script
+
+
+def test_guide_and_readme_say_how_to_name_a_platform():
+    from llmhal.platforms.resolver import VLLM_BUILTIN_PLATFORMS
+
+    guide = WALKTHROUGH.read_text()
+    for name in VLLM_BUILTIN_PLATFORMS:  # the guide names every one a vendor must avoid
+        assert f"`{name}`" in guide, name
+    readme = (ROOT / "README.md").read_text().split("## Writing a platform package", 1)[1]
+    for text in (guide, readme):
+        assert '@platform_probe("' in text and ', name="' in text
+        assert "VLLM_BUILTIN_PLATFORMS" in text

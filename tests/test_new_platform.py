@@ -36,6 +36,8 @@ def test_render_names_everything_after_the_platform():
     text = "".join(files.values())
     assert "mynpu" not in text.lower()
     assert "class AcmeNpuPlatform(Platform)" in files["acme_npu/platform.py"]
+    assert 'name = "acme_npu"' in files["acme_npu/platform.py"]  # declared by the probe too
+    assert '@platform_probe("acme_npu.platform:AcmeNpuPlatform", name="acme_npu")' in text
     assert 'device_control_env_var = "ACME_NPU_VISIBLE_DEVICES"' in files["acme_npu/platform.py"]
     for path, source in files.items():
         if path.endswith(".py"):
@@ -53,6 +55,8 @@ def test_render_names_everything_after_the_platform():
         ("class", "is not a valid name"),
         ("torch", "a module named 'torch' is already importable here"),
         ("llmhal_cpu", "already importable here"),
+        ("cuda", "'cuda' is one of vLLM's built-in platform names (cpu, cuda, hpu, neuron,"),
+        ("neuron", "choose another name (e.g. 'acme_neuron')"),
     ],
 )
 def test_names_that_cannot_be_used_are_refused_with_the_reason(name, why):

@@ -43,6 +43,15 @@ def name_problem(name: str) -> str | None:
             f"{name!r} is not a valid name: use a lower-case Python identifier "
             f"(letters, digits, underscores; e.g. 'acme_npu')"
         )
+    from llmhal.platforms.resolver import VLLM_BUILTIN_PLATFORMS
+
+    if name in VLLM_BUILTIN_PLATFORMS:
+        return (
+            f"{name!r} is one of vLLM's built-in platform names "
+            f"({', '.join(sorted(VLLM_BUILTIN_PLATFORMS))}): with vLLM installed beside it, vLLM "
+            f"would take the plugin as its own activated platform and fail; choose another name "
+            f"(e.g. 'acme_{name}')"
+        )
     try:
         spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):

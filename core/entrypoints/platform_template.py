@@ -44,7 +44,7 @@ from llmhal.platforms import PlatformUnavailable, called_by_llmhal, platform_pro
 __version__ = "0.1.0"
 
 
-@platform_probe("mynpu.platform:MynpuPlatform")
+@platform_probe("mynpu.platform:MynpuPlatform", name="mynpu")  # name: MynpuPlatform.name
 def mynpu_platform_plugin() -> str | None:
     """Entry point of group vllm.platform_plugins: the platform's class path when a device is here."""
     if not called_by_llmhal():
