@@ -274,6 +274,13 @@ def check_probe(probe: Callable[[], Any], platform_cls: type[Platform] | None = 
         else:
             if target is not platform_cls:
                 out.append(f"@platform_probe({declared!r}) names {target!r}, not {platform_cls!r}")
+    name = getattr(probe, "llmhal_platform_name", None)
+    if platform_cls is not None and name is not None and name != platform_cls.name:
+        out.append(
+            f"@platform_probe(name={name!r}) declares another name than {platform_cls.__name__}."
+            f"name ({platform_cls.name!r}): VLLM_PLATFORM={name} would select a platform named "
+            f"{platform_cls.name!r}; declare name={platform_cls.name!r}"
+        )
     return out
 
 

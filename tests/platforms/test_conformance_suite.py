@@ -197,6 +197,16 @@ def test_probe_checks():
     assert _has(problems, "must return None")
     assert _has(problems, "does not declare its class")
 
+    path = f"{GoodPlatform.__module__}:{GoodPlatform.__qualname__}"
+    misnamed = platform_probe(path, name="elsewhere")(lambda: None)
+    assert check_probe(misnamed, GoodPlatform) == [
+        f"@platform_probe(name='elsewhere') declares another name than GoodPlatform.name "
+        f"({GoodPlatform.name!r}): VLLM_PLATFORM=elsewhere would select a platform named "
+        f"{GoodPlatform.name!r}; declare name={GoodPlatform.name!r}"
+    ]
+    named = platform_probe(path, name=GoodPlatform.name)(lambda: None)
+    assert check_probe(named, GoodPlatform) == []
+
 
 def test_the_fake_vendor_platform_conforms(install_dists):
     install_dists(fakenpu_distribution())
