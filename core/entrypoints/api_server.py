@@ -39,7 +39,8 @@ READ_TIMEOUT_S = 60.0
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 ROUTES = (
     "the routes are GET /health, /ping, /load, /v1/models, /metrics, /version, /openapi.json, "
-    "/docs and POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize"
+    "/docs and POST /v1/completions, /v1/chat/completions, /v1/embeddings, /pooling, /score, "
+    "/tokenize, /detokenize"
 )
 _PHRASES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found",
             405: "method_not_allowed", 408: "request_timeout", 413: "payload_too_large",
@@ -354,6 +355,10 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
     @app.post("/v1/chat/completions", response_model=m.ChatCompletionResponse, openapi_extra=_body_doc(m.ChatCompletionRequest), responses=_stream_docs())  # fmt: skip
     async def chat_completions(request: Request) -> Response:
         return await generate(request, chat=True)
+
+    from llmhal.entrypoints.pooling_api import add_pooling_routes
+
+    add_pooling_routes(app, state)  # /v1/embeddings, /pooling, /score
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -58,6 +58,27 @@ def run(
     return [final[r] for r in rids]
 
 
+def pair_up(data_1: Any, data_2: Any) -> tuple[list[Any], list[Any]]:
+    """vLLM's score pairs: 1 with 1, 1 with N (the first replicated) or N with N."""
+    left, right = _as_list(data_1), _as_list(data_2)
+    if not left or not right:
+        raise ValueError("score needs at least one text on each side")
+    if len(left) == 1:
+        left = left * len(right)
+    elif len(left) != len(right):
+        raise ValueError(
+            f"score pairs 1 text with N, or N with N; got {len(left)} and {len(right)}"
+        )
+    return left, right
+
+
+def cosine(a: PoolingRequestOutput, b: PoolingRequestOutput) -> float:
+    """The cosine similarity of two pooled vectors (vLLM's bi-encoder score)."""
+    import torch
+
+    return float(torch.nn.functional.cosine_similarity(a.outputs.data, b.outputs.data, dim=0))
+
+
 def encode(
     llm: Any,
     prompts: Any,
@@ -91,26 +112,15 @@ def score(
 ) -> list[ScoringRequestOutput]:
     """vLLM's bi-encoder scoring: the cosine similarity of the two texts' embeddings, pairing
     1 with 1, 1 with N (the first replicated) or N with N."""
-    import torch
-
-    left, right = _as_list(data_1), _as_list(data_2)
-    if not left or not right:
-        raise ValueError("score needs at least one text on each side")
-    if len(left) == 1:
-        left = left * len(right)
-    elif len(left) != len(right):
-        raise ValueError(
-            f"score pairs 1 text with N, or N with N; got {len(left)} and {len(right)}"
-        )
+    left, right = pair_up(data_1, data_2)
     embs = encode(llm, left + right, pooling_params, "embed", bar)
     n = len(left)
     outs = []
     for a, b in zip(embs[:n], embs[n:], strict=True):
-        sim = torch.nn.functional.cosine_similarity(a.outputs.data, b.outputs.data, dim=0)
         outs.append(
             ScoringRequestOutput(
                 request_id=f"score-{a.request_id}-{b.request_id}",
-                outputs=ScoringOutput(float(sim)),
+                outputs=ScoringOutput(cosine(a, b)),
                 prompt_token_ids=a.prompt_token_ids + b.prompt_token_ids,
                 num_cached_tokens=a.num_cached_tokens + b.num_cached_tokens,
             )

@@ -1,0 +1,215 @@
+"""``POST /v1/embeddings`` (OpenAI's shape), ``POST /pooling`` and ``POST /score`` (vLLM's).
+
+Each request's prompts go through the server's engine loop as pooling requests (see
+:mod:`llmhal.pooling`), batched with whatever else is running. ``encoding_format="base64"`` sends
+each vector as the base64 of its float32 little-endian bytes (what the ``openai`` SDK asks for by
+default and decodes itself). Imported by the server only; :func:`add_pooling_routes` is called from
+its app factory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import Field, ValidationError
+
+from llmhal.engine.engine_loop import FINISHED, EngineStopped
+from llmhal.entrypoints.api_models import OpenAIBaseModel
+from llmhal.pooling.offline import cosine, pair_up
+from llmhal.pooling.params import PoolingParams
+
+Input = str | list[str] | list[int] | list[list[int]]
+
+
+class EmbeddingRequest(OpenAIBaseModel):
+    model: str | None = None
+    input: Input
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, description="Matryoshka models only")
+    user: str | None = Field(None, description="accepted, ignored")
+    normalize: bool | None = Field(None, description="vLLM's extra: the pooler_config's default")
+
+
+class PoolingRequest(OpenAIBaseModel):
+    model: str | None = None
+    input: Input
+    task: Literal["embed", "token_embed"] | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    normalize: bool | None = None
+
+
+class ScoreRequest(OpenAIBaseModel):
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int | None = 0
+
+
+class EmbeddingData(OpenAIBaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str
+
+
+class EmbeddingResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: UsageInfo
+
+
+class PoolingData(OpenAIBaseModel):
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: list[float] | list[list[float]] | str
+
+
+class PoolingResponse(EmbeddingResponse):
+    data: list[PoolingData]  # type: ignore[assignment]
+
+
+class ScoreData(OpenAIBaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(EmbeddingResponse):
+    data: list[ScoreData]  # type: ignore[assignment]
+
+
+def _prompts(value: Input) -> list[Any]:
+    """OpenAI's ``input``: a string, strings, token ids, or lists of token ids."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise ValueError("input is empty; send a string, a list of strings or of token ids")
+    if all(isinstance(v, int) for v in value):
+        return [{"prompt_token_ids": value}]
+    return [v if isinstance(v, str) else {"prompt_token_ids": v} for v in value]
+
+
+def _encode(data: Any, fmt: str) -> Any:
+    if fmt == "base64":
+        return base64.b64encode(data.float().contiguous().numpy().astype("<f4").tobytes()).decode()  # fmt: skip
+    return data.tolist()
+
+
+def add_pooling_routes(app: FastAPI, state: Any) -> None:
+    """Register the pooling routes on the server's app (``state``: its ServerState)."""
+    from llmhal.entrypoints import api_completions as gen
+    from llmhal.entrypoints.api_server import ApiError, _check_model, read_json
+
+    async def parse(request: Request, model: type[OpenAIBaseModel]) -> Any:
+        body = await read_json(request, state.max_request_bytes)
+        _check_model(state, body)
+        try:
+            return model.model_validate(body)
+        except ValidationError as e:
+            raise ApiError(400, str(e.errors(include_url=False)[:3])) from None
+
+    async def pool(prompts: list[Any], params: PoolingParams) -> list[Any]:
+        """Every prompt's PoolingRequestOutput, in order (400 for a prompt the engine refuses)."""
+        loop = asyncio.get_running_loop()
+        sink = gen.Sink(loop)
+        work = [(p, params) for p in prompts]
+        try:
+            await loop.run_in_executor(state.workers, state.loop.submit, work, sink)
+        except EngineStopped as e:
+            raise ApiError(503, str(e)) from None
+        except (ValueError, TypeError) as e:
+            raise ApiError(400, str(e)) from None
+        results: list[Any] = [None] * len(prompts)
+        state.in_flight += 1
+        try:
+            while (item := await sink.q.get()) is not FINISHED:
+                if isinstance(item, EngineStopped):
+                    raise ApiError(503, f"{item}; the request was ended unfinished")
+                if isinstance(item, Exception):
+                    raise ApiError(500, f"pooling failed: {item}")
+                index, out = item
+                results[index] = out
+        finally:
+            state.in_flight -= 1
+        return results
+
+    def envelope(prefix: str, outs: list[Any], data: list[Any]) -> dict[str, Any]:
+        tokens = sum(len(o.prompt_token_ids) for o in outs)
+        return {
+            "id": f"{prefix}-{uuid.uuid4().hex}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": state.model_name,
+            "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
+        }
+
+    def checked(fn: Any) -> Any:
+        try:
+            return fn()
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse)
+    async def embeddings(request: Request) -> JSONResponse:
+        req = await parse(request, EmbeddingRequest)
+        prompts = checked(lambda: _prompts(req.input))
+        params = checked(lambda: PoolingParams("embed", req.dimensions, req.normalize))
+        outs = await pool(prompts, params)
+        data = [
+            {
+                "index": i,
+                "object": "embedding",
+                "embedding": _encode(o.outputs.data, req.encoding_format),
+            }  # fmt: skip
+            for i, o in enumerate(outs)
+        ]
+        return JSONResponse(envelope("embd", outs, data))
+
+    @app.post("/pooling", response_model=PoolingResponse)
+    async def pooling(request: Request) -> JSONResponse:
+        req = await parse(request, PoolingRequest)
+        dims = (req.model_extra or {}).get("dimensions")
+        if dims is not None:  # vLLM refuses it here too
+            raise ApiError(400, f"dimensions={dims} is for POST /v1/embeddings; /pooling returns the pooled hidden states whole", "dimensions")  # fmt: skip
+        prompts = checked(lambda: _prompts(req.input))
+        config = state.llm.engine.pooler_config
+        task = req.task or ("token_embed" if config is not None and config.pooling_type == "ALL" else "embed")  # fmt: skip
+        params = checked(lambda: PoolingParams(task, None, req.normalize))
+        outs = await pool(prompts, params)
+        data = [
+            {
+                "index": i,
+                "object": "pooling",
+                "data": _encode(o.outputs.data, req.encoding_format),
+            }  # fmt: skip
+            for i, o in enumerate(outs)
+        ]
+        return JSONResponse(envelope("pool", outs, data))
+
+    async def score(request: Request) -> JSONResponse:
+        req = await parse(request, ScoreRequest)
+        left, right = checked(lambda: pair_up(req.text_1, req.text_2))
+        outs = await pool(left + right, PoolingParams("embed"))
+        n = len(left)
+        data = [
+            {"index": i, "object": "score", "score": cosine(a, b)}
+            for i, (a, b) in enumerate(zip(outs[:n], outs[n:], strict=True))
+        ]
+        return JSONResponse(envelope("score", outs, data))
+
+    app.post("/score", response_model=ScoreResponse)(score)
+    app.post("/v1/score", response_model=ScoreResponse)(score)
