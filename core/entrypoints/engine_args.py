@@ -78,6 +78,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         '\'{"method": "ngram", "num_speculative_tokens": 4}\'; methods: ngram, suffix, and '
         "any a plugin registers",
     )
+    p.add_argument(
+        "--pooler-config",
+        metavar="JSON",
+        help="how embeddings and /pooling pool (vLLM's PoolerConfig as JSON), e.g. "
+        '\'{"pooling_type": "MEAN", "normalize": true}\'; pooling_type LAST (default), MEAN, '
+        "CLS or ALL",
+    )
 
 
 def _structured_outputs_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -110,6 +117,7 @@ def build_llm(prog: str, args: argparse.Namespace, **extra: Any) -> LLM | None:
             kv_cache_memory_bytes=getattr(args, "kv_cache_memory_bytes", None),
             structured_outputs_config=_structured_outputs_config(args),
             speculative_config=None if spec is None else parse_cli_value(spec),
+            pooler_config=getattr(args, "pooler_config", None),
             **extra,
         )  # fmt: skip
     except (
