@@ -163,9 +163,20 @@ class KitTarget:
 
 
 def _declared_name(ep: Any) -> str | None:
-    """The ``name`` of the platform class an entry point's probe declares (None when unknown)."""
+    """The platform name an entry point's probe declares (``@platform_probe(..., name=...)``), else
+    its platform class's ``name``; None when unknown. Every installed probe is asked, so neither a
+    plugin written for vLLM (its import would import vLLM) nor, when the probe declares its name, the
+    platform class (torch and the runtime) is imported."""
+    from llmhal.plugins.foreign import targets_vllm_reason
+
+    if targets_vllm_reason(ep):
+        return None
     try:
-        path = getattr(ep.load(), "llmhal_platform_class", None)
+        probe = ep.load()
+        name = getattr(probe, "llmhal_platform_name", None)
+        if isinstance(name, str) and name:
+            return name
+        path = getattr(probe, "llmhal_platform_class", None)
         if not isinstance(path, str):
             return None
         module, _, attr = path.replace(":", ".").rpartition(".")

@@ -297,6 +297,33 @@ def test_plugin_names_the_installed_platforms_for_an_unknown_one():
     assert "installed: " in message and "llmhal doctor" in message
 
 
+def test_plugin_finds_a_platform_by_its_declared_name_importing_no_other(install_dists):
+    # --llmhal-platform=<platform name> asks every installed probe for its name: the declared name
+    # answers without the platform class, and a plugin written for vLLM is never imported.
+    def npu(pkg: str, name: str, **kw: Any) -> FakeDistribution:
+        probe = (
+            "from llmhal.platforms import platform_probe\n"
+            f"@platform_probe('{pkg}.platform:P', name='{name}')\n"
+            "def probe():\n    return None\n"
+        )
+        platform = (
+            f"from llmhal.platforms import Platform\nclass P(Platform):\n    name = '{name}'\n"
+        )
+        modules = {f"{pkg}/__init__.py": probe, f"{pkg}/platform.py": platform}
+        eps = {"vllm.platform_plugins": {pkg: f"{pkg}:probe"}}
+        return FakeDistribution(pkg, "1.0", eps, modules, **kw)
+
+    install_dists(
+        npu("kitnpu_wanted", "wanted"),
+        npu("kitnpu_other", "other"),
+        npu("kitnpu_for_vllm", "wanted", requires=("vllm>=0.8",)),
+    )
+    target = KitTarget.find("wanted", {})
+    assert (target.entry_name, target.cls.name) == ("kitnpu_wanted", "wanted")
+    assert "kitnpu_other" in sys.modules  # its probe was asked
+    assert "kitnpu_other.platform" not in sys.modules and "kitnpu_for_vllm" not in sys.modules
+
+
 @pytest.mark.parametrize("bad", ["gguf", "gguf={not json", "gguf=[1]"])
 def test_plugin_refuses_a_malformed_quant_config(bad):
     with pytest.raises(pytest.UsageError, match=re.escape(f"--llmhal-quant-config {bad!r}")):
