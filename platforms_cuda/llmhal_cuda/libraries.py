@@ -121,3 +121,16 @@ def fbgemm_genai_reason() -> str | None:
             f"(pip install {FBGEMM_PACKAGE})"
         )
     return None
+
+
+def summary() -> dict[str, str]:
+    """Each library the CUDA kernels use and "usable" or why not (``llmhal doctor --json`` shows it
+    under the platform's device: fbgemm_fp8 falls back to ``torch._scaled_mm`` without FBGEMM, so
+    its reason appears nowhere else)."""
+    checks = {
+        "flash_attn (flash_attn backend, FA2)": flash_attn2_reason,
+        "flash_attn_interface (flash_attn backend, FA3)": flash_attn3_reason,
+        "flashinfer (flashinfer backend)": flashinfer_reason,
+        "fbgemm_gpu (fbgemm_fp8's rowwise GEMM)": fbgemm_genai_reason,
+    }
+    return {name: check() or "usable" for name, check in checks.items()}

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from llmhal.logger import init_logger
 from llmhal.platforms import AcceleratorPlatform, DeviceCapability, PlatformCapabilities
 from llmhal.utils.imports import is_available
-from llmhal_cuda import visibility
+from llmhal_cuda import libraries, visibility
 from llmhal_cuda.detect import JETSON, CudaDevice, CudaInventory, detect_cuda, nvml_session
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -215,6 +215,7 @@ class CudaPlatform(AcceleratorPlatform[CudaInventory]):
         if inv.jetson_marker:
             out["jetson_marker"] = inv.jetson_marker
         out["driver_version"] = inv.driver_version
+        out["libraries"] = libraries.summary()
         out["devices"] = [
             {
                 "index": d.index,

@@ -173,3 +173,12 @@ def test_signature_drift_finds_what_breaks_llmhal_calls():
         "'cu_seqlens_q' is positional 4, expected 3",
         "'cu_seqlens_k' is positional 3, expected 4",
     ]
+
+
+def test_the_platform_description_lists_each_library(site, h100):
+    site({"flash_attn/cute/__init__.py": ""})
+    libs = h100.describe()["libraries"]
+    assert "flash-attn-4" in libs["flash_attn (flash_attn backend, FA2)"]
+    assert libs["fbgemm_gpu (fbgemm_fp8's rowwise GEMM)"] == (
+        "fbgemm_gpu is not installed (pip install fbgemm-gpu-genai)"
+    )
