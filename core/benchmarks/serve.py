@@ -147,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=200, help="prompt words, about tokens (200)")
     p.add_argument("--output-len", type=int, default=32, help="tokens generated per request (32)")
     p.add_argument("--label", default="", help="a name for this server in the table")
+    p.add_argument(
+        "--first-prompt", type=int, default=0,
+        help="number prompts from here (runs against one server then share no prefix)",
+    )  # fmt: skip
     p.add_argument("--json", dest="json_path", help="also write the results here")
     known, rest = p.parse_known_args(argv)
     server = None
@@ -171,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in known.concurrency.split(",") if c.strip()]
     # One untimed request first: first-use costs (allocation, page faults) stay out of the table.
     run_level(base, 1, 1, known.input_len, 4, offset=10**6)
-    rows, offset = [], 0
+    rows, offset = [], known.first_prompt
     for c in levels:
         n = known.num_prompts or max(8, 2 * c)
         rows.append(run_level(base, c, n, known.input_len, known.output_len, offset))
