@@ -23,6 +23,10 @@ CASES = {
         "MixtralForCausalLM",
         {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6, **INIT},
     ),
+    "mixtral-all-experts": (
+        "MixtralForCausalLM",
+        {"num_local_experts": 4, "num_experts_per_tok": 4, **INIT},
+    ),
     "qwen3moe-dense-layer-no-renorm": (
         "Qwen3MoeForCausalLM",
         {
@@ -136,3 +140,16 @@ def test_layers_are_sparse_where_hf_says(checkpoints):
     ]
     theirs = [hasattr(layer.mlp, "experts") for layer in hf.model.layers]
     assert ours == theirs == [True, False, True]
+
+
+def test_bf16_logits_close_to_hf_fp32(checkpoints):
+    """bf16 weights and activations (routing scores in float32, as HF): logits within bf16 accuracy
+    of the fp32 model. Every expert is chosen here: with top-2 of 4, bf16 rounding flips near-tie
+    choices of the router (measured: 0.255 of the logit scale for one prompt, 0.0245 with all
+    experts chosen), which says nothing about the kernels' accuracy."""
+    hf, folder = checkpoints("mixtral-all-experts")
+    report = check_parity(
+        hf, folder, dtype=torch.bfloat16, rel_tol=3e-2, compare_tokens=False, decode_steps=6
+    )
+    report.raise_on_failure()
+    assert report.max_rel_diff > 0
