@@ -297,7 +297,8 @@ def test_plugin_names_the_installed_platforms_for_an_unknown_one():
     assert "installed: " in message and "llmhal doctor" in message
 
 
-def test_plugin_finds_a_platform_by_its_declared_name_importing_no_other(install_dists):
+def test_plugin_finds_a_platform_by_its_declared_name_importing_no_other(install_dists,
+                                                                         monkeypatch):  # fmt: skip
     # --llmhal-platform=<platform name> asks every installed probe for its name: the declared name
     # answers without the platform class, and a plugin written for vLLM is never imported.
     def npu(pkg: str, name: str, **kw: Any) -> FakeDistribution:
@@ -318,6 +319,7 @@ def test_plugin_finds_a_platform_by_its_declared_name_importing_no_other(install
         npu("kitnpu_other", "other"),
         npu("kitnpu_for_vllm", "wanted", requires=("vllm>=0.8",)),
     )
+    monkeypatch.setenv("VLLM_PLATFORM", "")  # find() sets it: unset again after the test
     target = KitTarget.find("wanted", {})
     assert (target.entry_name, target.cls.name) == ("kitnpu_wanted", "wanted")
     assert "kitnpu_other" in sys.modules  # its probe was asked
