@@ -100,7 +100,8 @@ def select_experts(
     return weights, ids
 
 
-def _project(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+def project(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """``x @ w.T`` for one expert's rows; with ``scale``, ``w`` is int8 with one scale per row."""
     if scale is None:
         return F.linear(x, w)
     # int8 rows: (x @ q.T) * s equals x @ (q * s).T up to rounding; the conversion is exact.
@@ -117,12 +118,13 @@ def grouped_experts(
     act_and_mul: Callable[[torch.Tensor], torch.Tensor],
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = project,
 ) -> torch.Tensor:
     """The experts' weighted sum for routed tokens (``weights``/``ids`` from :func:`select_experts`).
 
     Rows of (token, choice) are sorted by expert so each active expert sees one contiguous block;
-    experts no token chose are never touched. Kernels that only replace the activation (or the
-    matmuls of one expert) reuse this with their own ``act_and_mul``.
+    experts no token chose are never touched. Kernels that only replace the activation or the
+    matmul of one expert (:func:`project`'s signature) reuse this with their own.
     """
     t, k = ids.shape
     flat = ids.reshape(-1)
@@ -143,7 +145,7 @@ def grouped_experts(
         rows = xs[start : start + n]
         s13 = None if w13_scale is None else w13_scale[e]
         s2 = None if w2_scale is None else w2_scale[e]
-        y = _project(act_and_mul(_project(rows, w13[e], s13)), w2[e], s2)
+        y = matmul(act_and_mul(matmul(rows, w13[e], s13)), w2[e], s2)
         out[start : start + n] = y
         start += n
     out.mul_(weights.reshape(-1).index_select(0, order).unsqueeze(-1))
