@@ -89,9 +89,11 @@ def test_generated_package_installs_with_pip_passes_the_kit_and_generates(tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (site / "zetta_npu" / "attention_impl.py").exists()
 
+    # Run outside the repository, so its addopts (-p no:langsmith_plugin) are not read.
+    pytest_cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    pytest_cmd += ["-p", "no:langsmith_plugin", "--llmhal-platform=zetta_npu", "tests"]
     proc = subprocess.run(  # the kit through the plugin, and the package's own tests
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-        + ["--llmhal-platform=zetta_npu", "tests"],
+        pytest_cmd,
         cwd=tmp_path / "src",
         env=subprocess_env([site]),
         capture_output=True,
