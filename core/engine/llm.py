@@ -35,7 +35,9 @@ class LLM:
     turns on speculative decoding (see :mod:`llmhal.spec_decode`); output stays the same.
     ``pooler_config`` (vLLM's, a dict or :class:`llmhal.pooling.PoolerConfig`: ``pooling_type``
     LAST/MEAN/CLS/ALL, ``normalize``, ``dimensions``) sets how :meth:`embed`, :meth:`encode` and
-    :meth:`score` pool.
+    :meth:`score` pool. ``io_processor_plugin`` names an IO processor (a
+    ``vllm.io_processor_plugins`` entry point or a built-in, see :mod:`llmhal.pooling.io_processor`)
+    that ``encode({"data": ...})`` and the server's ``/pooling`` with ``data`` go through.
 
     Of vLLM's other engine arguments, ``trust_remote_code`` and ``disable_log_stats`` are accepted
     and change nothing (llmhal never runs a checkpoint's own code, and logs no per-step stats), and
@@ -65,6 +67,7 @@ class LLM:
         structured_outputs_config: dict[str, Any] | None = None,
         speculative_config: dict[str, Any] | None = None,
         pooler_config: Any = None,
+        io_processor_plugin: str | None = None,
         trust_remote_code: bool = False,
         disable_log_stats: bool = True,
         tensor_parallel_size: int = 1,
@@ -94,6 +97,10 @@ class LLM:
         )  # fmt: skip
         self.engine, self.load_report = build_engine(args)
         self.engine.pooler_config = pooling
+        from llmhal.pooling.io_processor import load_io_processor
+
+        # Process 0 only (vLLM's rule): this process owns the requests.
+        self.io_processor = load_io_processor(self.engine.config, io_processor_plugin)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's): True when done, False (nothing forgotten) while

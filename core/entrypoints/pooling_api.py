@@ -113,9 +113,10 @@ def add_pooling_routes(app: FastAPI, state: Any) -> None:
     from llmhal.entrypoints import api_completions as gen
     from llmhal.entrypoints.api_server import ApiError, _check_model, read_json
 
-    async def parse(request: Request, model: type[OpenAIBaseModel]) -> Any:
-        body = await read_json(request, state.max_request_bytes)
-        _check_model(state, body)
+    async def parse(request: Request, model: type[OpenAIBaseModel], body: Any = None) -> Any:
+        if body is None:
+            body = await read_json(request, state.max_request_bytes)
+            _check_model(state, body)
         try:
             return model.model_validate(body)
         except ValidationError as e:
@@ -181,7 +182,11 @@ def add_pooling_routes(app: FastAPI, state: Any) -> None:
 
     @app.post("/pooling", response_model=PoolingResponse)
     async def pooling(request: Request) -> JSONResponse:
-        req = await parse(request, PoolingRequest)
+        body = await read_json(request, state.max_request_bytes)
+        _check_model(state, body)
+        if "data" in body:
+            return await through_processor(body, request.headers.get("x-request-id"))
+        req = await parse(request, PoolingRequest, body)
         dims = (req.model_extra or {}).get("dimensions")
         if dims is not None:  # vLLM refuses it here too
             raise ApiError(400, f"dimensions={dims} is for POST /v1/embeddings; /pooling returns the pooled hidden states whole", "dimensions")  # fmt: skip
@@ -199,6 +204,26 @@ def add_pooling_routes(app: FastAPI, state: Any) -> None:
             for i, o in enumerate(outs)
         ]
         return JSONResponse(envelope("pool", outs, data))
+
+    async def through_processor(body: dict[str, Any], rid: str | None) -> JSONResponse:
+        """vLLM's /pooling with ``data``: the server's IO processor makes the prompts and the
+        answer ``{request_id, created_at, data}``."""
+        from llmhal.pooling.io_processor import run_io_processor
+
+        proc = getattr(state.llm, "io_processor", None)
+        if proc is None:
+            raise ApiError(400, "a /pooling request with 'data' goes through an IO processor, and none is loaded; start the server with --io-processor-plugin NAME (e.g. similarity_ranking)", "data")  # fmt: skip
+        rid = rid or f"pool-{uuid.uuid4().hex}"
+        try:
+            out, _ = await run_io_processor(proc, body, pool, rid)
+            resp = proc.output_to_response(out)
+        except ApiError:
+            raise
+        except (ValueError, TypeError) as e:
+            raise ApiError(400, str(e), "data") from None
+        except Exception as e:  # a plugin's own failure: say whose
+            raise ApiError(500, f"the IO processor {type(proc).__name__} failed: {type(e).__name__}: {e}") from None  # fmt: skip
+        return JSONResponse({"request_id": resp.request_id or rid, "created_at": resp.created_at, "data": resp.data})  # fmt: skip
 
     async def score(request: Request) -> JSONResponse:
         req = await parse(request, ScoreRequest)

@@ -86,6 +86,8 @@ def encode(
     pooling_task: str | None = None,
     bar: Callable[[int], Any] | None = None,
 ) -> list[PoolingRequestOutput]:
+    if isinstance(prompts, dict) and "data" in prompts:
+        return _through_io_processor(llm, prompts)
     if pooling_task is None:
         raise ValueError(
             "LLM.encode needs pooling_task: 'embed' (one vector per prompt) or 'token_embed' "
@@ -94,6 +96,26 @@ def encode(
     prompts = _as_list(prompts)
     params = _params_for(pooling_params, len(prompts), pooling_task)
     return run(llm.engine, prompts, params, bar(len(prompts)) if bar else None)
+
+
+def _through_io_processor(llm: Any, request: dict[str, Any]) -> Any:
+    """vLLM's offline form: ``LLM.encode({"data": ...})`` goes through the LLM's IO processor and
+    returns its post_process value."""
+    import asyncio
+
+    from llmhal.pooling.io_processor import run_io_processor
+
+    proc = getattr(llm, "io_processor", None)
+    if proc is None:
+        raise ValueError(
+            "a prompt with 'data' goes through an IO processor, and this LLM has none; start it "
+            "with LLM(io_processor_plugin=NAME) (e.g. 'similarity_ranking')"
+        )
+
+    async def pool(prompts: list[Any], params: PoolingParams) -> list[Any]:
+        return run(llm.engine, prompts, [params] * len(prompts))
+
+    return asyncio.run(run_io_processor(proc, request, pool))[0]
 
 
 def embed(

@@ -22,7 +22,7 @@ def served(tiny):
     from llmhal import LLM
 
     folder, _ = tiny("llama", matryoshka_dimensions=[8, 16])
-    llm = LLM(folder, dtype="float32", max_model_len=128, max_num_seqs=8)
+    llm = LLM(folder, dtype="float32", max_model_len=128, max_num_seqs=8, io_processor_plugin="similarity_ranking")  # fmt: skip
     with running_server(llm, model_name="tiny") as (base, _):
         yield base, llm
 
@@ -84,3 +84,18 @@ def test_score_route(served):
     assert [d["score"] for d in body["data"]] == pytest.approx(want, abs=1e-6)
     status, body = post_json(base + "/v1/score", {"text_1": TEXTS[:2], "text_2": TEXTS})
     assert status == 400 and "got 2 and 3" in body["error"]["message"]
+
+
+def test_pooling_with_data_goes_through_the_io_processor(served):
+    base, llm = served
+    docs = ["the cat sat", "stock prices fell", "a cat"]
+    body = {"data": {"query": "cat", "documents": docs}}
+    status, resp = post_json(base + "/pooling", body, headers={"X-Request-Id": "r1"})
+    assert status == 200, resp
+    assert resp["request_id"] == "r1" and isinstance(resp["created_at"], int)
+    want = [o.outputs.score for o in llm.score("cat", docs, use_tqdm=False)]
+    got = {r["index"]: r["score"] for r in resp["data"]["results"]}
+    assert got == pytest.approx(dict(enumerate(want)), abs=1e-6)
+    assert [r["score"] for r in resp["data"]["results"]] == sorted(want, reverse=True)
+    status, resp = post_json(base + "/pooling", {"data": {"query": "cat"}})
+    assert status == 400 and "data.documents" in resp["error"]["message"]
