@@ -5,9 +5,12 @@ calls :meth:`propose` with the requests that just got a token; their drafts go t
 ``Request.spec_token_ids``, and the scheduler runs them with the last token as one chunk. In the
 next step :meth:`verify` turns the target's ``1 + k`` rows per request into the tokens to emit.
 
-Requests with a structured-output grammar do not speculate: the grammar backends here
-(xgrammar, llguidance) would have to roll back the tokens a rejection takes back, and llmhal's
-grammar wrapper has no rollback yet, so such requests decode one token per step as before.
+Requests with a structured-output grammar speculate too: their drafts are cut to the longest
+prefix the grammar accepts (``validate_tokens``), and each verified position is masked by the
+grammar as it would be after the drafts before it (accepted one by one while the masks are filled,
+then rolled back, so the grammar advances only over the tokens finally emitted). While a reasoning
+gate holds a request's grammar back, it does not speculate (where the reasoning ends inside a draft
+run, the rows after it would need the grammar's masks).
 """
 
 from __future__ import annotations
@@ -64,14 +67,58 @@ class _DraftView:
     reads its output (penalties, bad words, min_tokens) through this, so each verified position is
     processed exactly as non-speculative sampling would process it."""
 
-    __slots__ = ("_req", "output_token_ids")
+    __slots__ = ("_req", "grammar", "output_token_ids")
 
-    def __init__(self, req: Request, drafts: list[int]) -> None:
+    def __init__(self, req: Request, drafts: list[int], grammar: Any = None) -> None:
         self._req = req
         self.output_token_ids = req.output_token_ids + drafts
+        self.grammar = grammar
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._req, name)
+
+
+class _GrammarAhead:
+    """A request's grammar as it is after its first ``j`` drafts, for the structured-output
+    manager, which fills the rows of one request in order: row ``j`` accepts draft ``j - 1``
+    before filling its mask. :meth:`restore` takes the drafts back afterwards."""
+
+    def __init__(self, grammar: Any, drafts: list[int]) -> None:
+        self.grammar = grammar
+        self.drafts = drafts
+        self.accepted = 0
+
+    def at(self, j: int) -> Any:
+        return _GrammarRow(self, j)
+
+    def advance_to(self, j: int) -> None:
+        if self.accepted > j:  # rows filled out of order: step back
+            self.grammar.rollback(self.accepted - j)
+            self.accepted = j
+        while self.accepted < j:
+            if not self.grammar.accept_tokens("", [self.drafts[self.accepted]]):
+                raise RuntimeError("a draft the grammar validated was refused")
+            self.accepted += 1
+
+    def restore(self) -> None:
+        self.grammar.rollback(self.accepted)
+        self.accepted = 0
+
+
+class _GrammarRow:
+    __slots__ = ("ahead", "j")
+
+    def __init__(self, ahead: _GrammarAhead, j: int) -> None:
+        self.ahead, self.j = ahead, j
+
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        self.ahead.advance_to(self.j)
+        if self.ahead.grammar.is_terminated():
+            # A draft before this row completed the output: nothing may follow (the row is dead,
+            # and a run that reaches it ends with that draft, as plain decoding would).
+            bitmask[index].fill_(0)
+        else:
+            self.ahead.grammar.fill_bitmask(bitmask, index)
 
 
 @dataclass
@@ -106,7 +153,7 @@ class Speculator:
 
     # ------------------------------------------------------------------------ drafting
     def _max_draft(self, req: Request) -> int:
-        if req.grammar is not None or req.request_id in self._off:
+        if req.reasoning_ended is False or req.request_id in self._off:
             return 0
         # Every emitted token may be the last (max_tokens, the context), and the verified chunk
         # must fit the context: the drafts never reach past either.
@@ -136,7 +183,11 @@ class Speculator:
             )
         by_id = {r.request_id: r for r in requests}
         for dreq, draft in zip(todo, drafts, strict=True):
-            by_id[dreq.request_id].spec_token_ids = [int(t) for t in draft[: dreq.max_draft]]
+            req = by_id[dreq.request_id]
+            draft = [int(t) for t in draft[: dreq.max_draft]]
+            if draft and req.grammar is not None:  # what the grammar refuses is never verified
+                draft = req.grammar.validate_tokens(draft)
+            req.spec_token_ids = draft
 
     def finish(self, request_id: str) -> None:
         self._history.pop(request_id, None)
@@ -156,12 +207,22 @@ class Speculator:
         masks; rows of requests with drafts never have one."""
         views: list[Any] = []
         spans = []
+        ahead: list[_GrammarAhead] = []
         for req in requests:
-            spans.append((len(views), len(req.spec_token_ids)))
+            drafts = req.spec_token_ids
+            spans.append((len(views), len(drafts)))
+            if req.grammar is not None and drafts:
+                ahead.append(_GrammarAhead(req.grammar, drafts))
+                views.extend(_DraftView(req, drafts[:j], ahead[-1].at(j)) for j in range(len(drafts) + 1))  # fmt: skip
+                continue
             views.append(req)
-            views.extend(_DraftView(req, req.spec_token_ids[:j]) for j in range(1, len(req.spec_token_ids) + 1))  # fmt: skip
+            views.extend(_DraftView(req, drafts[:j], req.grammar) for j in range(1, len(drafts) + 1))  # fmt: skip
         if grammars is not None:
-            grammars(logits, views)
+            try:
+                grammars(logits, views)
+            finally:
+                for a in ahead:
+                    a.restore()
         want = [i for i, v in enumerate(views) if v.params.logprobs is not None]
         raw = logits[want].float() if want else None
         dead = sampler.process(logits, views)

@@ -163,3 +163,30 @@ def test_adaptive_switch_stops_a_request_whose_drafts_fail(new_llm, base_llm):
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     assert _ids(llm.generate(PROMPTS[:1], params)) == _ids(base_llm.generate(PROMPTS[:1], params))
     assert llm.engine.speculator.stats.num_drafts == 3  # then it decoded one token per step
+
+
+CONSTRAINTS = [
+    StructuredOutputsParams(regex="(ab|ba){2,6}c"),
+    StructuredOutputsParams(
+        json={"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    ),  # fmt: skip
+    StructuredOutputsParams(choice=["alpha beta gamma", "alpha beta delta", "omega"]),
+]
+
+
+@pytest.mark.parametrize("constraint", CONSTRAINTS, ids=["regex", "json", "choice"])
+def test_structured_outputs_speculate_within_the_grammar(base_llm, replay_llm, random_llm, answers, constraint):  # fmt: skip
+    """Drafts the grammar refuses are cut before verification, each verified position is masked
+    as after the drafts before it, and the grammar ends up where plain decoding leaves it."""
+    prompts = [{"prompt_token_ids": [11, 12, 13]}, {"prompt_token_ids": [40, 41]}]
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=constraint)
+    plain = base_llm.generate(prompts, params)
+    for p, out in zip(prompts, plain, strict=True):
+        answers[tuple(p["prompt_token_ids"])] = out.outputs[0].token_ids
+    before = replay_llm.engine.speculator.stats.num_accepted_tokens
+    for spec_llm in (replay_llm, random_llm):
+        spec = spec_llm.generate(prompts, params)
+        assert _ids(spec) == _ids(plain)
+        assert _texts(spec) == _texts(plain)
+    if max(len(o.outputs[0].token_ids) for o in plain) > 2:  # room for drafts: some were accepted
+        assert replay_llm.engine.speculator.stats.num_accepted_tokens > before
