@@ -53,7 +53,13 @@ CHAT = [
 # quantized matmuls' work grows with the rows; SmolLM2 Q4_1 layers cost ~1.3x at q=2, ~2x at q=4),
 # so long drafts pay only when nearly all are accepted. Requests whose drafts mostly fail stop
 # speculating (llmhal's adaptive switch), so open chat does not pay for failed drafts.
-_ADAPTIVE = {"disable_below_acceptance_rate": 0.3, "min_drafts_before_disable": 8}
+_ADAPTIVE = {
+    "disable_below_acceptance_rate": 0.3,
+    "min_drafts_before_disable": 8,
+    # From 4 running requests on, a step's rows already keep the CPU's matmuls busy (and drafts of
+    # different lengths cannot replay a recorded step): batch 8 ran 0.45-0.7x with drafts.
+    "disable_by_batch_size": 4,
+}
 _NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5}  # fmt: skip
 DEFAULT_METHODS = {
     "ngram": {**_NGRAM, **_ADAPTIVE},
