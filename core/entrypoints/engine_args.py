@@ -85,6 +85,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         '\'{"pooling_type": "MEAN", "normalize": true}\'; pooling_type LAST (default), MEAN, '
         "CLS or ALL",
     )
+    p.add_argument(
+        "--io-processor-plugin",
+        metavar="NAME",
+        help="the IO processor /pooling requests with 'data' go through: a "
+        "vllm.io_processor_plugins entry point or the built-in similarity_ranking",
+    )
 
 
 def _structured_outputs_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -118,6 +124,7 @@ def build_llm(prog: str, args: argparse.Namespace, **extra: Any) -> LLM | None:
             structured_outputs_config=_structured_outputs_config(args),
             speculative_config=None if spec is None else parse_cli_value(spec),
             pooler_config=getattr(args, "pooler_config", None),
+            io_processor_plugin=getattr(args, "io_processor_plugin", None),
             **extra,
         )  # fmt: skip
     except (

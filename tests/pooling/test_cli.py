@@ -1,4 +1,5 @@
-"""--pooler-config, the engine-starting commands' option (llmhal serve, generate, warmup)."""
+"""--pooler-config and --io-processor-plugin, options of the engine-starting commands (llmhal
+serve, generate, warmup)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ def _args(*argv: str) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
-def test_pooler_config_option(tiny):
+def test_pooling_options(tiny):
     folder, _ = tiny("llama")
-    llm = build_llm("llmhal serve", _args("--model", folder, "--dtype", "float32", "--max-model-len", "64", "--pooler-config", '{"pooling_type": "mean", "normalize": false}'), max_num_seqs=4)  # fmt: skip
+    llm = build_llm("llmhal serve", _args("--model", folder, "--dtype", "float32", "--max-model-len", "64", "--pooler-config", '{"pooling_type": "mean", "normalize": false}', "--io-processor-plugin", "similarity_ranking"), max_num_seqs=4)  # fmt: skip
     assert llm.engine.pooler_config == PoolerConfig("MEAN", normalize=False)
+    assert type(llm.io_processor).__name__ == "SimilarityRanking"
 
 
 def test_a_bad_pooler_config_is_one_line_before_the_model_loads(capsys):
