@@ -58,6 +58,7 @@ _lock = threading.RLock()
 _platform: Platform | None = None
 _selection: PlatformSelection | None = None
 _failure: Exception | None = None  # why the last resolution failed, re-raised until reset
+_failure_tb: Any = None  # its traceback as first raised: each re-raise starts from it again
 _resolving_thread: int | None = None
 _init_trace = ""  # the stack of the first access, for "who resolved the platform?" questions
 
@@ -71,7 +72,7 @@ def called_by_llmhal() -> bool:
 
 def get_current_platform() -> Platform:
     """Resolve (once) and return the active platform."""
-    global _platform, _selection, _resolving_thread, _init_trace, _failure
+    global _platform, _selection, _resolving_thread, _init_trace, _failure, _failure_tb
     if _platform is not None:
         return _platform
     from llmhal.platforms.resolver import resolve
@@ -82,13 +83,15 @@ def get_current_platform() -> Platform:
         if _platform is not None:
             return _platform
         if _failure is not None:
-            raise _failure
+            # Raising the same object again would append this access's frames to its traceback
+            # every time (it grew by two frames per access).
+            raise _failure.with_traceback(_failure_tb)
         _resolving_thread = threading.get_ident()
         try:
             _init_trace = "".join(traceback.format_stack())
             platform, selection = resolve()
         except Exception as e:
-            _failure = e
+            _failure, _failure_tb = e, e.__traceback__
             raise
         finally:
             _resolving_thread = None

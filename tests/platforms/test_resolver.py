@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import traceback
 from dataclasses import replace
 
 import pytest
@@ -316,6 +317,12 @@ def test_a_failed_resolution_is_remembered_across_threads(install_dists, markers
     for t in threads:
         t.join()
     assert len(errors) == 8 and all("same priority" in str(e) for e in errors)
+    depths = []
+    for _ in range(3):  # the remembered error's traceback does not grow with each access
+        with pytest.raises(PlatformResolutionError) as again:
+            platforms.get_current_platform()
+        depths.append(len(traceback.extract_tb(again.value.__traceback__)))
+    assert depths[0] == depths[1] == depths[2], depths
     assert marker_count(markers, "acc_a.probed") == marker_count(markers, "acc_b.probed") == 1
     platforms.set_current_platform(None)  # forgetting the failure resolves again
     with pytest.raises(PlatformResolutionError):
