@@ -42,8 +42,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--structured-outputs-config.backend",  # vLLM's spelling
         dest="structured_outputs_backend",
         default="auto",
-        choices=("auto", "xgrammar", "guidance"),
-        help="what compiles requests' structured outputs (default auto: xgrammar, else guidance)",
+        choices=("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer"),
+        help="what compiles requests' structured outputs (default auto: xgrammar, else guidance; "
+        "outlines and lm-format-enforcer only when named)",
     )
     p.add_argument(
         "--max-num-batched-tokens",

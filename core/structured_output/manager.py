@@ -244,6 +244,9 @@ class StructuredOutputManager:
         mask.fill_(-1)
         for j, i in enumerate(rows):
             grammars[i].fill_bitmask(mask, j)  # type: ignore[union-attr]
+        if len(rows) == logits.shape[0]:  # every row constrained: no gather and scatter
+            apply_token_bitmask(logits, mask.to(logits.device))
+            return
         index = torch.tensor(rows, device=logits.device)
         sub = logits.index_select(0, index)
         apply_token_bitmask(sub, mask.to(logits.device))

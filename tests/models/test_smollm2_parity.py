@@ -7,6 +7,8 @@ package (independent of llmhal's own dequantization). Our model runs the exact G
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -111,5 +113,103 @@ def test_smollm2_json_answer_matches_hf_with_xgrammars_logits_processor(hf_refer
             eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
         )  # fmt: skip
     theirs = out[0, len(prompts[0]) :].tolist()
+    assert ours.token_ids == theirs, (ours.text, tok.decode(theirs))
+    assert ours.finish_reason == "stop" and "Paris" in json.loads(ours.text)["capital"]
+
+
+class _AllowedTokens:
+    """A transformers logits processor from a library's own next-tokens call: ``allowed(ids)``
+    (the tokens generated so far) -> the token ids it allows next."""
+
+    def __init__(self, allowed, prompt_len: int) -> None:
+        self.allowed = allowed
+        self.prompt_len = prompt_len
+
+    def __call__(self, input_ids, scores):
+        ids = input_ids[0, self.prompt_len :].tolist()
+        keep = torch.full_like(scores, float("-inf"))
+        keep[0, list(self.allowed(ids))] = 0
+        return scores + keep
+
+
+def _outlines_reference(tok, schema, backend):
+    import outlines_core
+    from outlines_core.json_schema import build_regex_from_schema
+
+    guide = outlines_core.Guide(outlines_core.Index(build_regex_from_schema(json.dumps(schema), ""), backend.vocabulary))  # fmt: skip
+    seen: list[int] = []
+
+    def allowed(ids):
+        for t in ids[len(seen) :]:  # the guide walks the same tokens, then lists the next ones
+            guide.advance(t, return_tokens=False)
+            seen.append(t)
+        return guide.get_tokens()
+
+    return allowed
+
+
+def _lmfe_reference(tok, schema, backend):
+    import lmformatenforcer as lmfe
+
+    # The library's token-list mode (no bitmask), on the same vocabulary reading.
+    data = lmfe.TokenEnforcerTokenizerData(backend.data.regular_tokens, backend.data.decoder, backend.data.eos_token_id, False, backend.vocab_size)  # fmt: skip
+    parser = lmfe.JsonSchemaParser(schema)
+    enforcer = lmfe.TokenEnforcer(data, parser)
+    parser.config.force_json_field_order = True
+    parser.config.max_consecutive_whitespaces = 0
+    return lambda ids: enforcer.get_allowed_tokens(ids).allowed_tokens
+
+
+def _guidance_reference(tok, schema, backend):
+    import llguidance
+
+    matcher = llguidance.LLMatcher(backend.ll_tokenizer, llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False}))  # fmt: skip
+    seen: list[int] = []
+
+    def allowed(ids):
+        for t in ids[len(seen) :]:
+            assert matcher.consume_token(t)
+            seen.append(t)
+        mask = matcher.compute_logit_bias()  # the library's own per-token view: 200 = allowed
+        return [i for i, b in enumerate(mask) if b]
+
+    return allowed
+
+
+@pytest.mark.parametrize(
+    "backend, reference",
+    [("guidance", _guidance_reference), ("outlines", _outlines_reference), ("lm-format-enforcer", _lmfe_reference)],
+)  # fmt: skip
+def test_smollm2_json_answer_matches_hf_under_each_librarys_own_token_lists(hf_reference, monkeypatch, backend, reference):  # fmt: skip
+    """The other backends have no transformers processor that runs on transformers 5 (outlines-core
+    and llguidance ship none; lm-format-enforcer's imports modules transformers 5 removed), so
+    transformers' greedy ``generate`` is masked by each library's own next-token list, read
+    through its plain API (not the bitmasks llmhal writes), and must give our engine's tokens."""
+    pytest.importorskip({"guidance": "llguidance", "outlines": "outlines_core", "lm-format-enforcer": "lmformatenforcer"}[backend])  # fmt: skip
+    from llmhal import LLM, SamplingParams
+    from llmhal.structured_output import StructuredOutputsParams
+
+    monkeypatch.setenv("LLMHAL_GGUF_KERNEL", "dequant")
+    hf, prompts = hf_reference
+    schema = {"type": "object", "properties": {"capital": {"type": "string"}, "country": {"type": "string"}},
+              "required": ["capital", "country"], "additionalProperties": False}  # fmt: skip
+    llm = LLM(max_model_len=256, kv_cache_memory_bytes=8 << 20, load_progress=False,
+              structured_outputs_config={"backend": backend})  # fmt: skip
+    so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    params = SamplingParams(temperature=0, max_tokens=30, structured_outputs=so)
+    ours = llm.generate({"prompt_token_ids": prompts[0]}, params)[0].outputs[0]
+    tok = llm.get_tokenizer()
+    allowed = reference(tok, schema, llm.engine.structured_outputs().backend(backend))
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([prompts[0]]), attention_mask=torch.ones(1, len(prompts[0]), dtype=torch.long),
+            max_new_tokens=30, do_sample=False, logits_processor=[_AllowedTokens(allowed, len(prompts[0]))],
+            eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+        )  # fmt: skip
+    theirs = out[0, len(prompts[0]) :].tolist()
+    # llguidance stops at the closing brace (nothing can follow it) where transformers samples the
+    # EOS its list allows there: the same answer, one EOS apart.
+    if backend == "guidance" and theirs[-1:] == [tok.eos_token_id]:
+        theirs = theirs[:-1]
     assert ours.token_ids == theirs, (ours.text, tok.decode(theirs))
     assert ours.finish_reason == "stop" and "Paris" in json.loads(ours.text)["capital"]
