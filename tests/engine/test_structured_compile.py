@@ -144,3 +144,24 @@ def test_compiling_on_the_callers_thread(tiny_models):
     assert pending.ready() and manager._pool is None
     bad = manager.request(S(regex="(unclosed"))
     assert bad.ready() and isinstance(bad.error(), ValueError)
+
+
+def test_the_regex_backends_read_each_tokens_own_bytes(tiny_models):
+    """outlines and lm-format-enforcer take a vocabulary of token texts: on the byte-level BPE
+    tokenizer every regular token's bytes are what the tokenizer decodes it to (tokens holding
+    part of a character too), and special tokens stand for no text."""
+    from llmhal.structured_output.vocab import token_bytes
+
+    folder, _ = tiny_models("llama")
+    tok = LLM(folder, dtype="float32", max_model_len=64).get_tokenizer()
+    got = token_bytes(tok, len(tok) + 7)  # padding rows past the tokenizer: none
+    special = set(tok.all_special_ids) | {
+        i for i, t in tok.added_tokens_decoder.items() if t.special
+    }
+    assert set(got) == set(range(len(tok))) - special
+    for i, raw in got.items():
+        text = tok.decode([i])
+        if "\ufffd" not in text:
+            assert raw == text.encode(), (i, raw, text)
+        else:  # part of a character: complete with the next byte tokens it decodes as bytes
+            assert raw.decode("utf-8", errors="replace") == text
