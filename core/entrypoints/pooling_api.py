@@ -81,6 +81,14 @@ class PoolingResponse(EmbeddingResponse):
     data: list[PoolingData]  # type: ignore[assignment]
 
 
+class IOProcessorAnswer(OpenAIBaseModel):
+    """/pooling's answer for a request with ``data`` (an IO processor's)."""
+
+    request_id: str | None = None
+    created_at: int
+    data: Any
+
+
 class ScoreData(OpenAIBaseModel):
     index: int
     object: Literal["score"] = "score"
@@ -102,6 +110,14 @@ def _prompts(value: Input) -> list[Any]:
     return [v if isinstance(v, str) else {"prompt_token_ids": v} for v in value]
 
 
+def _body(model: type[OpenAIBaseModel]) -> dict[str, Any]:
+    """The request body's schema, inline, for /openapi.json (the routes read the JSON themselves,
+    to answer errors in OpenAI's shape)."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    schema.pop("$defs", None)
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
 def _encode(data: Any, fmt: str) -> Any:
     if fmt == "base64":
         return base64.b64encode(data.float().contiguous().numpy().astype("<f4").tobytes()).decode()  # fmt: skip
@@ -111,7 +127,7 @@ def _encode(data: Any, fmt: str) -> Any:
 def add_pooling_routes(app: FastAPI, state: Any) -> None:
     """Register the pooling routes on the server's app (``state``: its ServerState)."""
     from llmhal.entrypoints import api_completions as gen
-    from llmhal.entrypoints.api_server import ApiError, _check_model, read_json
+    from llmhal.entrypoints.api_server import _GEN_DOCS, ApiError, _check_model, read_json
 
     async def parse(request: Request, model: type[OpenAIBaseModel], body: Any = None) -> Any:
         if body is None:
@@ -164,7 +180,7 @@ def add_pooling_routes(app: FastAPI, state: Any) -> None:
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 
-    @app.post("/v1/embeddings", response_model=EmbeddingResponse)
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, openapi_extra=_body(EmbeddingRequest), responses=_GEN_DOCS)  # fmt: skip
     async def embeddings(request: Request) -> JSONResponse:
         req = await parse(request, EmbeddingRequest)
         prompts = checked(lambda: _prompts(req.input))
@@ -180,7 +196,7 @@ def add_pooling_routes(app: FastAPI, state: Any) -> None:
         ]
         return JSONResponse(envelope("embd", outs, data))
 
-    @app.post("/pooling", response_model=PoolingResponse)
+    @app.post("/pooling", response_model=PoolingResponse | IOProcessorAnswer, openapi_extra=_body(PoolingRequest), responses=_GEN_DOCS)  # fmt: skip
     async def pooling(request: Request) -> JSONResponse:
         body = await read_json(request, state.max_request_bytes)
         _check_model(state, body)
@@ -236,5 +252,5 @@ def add_pooling_routes(app: FastAPI, state: Any) -> None:
         ]
         return JSONResponse(envelope("score", outs, data))
 
-    app.post("/score", response_model=ScoreResponse)(score)
-    app.post("/v1/score", response_model=ScoreResponse)(score)
+    for path in ("/score", "/v1/score"):
+        app.post(path, response_model=ScoreResponse, openapi_extra=_body(ScoreRequest), responses=_GEN_DOCS)(score)  # fmt: skip

@@ -75,6 +75,17 @@ def test_pooling_route(served):
     assert status == 400 and "/v1/embeddings" in body["error"]["message"]
 
 
+def test_routes_are_in_the_openapi_document(served):
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(served[0] + "/openapi.json") as r:
+        paths = json.load(r)["paths"]
+    for path in ("/v1/embeddings", "/pooling", "/score", "/v1/score"):
+        body = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert "properties" in body and "400" in paths[path]["post"]["responses"], path
+
+
 def test_score_route(served):
     base, llm = served
     status, body = post_json(base + "/score", {"model": "tiny", "text_1": TEXTS[0], "text_2": TEXTS})  # fmt: skip
