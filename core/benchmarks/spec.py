@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     from llmhal import LLM, SamplingParams
 
     methods = json.loads(a.methods) if a.methods else DEFAULT_METHODS
-    kw = {"max_model_len": 1024, "kv_cache_memory_bytes": 96 << 20, "load_progress": False}
+    kw = {"kv_cache_memory_bytes": 96 << 20, "load_progress": False}
     llms = {"plain": LLM(a.model, **kw)}
     for name, cfg in methods.items():
         llms[name] = LLM(a.model, speculative_config=cfg, **kw)
