@@ -126,3 +126,28 @@ def test_qwen3_pools_like_transformers(tiny, hf_pooled):
     for out in llm.embed(PROMPTS, use_tqdm=False):
         ref = hf_pooled(hf, out.prompt_token_ids, "MEAN", True)
         torch.testing.assert_close(torch.tensor(out.outputs.embedding), ref, **FP32)
+
+
+def test_preempted_pooling_requests_pool_the_same(tiny, tiny_llm, hf_pooled, monkeypatch):
+    """A KV cache of 5 blocks: generating requests grow and preempt the pooling ones mid-prompt;
+    those are recomputed from their first position and still pool like transformers."""
+    from llmhal import LLM
+
+    folder, hf = tiny("llama")
+    per_block = tiny_llm[0].engine.runner.kv_cache_bytes_per_block()  # the same model
+    llm = LLM(folder, dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, kv_cache_memory_bytes=5 * per_block, enable_prefix_caching=False, pooler_config={"pooling_type": "MEAN"})  # fmt: skip
+    engine = llm.engine
+    victims = []
+    preempt = engine.scheduler._preempt
+    monkeypatch.setattr(engine.scheduler, "_preempt", lambda r: (victims.append(r.pooling is not None), preempt(r)))  # fmt: skip
+    greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    for _ in range(2):
+        engine.add_request(PROMPTS[1], greedy)
+    engine.step()
+    outs = llm.encode([PROMPTS[2]] * 4, pooling_task="embed", use_tqdm=False)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert any(victims), victims  # a pooling request was preempted
+    for out in outs:
+        ref = hf_pooled(hf, out.prompt_token_ids, "MEAN", True)
+        torch.testing.assert_close(out.outputs.data, ref, **FP32)
