@@ -113,8 +113,11 @@ def _hf_model(path: str, dtype: str) -> Any:
     td = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": torch.float32}[dtype]
     if path.endswith(".gguf"):
         folder, name = os.path.split(path)
-        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=td)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=td)
+        return AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=td, trust_remote_code=False
+        )
+    # A benchmarked checkpoint's own Python code never runs (docs/security.md), as in the loader.
+    return AutoModelForCausalLM.from_pretrained(path, dtype=td, trust_remote_code=False)
 
 
 def _worker_hf(a: argparse.Namespace) -> dict[str, Any]:

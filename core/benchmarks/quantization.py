@@ -90,7 +90,9 @@ def dense_folder(src: str, dst: Path) -> Path:
     if (dst / "config.json").exists():
         return dst
     folder, name = os.path.split(src)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.bfloat16, trust_remote_code=False
+    )
     # transformers refuses to save a model it loaded from GGUF; copy it into a plain one.
     config = loaded.config
     for attr in ("quantization_config", "_pre_quantization_dtype"):
@@ -119,7 +121,9 @@ def int8_folder(dense: Path, dst: Path) -> Path:
 
     if (dst / "config.json").exists():
         return dst
-    model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(
+        dense, dtype=torch.bfloat16, trust_remote_code=False
+    )
     qc = QuantizationConfig(
         config_groups={
             "group_0": QuantizationScheme(
@@ -150,7 +154,7 @@ def int8_folder(dense: Path, dst: Path) -> Path:
     compressor.compress_model(model)
     model.save_pretrained(dst)
     compressor.update_config(str(dst))
-    AutoTokenizer.from_pretrained(dense).save_pretrained(dst)
+    AutoTokenizer.from_pretrained(dense, trust_remote_code=False).save_pretrained(dst)
     return dst
 
 
