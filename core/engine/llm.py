@@ -86,6 +86,10 @@ class LLM:
         from llmhal.pooling.params import PoolerConfig
 
         pooling = PoolerConfig.parse(pooler_config)  # checked before the model loads
+        if io_processor_plugin is not None:
+            from llmhal.pooling.io_processor import find_io_processor
+
+            find_io_processor(io_processor_plugin)  # an unknown name fails before the model loads
         args = EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, attention_backend=attention_backend,
             quantization=quantization, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,

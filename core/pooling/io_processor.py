@@ -89,14 +89,21 @@ def io_processor_name(config: Any, requested: str | None) -> str | None:
 def load_io_processor(config: Any, requested: str | None) -> IOProcessor | None:
     """The processor the engine is asked to use, instantiated with ``config``; None when none is
     asked for; ValueError naming the available ones when the name matches none."""
-    from llmhal.plugins import IO_PROCESSOR_PLUGINS_GROUP, discover, load_plugins_by_group
-    from llmhal.utils.imports import resolve_obj_by_qualname
-
     name = io_processor_name(config, requested)
     if name is None:
         return None
+    processor = find_io_processor(name)(config)
+    logger.info("IO processor %r: %s", name, type(processor).__qualname__)
+    return processor
+
+
+def find_io_processor(name: str) -> type[IOProcessor]:
+    """The class of the processor called ``name``: its entry point's (only that one is imported;
+    ``VLLM_PLUGINS`` applies), else a built-in's; ValueError naming the available ones."""
+    from llmhal.plugins import IO_PROCESSOR_PLUGINS_GROUP, discover, load_plugins_by_group
+    from llmhal.utils.imports import resolve_obj_by_qualname
+
     loaded = load_plugins_by_group(IO_PROCESSOR_PLUGINS_GROUP, only=frozenset({name}))
-    path = None
     if name in loaded:
         try:
             path = loaded[name]()
@@ -119,8 +126,7 @@ def load_io_processor(config: Any, requested: str | None) -> IOProcessor | None:
             f"IO processor plugin {name!r} gave {path!r}, which is not a subclass of "
             "llmhal.pooling.io_processor.IOProcessor"
         )
-    logger.info("IO processor %r: %s", name, path)
-    return cls(config)
+    return cls
 
 
 async def run_io_processor(processor: IOProcessor, request: Any, pool: Any, request_id: str | None = None) -> tuple[Any, Any]:  # fmt: skip

@@ -28,3 +28,9 @@ def test_a_bad_pooler_config_is_one_line_before_the_model_loads(capsys):
     assert (
         "llmhal serve: pooler_config pooling_type='STEP'" in err and "LAST, MEAN, CLS, ALL" in err
     )
+
+
+def test_an_unknown_io_processor_is_named_before_the_model_loads(capsys):
+    assert build_llm("llmhal serve", _args("--model", "/nonexistent", "--io-processor-plugin", "nope")) is None  # fmt: skip
+    err = capsys.readouterr().err
+    assert "IO processor plugin 'nope' is not installed" in err and "similarity_ranking" in err
