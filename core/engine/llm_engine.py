@@ -34,7 +34,7 @@ from llmhal.engine.stat_loggers import (
 )
 from llmhal.logger import init_logger
 from llmhal.pooling.params import PoolingParams
-from llmhal.structured_output.manager import StructuredOutputManager
+from llmhal.structured_output.manager import PendingGrammar, StructuredOutputManager
 
 logger = init_logger(__name__)
 
@@ -378,10 +378,7 @@ class LLMEngine:
         """Admit the requests whose constraint has compiled; ``wait``: nothing else can run, so
         wait (briefly) for one rather than spin."""
         if wait and not any(r.grammar.ready() for r in self._compiling):
-            import concurrent.futures
-
-            pending = [r.grammar._compiled for r in self._compiling]
-            concurrent.futures.wait(pending, 0.05, concurrent.futures.FIRST_COMPLETED)
+            PendingGrammar.wait_any([r.grammar for r in self._compiling], 0.05)
         done = [r for r in self._compiling if r.grammar.ready()]
         self._compiling = [r for r in self._compiling if not r.grammar.ready()]
         return [out for r in done if (out := self._admit(r)) is not None]

@@ -150,7 +150,8 @@ class LMFormatEnforcerBackend(StructuredOutputBackend):
 
     def compile(
         self, request_type: StructuredOutputOptions, grammar_spec: str, *, compact: bool = False
-    ) -> Callable[[], Any]:
+    ) -> tuple[Callable[[], Any], bool]:
+        """(a parser factory, compact): the parser is made once here to check the constraint."""
         lmfe = self._lmfe
         kind = StructuredOutputOptions
         if request_type is kind.JSON:
@@ -175,14 +176,11 @@ class LMFormatEnforcerBackend(StructuredOutputBackend):
         except Exception as e:  # pydantic's and interegular's errors have no common base
             raise ValueError(f"lm-format-enforcer cannot read this {request_type.value} constraint: {e}") from None  # fmt: skip
 
-        def parser() -> Any:
-            p = make()
-            return p, compact
+        return make, compact
 
-        return parser
-
-    def grammar(self, compiled: Callable[[], Any]) -> StructuredOutputGrammar:
-        parser, compact = compiled()
+    def grammar(self, compiled: tuple[Callable[[], Any], bool]) -> StructuredOutputGrammar:
+        make, compact = compiled
+        parser = make()  # parsers keep per-request state: one each
         enforcer = self._lmfe.TokenEnforcer(self.data, parser)
         # The enforcer gives the parser a fresh config (its alphabet); the rest is set on it.
         parser.config.force_json_field_order = True

@@ -132,6 +132,13 @@ class PendingGrammar:
             self._grammar = self._manager.backend(name).grammar(compiled)
         return self._grammar
 
+    @staticmethod
+    def wait_any(pending: Sequence[PendingGrammar], timeout: float) -> None:
+        """Return when one of ``pending`` is ready, or after ``timeout`` seconds."""
+        import concurrent.futures
+
+        concurrent.futures.wait([p._compiled for p in pending], timeout, concurrent.futures.FIRST_COMPLETED)  # fmt: skip
+
     def error(self) -> BaseException | None:
         """Why the compile failed (None while it runs or when it succeeded)."""
         return self._compiled.exception() if self._compiled.done() else None
