@@ -76,8 +76,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--speculative-config",
         metavar="JSON|@FILE",
         help="speculative decoding, vLLM's dict as JSON (or @file holding it), e.g. "
-        '\'{"method": "ngram", "num_speculative_tokens": 4}\'; methods: ngram, suffix, and '
-        "any a plugin registers",
+        '\'{"method": "ngram", "num_speculative_tokens": 4}\'; methods: ngram, suffix, '
+        "draft_model, and any a plugin registers",
     )
     p.add_argument(
         "--pooler-config",
