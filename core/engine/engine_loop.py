@@ -8,6 +8,7 @@ thread, all of them before any is added, so bad input raises there and never rea
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
@@ -36,6 +37,12 @@ class EngineLoop:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._cv = threading.Condition()
+        # Callers pass through this turnstile while they wait for _cv, and the loop passes through
+        # it before every step, so a waiting caller gets the lock between two steps. Python's locks
+        # are not fair: the loop releases _cv and takes it again at once, and could keep it until
+        # every request has finished, starving submissions, aborts and shutdown (a SIGTERM that
+        # waited for every stream to end).
+        self._turn = threading.Lock()
         # Each request's group (the caller's queue) and its index in the submitted list.
         self._routes: dict[str, tuple[_Group, int]] = {}
         self._ids = itertools.count()
@@ -63,7 +70,7 @@ class EngineLoop:
             prep.wait_for_grammar()
         q = queue.Queue() if sink is None else sink
         group = _Group(q, len(prepared))
-        with self._cv:
+        with self._locked():
             if self._stop:
                 raise EngineStopped(self._stop_reason)
             rids = [f"req-{next(self._ids)}" for _ in prepared]
@@ -73,8 +80,17 @@ class EngineLoop:
             self._cv.notify()
         return rids, q
 
+    @contextlib.contextmanager
+    def _locked(self) -> Any:
+        with self._turn:
+            self._cv.acquire()
+        try:
+            yield
+        finally:
+            self._cv.release()
+
     def abort(self, request_ids: list[str]) -> None:
-        with self._cv:
+        with self._locked():
             for rid in request_ids:
                 self.engine.abort_request(rid)
                 self._routes.pop(rid, None)
@@ -83,17 +99,17 @@ class EngineLoop:
         """Stop stepping (a step under way finishes first) and end every request in flight with
         :class:`EngineStopped` (``reason``), so each caller can still answer its client; later
         submissions raise it too. Returns how many callers (submissions) were ended."""
-        with self._cv:
+        with self._locked():
             self._stop = True
             self._stop_reason = reason
             self._cv.notify()
         self._thread.join(timeout=30)
-        with self._cv:
+        with self._locked():
             return self._fail_all(EngineStopped(reason))
 
     def _run(self) -> None:
         while True:
-            with self._cv:
+            with self._locked():
                 # Only while callers wait: an offline generate() on the same engine between
                 # requests (tests compare with it) must not have its steps taken by this thread.
                 while not self._stop and not (self._routes and self.engine.has_unfinished_requests()):  # fmt: skip
