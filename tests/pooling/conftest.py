@@ -1,34 +1,18 @@
-"""Tiny checkpoints and engines shared by the pooling tests (each built once per session)."""
+"""Engines over the shared tiny checkpoints (``tiny_models``, tests/conftest.py) for the pooling
+tests, built once per session."""
 
 from __future__ import annotations
 
 import pytest
 
-from llmhal.testing.tiny_models import make_tiny_model
-
 
 @pytest.fixture(scope="session")
-def tiny(tmp_path_factory):
-    """arch -> (folder, the transformers model), built on first use."""
-    cache: dict[str, tuple[str, object]] = {}
-
-    def get(arch: str = "llama", **overrides):
-        key = f"{arch}{sorted(overrides.items())}"
-        if key not in cache:
-            folder = tmp_path_factory.mktemp(f"pool_{arch}")
-            cache[key] = (str(folder), make_tiny_model(folder, arch, **overrides))
-        return cache[key]
-
-    return get
-
-
-@pytest.fixture(scope="session")
-def tiny_llm(tiny):
+def tiny_llm(tiny_models):
     """The tiny llama on llmhal, fp32, with a 16-token step budget so a long prompt is prefilled
     in several chunks: (LLM, transformers model)."""
     from llmhal import LLM
 
-    folder, hf = tiny("llama")
+    folder, hf = tiny_models("llama")
     llm = LLM(folder, dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=16)  # fmt: skip
     return llm, hf
 

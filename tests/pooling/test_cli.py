@@ -15,8 +15,8 @@ def _args(*argv: str) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
-def test_pooling_options(tiny):
-    folder, _ = tiny("llama")
+def test_pooling_options(tiny_models):
+    folder, _ = tiny_models("llama")
     llm = build_llm("llmhal serve", _args("--model", folder, "--dtype", "float32", "--max-model-len", "64", "--pooler-config", '{"pooling_type": "mean", "normalize": false}', "--io-processor-plugin", "similarity_ranking"), max_num_seqs=4)  # fmt: skip
     assert llm.engine.pooler_config == PoolerConfig("MEAN", normalize=False)
     assert type(llm.io_processor).__name__ == "SimilarityRanking"

@@ -106,10 +106,10 @@ def test_errors_name_the_choices(tiny_llm):
     assert llm.encode({"prompt_token_ids": [5] * 128}, pooling_task="token_embed")[0].outputs.data.shape[0] == 128  # fmt: skip
 
 
-def test_matryoshka_dimensions(tiny, hf_pooled):
+def test_matryoshka_dimensions(tiny_models, hf_pooled):
     from llmhal import LLM
 
-    folder, hf = tiny("llama", matryoshka_dimensions=[8, 16])
+    folder, hf = tiny_models("llama", matryoshka_dimensions=[8, 16])
     llm = LLM(folder, dtype="float32", max_model_len=64, max_num_seqs=4, pooler_config={"pooling_type": "MEAN"})  # fmt: skip
     out = llm.embed(PROMPTS[1], pooling_params=PoolingParams(dimensions=8), use_tqdm=False)[0]
     ref = hf_pooled(hf, out.prompt_token_ids, "MEAN", True, dims=8)
@@ -118,22 +118,22 @@ def test_matryoshka_dimensions(tiny, hf_pooled):
         llm.embed("x", pooling_params=PoolingParams(dimensions=12))
 
 
-def test_qwen3_pools_like_transformers(tiny, hf_pooled):
+def test_qwen3_pools_like_transformers(tiny_models, hf_pooled):
     from llmhal import LLM
 
-    folder, hf = tiny("qwen3")
+    folder, hf = tiny_models("qwen3")
     llm = LLM(folder, dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, pooler_config={"pooling_type": "MEAN"})  # fmt: skip
     for out in llm.embed(PROMPTS, use_tqdm=False):
         ref = hf_pooled(hf, out.prompt_token_ids, "MEAN", True)
         torch.testing.assert_close(torch.tensor(out.outputs.embedding), ref, **FP32)
 
 
-def test_preempted_pooling_requests_pool_the_same(tiny, tiny_llm, hf_pooled, monkeypatch):
+def test_preempted_pooling_requests_pool_the_same(tiny_models, tiny_llm, hf_pooled, monkeypatch):
     """A KV cache of 5 blocks: generating requests grow and preempt the pooling ones mid-prompt;
     those are recomputed from their first position and still pool like transformers."""
     from llmhal import LLM
 
-    folder, hf = tiny("llama")
+    folder, hf = tiny_models("llama")
     per_block = tiny_llm[0].engine.runner.kv_cache_bytes_per_block()  # the same model
     llm = LLM(folder, dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, kv_cache_memory_bytes=5 * per_block, enable_prefix_caching=False, pooler_config={"pooling_type": "MEAN"})  # fmt: skip
     engine = llm.engine

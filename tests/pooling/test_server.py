@@ -18,10 +18,10 @@ TEXTS = ["a", "the cat sat", "the quick brown fox jumps over the lazy dog"]
 
 
 @pytest.fixture(scope="module")
-def served(tiny):
+def served(tiny_models):
     from llmhal import LLM
 
-    folder, _ = tiny("llama", matryoshka_dimensions=[8, 16])
+    folder, _ = tiny_models("llama", matryoshka_dimensions=[8, 16])
     llm = LLM(folder, dtype="float32", max_model_len=128, max_num_seqs=8, io_processor_plugin="similarity_ranking")  # fmt: skip
     with running_server(llm, model_name="tiny") as (base, _):
         yield base, llm

@@ -7,7 +7,6 @@ import random
 import pytest
 
 from llmhal.spec_decode import Proposer, register_proposer
-from llmhal.testing.tiny_models import make_tiny_model
 
 
 class RandomProposer(Proposer):
@@ -58,10 +57,8 @@ register_proposer("test_replay", ReplayProposer)
 
 
 @pytest.fixture(scope="session")
-def tiny_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("spec_tiny")
-    make_tiny_model(folder, "llama")
-    return str(folder)
+def tiny_folder(tiny_models):
+    return tiny_models("llama")[0]
 
 
 def make_llm(folder, spec=None, **kw):
