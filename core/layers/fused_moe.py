@@ -88,7 +88,16 @@ class FusedMoEMethodBase(QuantizeMethodBase):
         raise NotImplementedError
 
 
-def _new_param(shape: tuple[int, ...], dtype: torch.dtype, loader: Callable[..., None]) -> Any:
+def expert_shapes(num_experts: int, hidden: int, intermediate: int) -> dict[str, tuple[int, ...]]:
+    """The stacked experts' weight shapes, by name: ``w13`` (gate and up rows) and ``w2``."""
+    return {
+        "w13": (num_experts, 2 * intermediate, hidden),
+        "w2": (num_experts, hidden, intermediate),
+    }
+
+
+def expert_param(shape: tuple[int, ...], dtype: torch.dtype, loader: Callable[..., None]) -> Any:
+    """An empty expert weight loaded by ``loader(param, tensor, shard_id)``."""
     p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     p.weight_loader = loader
     return p
@@ -110,11 +119,8 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
             dst = expert_rows(param.data, shard, intermediate_size)
             copy_checked(dst, loaded, f"expert {shard[0]} {shard[1]}")
 
-        shape13 = (num_experts, 2 * intermediate_size, hidden_size)
-        layer.w13_weight = _new_param(shape13, params_dtype, load)
-        layer.w2_weight = _new_param(
-            (num_experts, hidden_size, intermediate_size), params_dtype, load
-        )
+        for name, shape in expert_shapes(num_experts, hidden_size, intermediate_size).items():
+            layer.register_parameter(f"{name}_weight", expert_param(shape, params_dtype, load))
 
     def apply(  # type: ignore[override]
         self, layer: nn.Module, x: torch.Tensor, router_logits: torch.Tensor

@@ -18,7 +18,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmhal.layers.fused_moe import FusedMoE, FusedMoEMethodBase, ShardId, expert_rows
+from llmhal.layers.fused_moe import (
+    FusedMoE,
+    FusedMoEMethodBase,
+    ShardId,
+    expert_param,
+    expert_rows,
+    expert_shapes,
+)
 from llmhal.layers.weights import copy_checked
 from llmhal.quantization.base import QuantizationConfig, QuantizeMethodBase
 
@@ -80,13 +87,8 @@ class ExpertsInt8MoEMethod(FusedMoEMethodBase):
             copy_checked(expert_rows(param.data, shard, intermediate_size), q, what)
             copy_checked(expert_rows(scale, shard, intermediate_size), s, f"{what} scale")
 
-        for name, shape in (
-            ("w13", (num_experts, 2 * intermediate_size, hidden_size)),
-            ("w2", (num_experts, hidden_size, intermediate_size)),
-        ):
-            weight = nn.Parameter(torch.empty(shape, dtype=torch.int8), requires_grad=False)
-            weight.weight_loader = load  # type: ignore[attr-defined]
-            layer.register_parameter(f"{name}_weight", weight)
+        for name, shape in expert_shapes(num_experts, hidden_size, intermediate_size).items():
+            layer.register_parameter(f"{name}_weight", expert_param(shape, torch.int8, load))
             layer.register_buffer(f"{name}_scale", torch.empty(shape[:2], dtype=torch.float32))
 
     def apply(  # type: ignore[override]
