@@ -53,6 +53,23 @@ class SchedulerConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How the model is split across processes (vLLM's names). ``world_size`` ranks in all: rank
+    ``r`` is tensor-parallel rank ``r % tensor_parallel_size`` of pipeline stage
+    ``r // tensor_parallel_size``. ``rank`` is this process's own; rank 0 owns the requests."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # "uni", "mp", "ray" or "external_launcher" once resolved (llmhal.executor.resolve_backend).
+    distributed_executor_backend: str | None = None
+    rank: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -66,6 +83,7 @@ class EngineConfig:
     structured_outputs_reasoning_parser: str | None = None
     # A llmhal.spec_decode.config.SpeculativeConfig: speculative decoding with that method.
     speculative_config: Any = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
