@@ -106,6 +106,8 @@ class CommonAttentionMetadata:
         tree_mask: for speculative-draft verification, bool [q, q]: new token ``i`` may see new token
             ``j``; it replaces the causal mask among the new tokens of every request whose query
             length is ``q`` (tokens already in the cache stay fully visible).
+        state_indices: int32 [num_reqs], each request's slot in the recurrent layers' state cache
+            (see :mod:`llmhal.attention.state`); None for models without recurrent layers.
     """
 
     query_start_loc: torch.Tensor
@@ -124,6 +126,7 @@ class CommonAttentionMetadata:
     num_decode_tokens: int
     causal: bool = True
     tree_mask: torch.Tensor | None = None
+    state_indices: torch.Tensor | None = None
 
     @property
     def num_prefills(self) -> int:

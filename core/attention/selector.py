@@ -112,13 +112,19 @@ def select_attention_backend(
     requirements: AttentionRequirements,
     explicit: str | None = None,
     platform: Platform | None = None,
+    *,
+    ignore_explicit: bool = False,
 ) -> AttentionSelection:
-    """Pick the backend for ``requirements`` (see the module docstring for the rules)."""
+    """Pick the backend for ``requirements`` (see the module docstring for the rules).
+
+    ``ignore_explicit``: select by priority even when ``VLLM_ATTENTION_BACKEND`` is set (a hybrid
+    model's layers of another kind than the chosen backend's; see :mod:`llmhal.attention.state`).
+    """
     from llmhal.platforms import get_current_platform
 
     platform = platform or get_current_platform()
     req = _with_capability(requirements, platform)
-    env = os.environ.get("VLLM_ATTENTION_BACKEND", "").strip() or None
+    env = None if ignore_explicit else os.environ.get("VLLM_ATTENTION_BACKEND", "").strip() or None
     if explicit and env and normalize(explicit) != normalize(env):
         logger.warning(
             "attention_backend=%r from the engine config overrides VLLM_ATTENTION_BACKEND=%r",
@@ -177,9 +183,11 @@ def _candidates(req: AttentionRequirements, platform: Platform) -> list[BackendE
     entries = {e.name: e for e in list_attention_backends()}
     ordered = [normalize(n) for n in platform.attention_backend_priority(req)]
     seen = set(ordered)
-    # Backends of other kinds that the platform does not rank (e.g. a plugin's Mamba backend).
+    # Backends of other kinds that the platform does not rank (e.g. a plugin's Mamba backend),
+    # core's hardware-neutral ones last: a platform's or a plugin's own comes first.
     if req.kind != "mha":
-        ordered += [n for n, e in entries.items() if n not in seen and e.kind == req.kind]
+        unranked = [e for n, e in entries.items() if n not in seen and e.kind == req.kind]
+        ordered += [e.name for e in sorted(unranked, key=lambda e: e.is_core)]
     out = []
     for n in ordered:
         e = entries.get(n)
