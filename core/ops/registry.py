@@ -1,8 +1,9 @@
 """Custom-op dispatch.
 
 Each op has a pure-torch implementation in :mod:`llmhal.ops.native` (``fused_moe`` in
-:mod:`llmhal.ops.fused_moe`): the definition, used in tests as the reference. The kernel that runs
-is resolved once per op and process, in this order:
+:mod:`llmhal.ops.fused_moe`, the state-space ops in :mod:`llmhal.ops.mamba_ops`): the definition,
+used in tests as the reference. The kernel that runs is resolved once per op and process, in this
+order:
 
 1. a kernel registered with :func:`register_op_kernel` (out-of-tree code, general plugins);
 2. the active platform's ``Platform.op_kernels``;
@@ -34,6 +35,12 @@ CORE_OPS: dict[str, str] = {
     "quant_linear": "llmhal.ops.quant_linear:NativeQuantLinear",
     # Routing plus the experts' gated MLPs: see llmhal.ops.fused_moe for the signature.
     "fused_moe": "llmhal.ops.fused_moe:fused_moe",
+    # State-space and short-convolution ops: see llmhal.ops.mamba_ops for the signatures.
+    "causal_conv1d_fn": "llmhal.ops.mamba_ops:causal_conv1d_fn",
+    "causal_conv1d_update": "llmhal.ops.mamba_ops:causal_conv1d_update",
+    "selective_scan_varlen": "llmhal.ops.mamba_ops:selective_scan_varlen",
+    "selective_state_update": "llmhal.ops.mamba_ops:selective_state_update",
+    "ssd_chunk_scan_varlen": "llmhal.ops.mamba_ops:ssd_chunk_scan_varlen",
 }
 
 
