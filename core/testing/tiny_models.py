@@ -24,6 +24,8 @@ _CORPUS = [
 ]
 
 ARCHS = ("llama", "llama_untied", "mistral", "qwen2", "qwen3")
+# Models with recurrent layers (state cache): their configs differ from the Llama family's.
+STATE_ARCHS = ("lfm2", "minimax", "bamba")
 
 
 def make_tokenizer(vocab_size: int = TINY_VOCAB) -> Any:
@@ -79,10 +81,38 @@ def tiny_config(arch: str, vocab_size: int = TINY_VOCAB, **overrides: Any) -> An
     elif arch == "qwen3":
         cls = transformers.Qwen3Config
         common.update(head_dim=16)
+    elif arch in STATE_ARCHS:
+        cls, extra = _state_arch_config(arch)
+        common.update(extra)
     else:
-        raise ValueError(f"unknown tiny arch {arch!r}; known: {', '.join(ARCHS)}")
+        raise ValueError(f"unknown tiny arch {arch!r}; known: {', '.join(ARCHS + STATE_ARCHS)}")
     common.update(overrides)
     return cls(**common)
+
+
+def _state_arch_config(arch: str) -> tuple[Any, dict[str, Any]]:
+    """Config class and settings of the hybrid tiny models: 3 layers, the middle one softmax
+    attention, the others recurrent (short convolution, lightning attention, Mamba-2)."""
+    import transformers
+
+    if arch == "lfm2":  # intermediate_size used as given (no 2/3 adjustment)
+        extra = dict(full_attn_idxs=[1], block_auto_adjust_ff_dim=False, conv_L_cache=3)
+        return transformers.Lfm2Config, dict(num_hidden_layers=3, **extra)
+    if arch == "minimax":  # 16-token lightning blocks: a prompt of 17+ crosses a block boundary
+        types = ["linear_attention", "full_attention", "linear_attention"]
+        moe = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64)
+        return transformers.MiniMaxConfig, dict(
+            num_hidden_layers=3,
+            head_dim=16,
+            layer_types=types,
+            block_size=16,
+            tie_word_embeddings=False,
+            **moe,
+        )
+    # bamba: 8 Mamba-2 heads of 16 (expand 2), 16-token SSD chunks
+    mamba = dict(mamba_n_heads=8, mamba_d_state=16, mamba_chunk_size=16, mamba_d_conv=4)
+    extra = dict(num_hidden_layers=3, attn_layer_indices=[1], tie_word_embeddings=False)
+    return transformers.BambaConfig, dict(**extra, **mamba)
 
 
 def make_tiny_model(
