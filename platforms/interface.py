@@ -275,6 +275,16 @@ class Platform:
         """
         return [*self.attention_backends, "flex_attention", "triton_attn", "reference"]
 
+    @classmethod
+    def get_device_communicator_cls(cls) -> str:
+        """Class path of the communicator the parallel layers' collectives go through (vLLM's
+        name): ``device_communicator_cls`` when the platform sets one, else core's
+        ``DeviceCommunicatorBase`` over ``torch.distributed`` on ``dist_backend``. Read once per
+        process group by ``llmhal.distributed.init_distributed``."""
+        return cls.device_communicator_cls or (
+            "llmhal.distributed.communicator:DeviceCommunicatorBase"
+        )
+
     # ------------------------------------------------------------------------------- hooks
     def check_and_update_config(self, config: Any) -> None:
         """Called once while the engine config is built; may adjust it in place or raise."""

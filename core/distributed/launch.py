@@ -1,0 +1,85 @@
+"""Run a function on N local ranks (spawned processes, one world over 127.0.0.1): for tests and
+measurements. Executors (``llmhal.executor``) start real workers; this is the bare minimum that
+gives each process ``init_distributed`` and collects what the function returns.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(
+    rank: int,
+    fn: Callable[..., Any],
+    world: int,
+    tp: int,
+    pp: int,
+    init: str,
+    backend: str | None,
+    args: Sequence[Any],
+    results: Any,
+) -> None:
+    import torch
+
+    from llmhal.distributed.parallel_state import destroy_distributed, init_distributed
+
+    # Two ranks on a shared host: one thread each keeps them from fighting over the cores.
+    torch.set_num_threads(1)
+    init_distributed(world, rank, init, tp, pp, backend=backend)
+    try:
+        results.put((rank, fn(rank, *args)))
+    finally:
+        destroy_distributed()
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    *args: Any,
+    backend: str | None = "gloo",
+) -> list[Any]:
+    """``fn(rank, *args)`` on every rank of a ``tp x pp`` world; returns the ranks' results in
+    rank order. ``fn`` must be importable by name (a module-level function) and its result
+    picklable. A rank that raises makes this raise (torch.multiprocessing's ProcessRaisedException
+    carries the rank's traceback)."""
+    import torch.multiprocessing as mp
+
+    world = tensor_parallel_size * pipeline_parallel_size
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    init = f"tcp://127.0.0.1:{free_port()}"
+    procs = mp.start_processes(
+        _entry,
+        args=(
+            fn,
+            world,
+            tensor_parallel_size,
+            pipeline_parallel_size,
+            init,
+            backend,
+            args,
+            results,
+        ),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
+    out: dict[int, Any] = {}
+    # Drain while waiting: a result larger than the pipe's buffer blocks its sender until read.
+    done = False
+    while not done:
+        done = procs.join(timeout=0.05)
+        while not results.empty():
+            rank, value = results.get()
+            out[rank] = value
+    return [out[r] for r in range(world)]
