@@ -31,6 +31,8 @@ CORE_BACKENDS: dict[str, tuple[str, str]] = {
     # Recurrent kinds (see llmhal.attention.state): metadata builders for state-keeping layers.
     "mamba1_attn": ("llmhal.attention.mamba1_attn:Mamba1AttentionBackend", "mamba1"),
     "mamba2_attn": ("llmhal.attention.mamba2_attn:Mamba2AttentionBackend", "mamba2"),
+    "short_conv_attn": ("llmhal.attention.short_conv_attn:ShortConvAttentionBackend", "short_conv"),
+    "linear_attn": ("llmhal.attention.linear_attn:LinearAttentionBackend", "linear"),
 }
 
 CORE = "core"

@@ -80,7 +80,7 @@ def _dt(
         dt = dt + dt_bias.float()
     if dt_softplus:
         dt = F.softplus(dt)
-    if dt_limit is not None and (dt_limit[0] > 0.0 or dt_limit[1] != float("inf")):
+    if dt_limit is not None:  # as HF's Mamba-2 scan: clamped even at the default (0, inf)
         dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
     return dt
 
@@ -104,10 +104,9 @@ def causal_conv1d_fn(
     for i, (s, e) in enumerate(_spans(query_start_loc)):
         prev = _initial(conv_states, slots[i], carried[i])  # [width - 1, dim]
         window = torch.cat((prev, x[s:e].float()), 0)  # [width - 1 + L, dim]
-        y = F.conv1d(window.t().unsqueeze(0), w, b, groups=dim)[0].t()  # [L, dim]
-        if activation is not None:
-            y = F.silu(y)
-        out[s:e] = y
+        if e > s:
+            y = F.conv1d(window.t().unsqueeze(0), w, b, groups=dim)[0].t()  # [L, dim]
+            out[s:e] = F.silu(y) if activation is not None else y
         conv_states[slots[i]] = window[window.shape[0] - (width - 1) :]
     return out
 

@@ -38,6 +38,11 @@ class CpuPlatform(Platform):
         "silu_and_mul": "llmhal_cpu.ops:silu_and_mul",
         "quant_linear": "llmhal_cpu.kernels.quant_linear:CpuQuantLinear",
         "fused_moe": "llmhal_cpu.moe:fused_moe",
+        "causal_conv1d_fn": "llmhal_cpu.mamba_kernels:causal_conv1d_fn",
+        "causal_conv1d_update": "llmhal_cpu.mamba_kernels:causal_conv1d_update",
+        "selective_scan_varlen": "llmhal_cpu.mamba_kernels:selective_scan_varlen",
+        "selective_state_update": "llmhal_cpu.mamba_kernels:selective_state_update",
+        "ssd_chunk_scan_varlen": "llmhal_cpu.mamba_kernels:ssd_chunk_scan_varlen",
     }
     # None: every registered method may run here (each checks its own needs in validate()).
     supported_quantization = None

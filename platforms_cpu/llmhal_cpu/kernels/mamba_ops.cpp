@@ -1,0 +1,356 @@
+// Float32 kernels of the state-space ops (llmhal/ops/mamba_ops.py has the definitions and
+// signatures), compiled at run time for the host by native_build.py. The caller
+// (llmhal_cpu/mamba_kernels.py) checks dtypes and shapes; these read strides as given, so the
+// views the layers pass (a slice of a projection's output, Mamba-2's stride-0 expanded A/dt/D)
+// need no copy. Every state row's last dimension (N, or dim for the conv) is contiguous.
+//
+// Why a kernel: a decode step through torch is ~10 tensor calls per op (gather the slots, exp,
+// two products, a sum, the scatter back), each ~1-5 us of dispatch plus a temporary; here it is
+// one pass that updates each state row in place. Prefill scans run the recurrence token by token
+// on a [P, N] tile held in cache, which is what the chunked SSD algorithm computes (with more
+// arithmetic and large temporaries); the sequential recurrence is the definition the tests use.
+//
+//   conv_update:  one token per request: out = act(bias + sum_k w[:, k] * window[k]), where window
+//                 is (state rows, x); the state shifts by one row.
+//   conv_varlen:  the same over each request's tokens, window preceded by its state (or zeros);
+//                 the state becomes the last width - 1 rows of (state, inputs).
+//   ssm_update:   h = exp(dt A) h + dt B x; y = C.h + D x; y *= silu(z) (one token per request).
+//   scan_varlen:  Mamba-1 prefill, the same per token with A [d, n].
+//   ssd_varlen:   Mamba-2 prefill: one decay per (token, head), groups shared by H / G heads.
+//
+// Each call first checks every slot index (and query_start_loc) and returns -1 before writing
+// anything when one is out of range, so the caller can fall back to the reference, which raises
+// the error. Work is split over the caller's OpenMP team when there is enough of it (see
+// fused_ops.cpp for the team-size rule).
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+
+#include "simd_math.h"
+
+namespace {
+
+using llmhal_cpu::exp_approx;
+using llmhal_cpu::hsum;
+using llmhal_cpu::vf;
+using llmhal_cpu::vload;
+using llmhal_cpu::vstore;
+using llmhal_cpu::W;
+
+constexpr int64_t kMinParallel = 1 << 15;
+
+inline bool parallel(int64_t work, int threads) { return threads > 1 && work >= kMinParallel; }
+inline int team(int threads) { return threads > 1 ? threads : 1; }
+
+// torch's softplus (beta 1, threshold 20).
+inline float softplus(float v) { return v > 20.f ? v : std::log1p(std::exp(v)); }
+inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+
+inline float delta(float dt, const float* bias, int64_t at, int sp, float lo, float hi) {
+  if (bias) dt += bias[at];
+  if (sp) dt = softplus(dt);
+  return dt < lo ? lo : (dt > hi ? hi : dt);
+}
+
+bool slots_ok(const int32_t* idx, int64_t n, int64_t slots) {
+  for (int64_t i = 0; i < n; ++i)
+    if (idx[i] < 0 || idx[i] >= slots) return false;
+  return true;
+}
+
+bool starts_ok(const int32_t* qsl, int64_t nseq, int64_t tokens) {
+  if (qsl[0] < 0) return false;
+  for (int64_t i = 0; i < nseq; ++i)
+    if (qsl[i + 1] < qsl[i]) return false;
+  return qsl[nseq] <= tokens;
+}
+
+// One state row update and its read-out over n: s = s * decay + u * b, returns sum(s * c). The
+// decay is one scalar (Mamba-2, or Mamba-1 with a constant row) or a row of a stride-1 A times dt.
+inline float ssm_row(float* s, const float* b, const float* c, int64_t n, float u, float dt,
+                     const float* a, int64_t a_sn, float decay) {
+  vf acc = {};
+  float tail = 0.f;
+  int64_t i = 0;
+  if (a && a_sn == 1) {
+    for (; i + W <= n; i += W) {
+      const vf v = vload(s + i) * exp_approx(vload(a + i) * dt) + vload(b + i) * u;
+      vstore(s + i, v);
+      acc += v * vload(c + i);
+    }
+    for (; i < n; ++i) {
+      s[i] = s[i] * exp_approx(a[i] * dt) + b[i] * u;
+      tail += s[i] * c[i];
+    }
+  } else if (a) {  // A with another n stride: gather it
+    for (; i < n; ++i) {
+      s[i] = s[i] * exp_approx(a[i * a_sn] * dt) + b[i] * u;
+      tail += s[i] * c[i];
+    }
+  } else {
+    const vf dv = vf{} + decay;
+    for (; i + W <= n; i += W) {
+      const vf v = vload(s + i) * dv + vload(b + i) * u;
+      vstore(s + i, v);
+      acc += v * vload(c + i);
+    }
+    for (; i < n; ++i) {
+      s[i] = s[i] * decay + b[i] * u;
+      tail += s[i] * c[i];
+    }
+  }
+  return hsum(acc) + tail;
+}
+
+}  // namespace
+
+extern "C" {
+
+struct ConvArgs {
+  const float* x;  // [T, dim], row stride x_s
+  int64_t x_s;
+  float* out;  // [T, dim] contiguous
+  float* states;  // [slots, width - 1, dim], strides st_slot, st_row, 1
+  int64_t st_slot, st_row;
+  const float* w;  // [dim, width], strides w_sd, w_sk
+  int64_t w_sd, w_sk;
+  const float* bias;  // [dim] contiguous, or null
+  const int32_t* qsl;  // [nseq + 1], or null for the update (one token per request)
+  const int32_t* idx;  // [nseq]
+  const uint8_t* has_init;  // [nseq] bools, or null (update: always carried)
+  int64_t nseq, tokens, dim, width, slots;
+  int32_t silu, threads;
+};
+
+// Both conv forms: the update is the varlen form with request i owning token i and its state.
+int llmhal_conv_call(const void* p) {
+  const auto& a = *static_cast<const ConvArgs*>(p);
+  if (!slots_ok(a.idx, a.nseq, a.slots)) return -1;
+  if (a.qsl && !starts_ok(a.qsl, a.nseq, a.tokens)) return -1;
+  const int64_t k1 = a.width - 1;
+  const int64_t blocks = (a.dim + 63) / 64;  // channels per task: a cache line of 16 floats x 4
+#pragma omp parallel for collapse(2) num_threads(team(a.threads)) \
+    if (parallel(a.tokens * a.dim * a.width, a.threads)) schedule(dynamic)
+  for (int64_t r = 0; r < a.nseq; ++r) {
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t d0 = blk * 64, d1 = d0 + 64 < a.dim ? d0 + 64 : a.dim, nd = d1 - d0;
+      const int64_t s = a.qsl ? a.qsl[r] : r, e = a.qsl ? a.qsl[r + 1] : r + 1, len = e - s;
+      float* st = a.states + a.idx[r] * a.st_slot + d0;
+      const bool carried = a.has_init == nullptr || a.has_init[r] != 0;
+      // window rows: k1 of state then len of input; row j < k1 is the state's, else x's.
+      float prev[64 * 8];  // this block's state rows (width <= 9)
+      for (int64_t j = 0; j < k1; ++j)
+        for (int64_t c = 0; c < nd; ++c) prev[j * 64 + c] = carried ? st[j * a.st_row + c] : 0.f;
+      auto row = [&](int64_t j) -> const float* {
+        return j < k1 ? prev + j * 64 : a.x + (s + j - k1) * a.x_s + d0;
+      };
+      for (int64_t t = 0; t < len; ++t) {
+        float* o = a.out + (s + t) * a.dim + d0;
+        for (int64_t c = 0; c < nd; ++c) o[c] = a.bias ? a.bias[d0 + c] : 0.f;
+        for (int64_t k = 0; k < a.width; ++k) {
+          const float* in = row(t + k);
+          const float* wk = a.w + d0 * a.w_sd + k * a.w_sk;
+          for (int64_t c = 0; c < nd; ++c) o[c] += wk[c * a.w_sd] * in[c];
+        }
+        if (a.silu)
+          for (int64_t c = 0; c < nd; ++c) o[c] = silu(o[c]);
+      }
+      // New state: the last k1 window rows (the state's own rows move up when len < k1).
+      for (int64_t j = 0; j < k1; ++j) {
+        const float* src = row(len + j);
+        for (int64_t c = 0; c < nd; ++c) st[j * a.st_row + c] = src[c];
+      }
+    }
+  }
+  return 0;
+}
+
+struct SsmUpdateArgs {
+  float* states;  // [slots, H, P, N]: strides st_slot, st_h, st_p, 1
+  int64_t st_slot, st_h, st_p;
+  const float* x;  // [B, H, P]
+  int64_t x_b, x_h, x_p;
+  const float* dt;
+  int64_t dt_b, dt_h, dt_p;
+  const float* A;  // [H, P, N]
+  int64_t A_h, A_p, A_n;
+  const float* Bm;  // [B, G, N], n stride 1
+  int64_t B_b, B_g;
+  const float* Cm;
+  int64_t C_b, C_g;
+  const float* D;  // [H, P] or null
+  int64_t D_h, D_p;
+  const float* z;  // [B, H, P] or null
+  int64_t z_b, z_h, z_p;
+  const float* dt_bias;  // [H, P] or null
+  int64_t db_h, db_p;
+  const int32_t* idx;  // [B]
+  float* out;  // [B, H, P] contiguous
+  int64_t nb, H, P, N, G, slots;
+  int32_t softplus, threads;
+};
+
+int llmhal_ssm_update_call(const void* p) {
+  const auto& a = *static_cast<const SsmUpdateArgs*>(p);
+  if (!slots_ok(a.idx, a.nb, a.slots)) return -1;
+  const int64_t per_group = a.H / a.G;
+  const float inf = INFINITY;
+#pragma omp parallel for collapse(2) num_threads(team(a.threads)) \
+    if (parallel(a.nb * a.H * a.P * a.N, a.threads)) schedule(static)
+  for (int64_t b = 0; b < a.nb; ++b) {
+    for (int64_t h = 0; h < a.H; ++h) {
+      const int64_t g = h / per_group;
+      const float* bv = a.Bm + b * a.B_b + g * a.B_g;
+      const float* cv = a.Cm + b * a.C_b + g * a.C_g;
+      float* st = a.states + a.idx[b] * a.st_slot + h * a.st_h;
+      for (int64_t q = 0; q < a.P; ++q) {
+        const float dt = delta(a.dt[b * a.dt_b + h * a.dt_h + q * a.dt_p], a.dt_bias,
+                               h * a.db_h + q * a.db_p, a.softplus, -inf, inf);
+        const float xv = a.x[b * a.x_b + h * a.x_h + q * a.x_p];
+        const float* arow = a.A + h * a.A_h + q * a.A_p;
+        // A constant along n (Mamba-2's expanded per-head scalar): one exp for the row.
+        const bool scalar_a = a.A_n == 0;
+        float y = ssm_row(st + q * a.st_p, bv, cv, a.N, dt * xv, dt, scalar_a ? nullptr : arow,
+                          a.A_n, scalar_a ? std::exp(arow[0] * dt) : 0.f);
+        if (a.D) y += xv * a.D[h * a.D_h + q * a.D_p];
+        if (a.z) y *= silu(a.z[b * a.z_b + h * a.z_h + q * a.z_p]);
+        a.out[(b * a.H + h) * a.P + q] = y;
+      }
+    }
+  }
+  return 0;
+}
+
+struct ScanArgs {  // Mamba-1 prefill
+  const float* x;  // [T, d]
+  int64_t x_t, x_d;
+  const float* dt;
+  int64_t dt_t, dt_d;
+  const float* A;  // [d, n]
+  int64_t A_d, A_n;
+  const float* Bm;  // [T, n], n stride 1
+  int64_t B_t;
+  const float* Cm;
+  int64_t C_t;
+  const float* D;  // [d] (stride D_s) or null
+  int64_t D_s;
+  const float* z;  // [T, d] or null
+  int64_t z_t, z_d;
+  const float* dt_bias;  // [d] or null
+  int64_t db_s;
+  float* states;  // [slots, d, n]: strides st_slot, st_d, 1
+  int64_t st_slot, st_d;
+  const int32_t* qsl;
+  const int32_t* idx;
+  const uint8_t* has_init;
+  float* out;  // [T, d] contiguous
+  int64_t nseq, tokens, d, n, slots;
+  int32_t softplus, threads;
+};
+
+int llmhal_scan_call(const void* p) {
+  const auto& a = *static_cast<const ScanArgs*>(p);
+  if (!slots_ok(a.idx, a.nseq, a.slots) || !starts_ok(a.qsl, a.nseq, a.tokens)) return -1;
+  const float inf = INFINITY;
+  const int64_t blocks = (a.d + 15) / 16;
+#pragma omp parallel for collapse(2) num_threads(team(a.threads)) \
+    if (parallel(a.tokens * a.d * a.n, a.threads)) schedule(dynamic)
+  for (int64_t r = 0; r < a.nseq; ++r) {
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t s = a.qsl[r], e = a.qsl[r + 1];
+      const bool carried = a.has_init[r] != 0;
+      for (int64_t ch = blk * 16; ch < (blk + 1) * 16 && ch < a.d; ++ch) {
+        float* st = a.states + a.idx[r] * a.st_slot + ch * a.st_d;
+        if (!carried) std::memset(st, 0, sizeof(float) * a.n);
+        const float* arow = a.A + ch * a.A_d;
+        const float bias_d = a.D ? a.D[ch * a.D_s] : 0.f;
+        for (int64_t t = s; t < e; ++t) {
+          const float dt =
+              delta(a.dt[t * a.dt_t + ch * a.dt_d], a.dt_bias, ch * a.db_s, a.softplus, -inf, inf);
+          const float xv = a.x[t * a.x_t + ch * a.x_d];
+          float y = ssm_row(st, a.Bm + t * a.B_t, a.Cm + t * a.C_t, a.n, dt * xv, dt, arow,
+                            a.A_n, 0.f);
+          y += xv * bias_d;
+          if (a.z) y *= silu(a.z[t * a.z_t + ch * a.z_d]);
+          a.out[t * a.d + ch] = y;
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+struct SsdArgs {  // Mamba-2 prefill
+  const float* x;  // [T, H, P]
+  int64_t x_t, x_h, x_p;
+  const float* dt;  // [T, H]
+  int64_t dt_t, dt_h;
+  const float* A;  // [H]
+  int64_t A_s;
+  const float* Bm;  // [T, G, N], n stride 1
+  int64_t B_t, B_g;
+  const float* Cm;
+  int64_t C_t, C_g;
+  const float* D;  // [H] or null
+  int64_t D_s;
+  const float* dt_bias;  // [H] or null
+  int64_t db_s;
+  float* states;  // [slots, H, P, N]: strides st_slot, st_h, st_p, 1
+  int64_t st_slot, st_h, st_p;
+  const int32_t* qsl;
+  const int32_t* idx;
+  const uint8_t* has_init;
+  float* out;  // [T, H, P] contiguous
+  int64_t nseq, tokens, H, P, N, G, slots;
+  float dt_lo, dt_hi;
+  int32_t softplus, threads;
+};
+
+int llmhal_ssd_call(const void* p) {
+  const auto& a = *static_cast<const SsdArgs*>(p);
+  if (!slots_ok(a.idx, a.nseq, a.slots) || !starts_ok(a.qsl, a.nseq, a.tokens)) return -1;
+  const int64_t per_group = a.H / a.G;
+#pragma omp parallel for collapse(2) num_threads(team(a.threads)) \
+    if (parallel(a.tokens * a.H * a.P * a.N, a.threads)) schedule(dynamic)
+  for (int64_t r = 0; r < a.nseq; ++r) {
+    for (int64_t h = 0; h < a.H; ++h) {
+      const int64_t s = a.qsl[r], e = a.qsl[r + 1], g = h / per_group;
+      float* st = a.states + a.idx[r] * a.st_slot + h * a.st_h;
+      if (a.has_init[r] == 0)
+        for (int64_t q = 0; q < a.P; ++q) std::memset(st + q * a.st_p, 0, sizeof(float) * a.N);
+      const float ah = a.A[h * a.A_s], dh = a.D ? a.D[h * a.D_s] : 0.f;
+      for (int64_t t = s; t < e; ++t) {
+        const float dt =
+            delta(a.dt[t * a.dt_t + h * a.dt_h], a.dt_bias, h * a.db_s, a.softplus, a.dt_lo,
+                  a.dt_hi);
+        const float decay = std::exp(dt * ah);
+        const float* bv = a.Bm + t * a.B_t + g * a.B_g;
+        const float* cv = a.Cm + t * a.C_t + g * a.C_g;
+        const float* xr = a.x + t * a.x_t + h * a.x_h;
+        float* o = a.out + (t * a.H + h) * a.P;
+        for (int64_t q = 0; q < a.P; ++q) {
+          const float xv = xr[q * a.x_p];
+          o[q] = ssm_row(st + q * a.st_p, bv, cv, a.N, dt * xv, dt, nullptr, 0, decay) + dh * xv;
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+// Sizes of the structs, so mamba_kernels.py can check its ctypes mirrors match.
+int64_t llmhal_mamba_ops_args_size(int which) {
+  switch (which) {
+    case 0: return sizeof(ConvArgs);
+    case 1: return sizeof(SsmUpdateArgs);
+    case 2: return sizeof(ScanArgs);
+    case 3: return sizeof(SsdArgs);
+    default: return -1;
+  }
+}
+
+}  // extern "C"
