@@ -41,6 +41,9 @@ CORE_OPS: dict[str, str] = {
     "selective_scan_varlen": "llmhal.ops.mamba_ops:selective_scan_varlen",
     "selective_state_update": "llmhal.ops.mamba_ops:selective_state_update",
     "ssd_chunk_scan_varlen": "llmhal.ops.mamba_ops:ssd_chunk_scan_varlen",
+    # Linear attention with per-head decay (MiniMax): see llmhal.ops.linear_attn_ops.
+    "lightning_attn_prefill": "llmhal.ops.linear_attn_ops:lightning_attn_prefill",
+    "lightning_attn_decode": "llmhal.ops.linear_attn_ops:lightning_attn_decode",
 }
 
 
