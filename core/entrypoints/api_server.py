@@ -39,8 +39,8 @@ READ_TIMEOUT_S = 60.0
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 ROUTES = (
     "the routes are GET /health, /ping, /load, /v1/models, /metrics, /version, /openapi.json, "
-    "/docs and POST /v1/completions, /v1/chat/completions, /v1/embeddings, /pooling, /score, "
-    "/tokenize, /detokenize"
+    "/docs and POST /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, "
+    "/pooling, /score, /tokenize, /detokenize; GET, DELETE /v1/responses/{id}"
 )
 _PHRASES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found",
             405: "method_not_allowed", 408: "request_timeout", 413: "payload_too_large",
@@ -359,6 +359,9 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
     from llmhal.entrypoints.pooling_api import add_pooling_routes
 
     add_pooling_routes(app, state)  # /v1/embeddings, /pooling, /score
+    from llmhal.entrypoints.api_responses import add_responses_routes
+
+    add_responses_routes(app, state)  # /v1/responses
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -386,11 +389,13 @@ def _abort(state: ServerState, plan: gen.Plan) -> None:
 
 
 class _EventStream(Response):
-    """A streamed answer: server-sent events written as they come, the client watched."""
+    """A streamed answer: server-sent events written as they come, the client watched.
+    ``events(gone)`` makes them (chat and completions' chunks by default; /v1/responses' own)."""
 
-    def __init__(self, state: ServerState, plan: gen.Plan) -> None:
+    def __init__(self, state: ServerState, plan: gen.Plan, events: Any = None) -> None:
         super().__init__(media_type="text/event-stream")
         self.state, self.plan = state, plan
+        self.events = events or (lambda gone: gen.stream_events(state, plan, gone))
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         state, plan = self.state, self.plan
@@ -398,7 +403,7 @@ class _EventStream(Response):
             (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
         ]})  # fmt: skip
         gone = asyncio.ensure_future(gen.wait_disconnect(receive))
-        events = gen.stream_events(state, plan, gone)
+        events = self.events(gone)
         state.in_flight += 1
         try:
             async for data in events:
