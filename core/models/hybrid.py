@@ -20,10 +20,12 @@ from torch import Tensor, nn
 
 from llmhal.attention.layer import Attention
 from llmhal.config import get_current_config
+from llmhal.layers.fused_moe import FusedMoE
 from llmhal.layers.layernorm import RMSNorm
 from llmhal.layers.linear import QKVLinear, ReplicatedLinear
 from llmhal.layers.rotary_embedding import RotaryEmbedding, get_rope_from_hf_config
 from llmhal.layers.vocab_embedding import ParallelLMHead, VocabEmbedding
+from llmhal.models.moe import _ExpertLoader as ExpertLoader
 from llmhal.models.utils import LLAMA_STACKED, StackedParam, load_weights_by_name
 
 
@@ -147,7 +149,16 @@ class HybridForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         ignored = ("lm_head.",) if self.tie_word_embeddings else ()
-        renamed = (
+        stream = (
             (new, t) for n, t in weights if (new := self.rename_checkpoint_tensor(n)) is not None
         )
-        return load_weights_by_name(self, renamed, stacked=self.stacked, ignored_prefixes=ignored)
+        if not any(isinstance(m, FusedMoE) for m in self.modules()):
+            return load_weights_by_name(
+                self, stream, stacked=self.stacked, ignored_prefixes=ignored
+            )
+        # Expert tensors (per expert, or stacked) go to the FusedMoE layers as in the MoE models.
+        experts = ExpertLoader(self)
+        loaded = load_weights_by_name(
+            self, experts.split(stream), stacked=self.stacked, ignored_prefixes=ignored
+        )
+        return loaded | experts.finish()

@@ -23,6 +23,7 @@ _BUILTIN: dict[str, str] = {
     "Qwen2MoeForCausalLM": "llmhal.models.qwen2_moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "llmhal.models.qwen3_moe:Qwen3MoeForCausalLM",
     "Lfm2ForCausalLM": "llmhal.models.lfm2:Lfm2ForCausalLM",
+    "MiniMaxForCausalLM": "llmhal.models.minimax:MiniMaxForCausalLM",
 }
 
 
