@@ -230,9 +230,9 @@ def build_engine(args: EngineArgs) -> tuple[Any, LoadReport]:
 def _build(
     args: EngineArgs, platform: Any, source: Any, progress: LoadProgress, t0: float
 ) -> tuple[Any, LoadReport]:
-    from llmhal.engine.kv_cache_manager import KVCacheManager
     from llmhal.engine.llm_engine import LLMEngine
     from llmhal.engine.model_runner import ModelRunner
+    from llmhal.engine.state_cache import make_cache_manager
     from llmhal.model_loader.checkpoint import open_checkpoint
     from llmhal.model_loader.source import GGUF
     from llmhal.models.registry import ModelRegistry
@@ -312,27 +312,23 @@ def _build(
     budget = config.cache.kv_cache_memory_bytes
     if budget is None:
         budget = platform.kv_cache_memory_budget(weight_bytes)
-    per_block = runner.kv_cache_bytes_per_block()
-    num_blocks = budget // per_block
+    num_blocks = runner.blocks_fitting(budget)  # beside the recurrent layers' states, if any
     if num_blocks < 1:
         raise ValueError(
-            f"The KV-cache budget ({budget} bytes) is smaller than one block ({per_block} bytes for "
+            f"The KV-cache budget ({budget} bytes) is smaller than one block "
+            f"({runner.kv_cache_bytes_per_block()} bytes for "
             f"block_size={config.cache.block_size}); raise kv_cache_memory_bytes."
         )
     config.cache.num_blocks = int(num_blocks)
     progress.stage("KV cache")
     kv_bytes = runner.allocate_kv_cache(int(num_blocks))
-    engine = LLMEngine(
-        config,
-        model,
-        tokenizer,
-        platform,
-        runner,
-        KVCacheManager(
-            int(num_blocks), config.cache.block_size, config.cache.enable_prefix_caching
-        ),
-        speculator,
-    )
+    kv = make_cache_manager(
+        int(num_blocks), config.cache.block_size, runner.num_state_slots,
+        config.cache.enable_prefix_caching,
+    )  # fmt: skip
+    runner.state_cache = kv  # the runner asks it for each request's state slot
+    _log_concurrency(config, runner)
+    engine = LLMEngine(config, model, tokenizer, platform, runner, kv, speculator)
     progress.stage("warming up")
     engine.warmup()
     report = LoadReport(
@@ -361,10 +357,41 @@ def _check_prefix_caching(config: EngineConfig, runner: Any) -> None:
     """Prefix caching skips computing cached tokens, which is only sound where a token's state is
     its own KV rows; a recurrent layer (Mamba, linear attention, ...) carries state across every
     token, so such a model runs without it, as in vLLM."""
-    kinds = {layer.requirements.kind for layer in runner.layers} - {"mha", "mla"}
+    layers = [*runner.layers, *getattr(runner, "state_layers", [])]
+    kinds = {layer.requirements.kind for layer in layers} - {"mha", "mla"}
     if config.cache.enable_prefix_caching and kinds:
-        logger.info("Prefix caching is off: the model has %s layers", ", ".join(sorted(kinds)))
+        logger.info(
+            "Prefix caching is off: the model has %s layers, whose state after a prefix is not "
+            "kept (only keys and values are cached per block)",
+            ", ".join(sorted(kinds)),
+        )
         config.cache.enable_prefix_caching = False
+    if kinds and config.speculative_config is not None:
+        # Verifying drafts advances a recurrent state over tokens that may be rejected, and a
+        # state cannot be rolled back.
+        raise ValueError(
+            f"Speculative decoding is not supported for models with {', '.join(sorted(kinds))} "
+            "layers (their state cannot be rolled back past rejected drafts); drop "
+            "speculative_config"
+        )
+
+
+def _log_concurrency(config: EngineConfig, runner: Any) -> None:
+    """How many sequences fit at once: the state slots (recurrent layers) and the KV blocks
+    (attention layers) at the full context length, whichever is fewer; at most max_num_seqs."""
+    limits = [config.scheduler.max_num_seqs]
+    why = [f"max_num_seqs={limits[0]}"]
+    if getattr(runner, "state_layers", None):
+        limits.append(runner.num_state_slots)
+        why.append(f"{runner.num_state_slots} state slots")
+    if runner.layers:
+        per_seq = -(-config.model.max_model_len // config.cache.block_size)
+        limits.append(config.cache.num_blocks // per_seq)
+        why.append(f"{config.cache.num_blocks} KV blocks hold {limits[-1]} full contexts")
+    logger.info(
+        "Maximum concurrency for %d-token requests: %d sequences (%s)",
+        config.model.max_model_len, min(limits), ", ".join(why),
+    )  # fmt: skip
 
 
 def _warn_slow_paths(runner: Any, platform: Any) -> None:

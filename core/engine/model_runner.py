@@ -10,6 +10,7 @@ prompt positions of requests that asked for prompt log-probabilities.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,14 +18,19 @@ from torch import nn
 from llmhal.attention.backend import AttentionMetadataBuilder
 from llmhal.attention.batch import build_common_metadata
 from llmhal.attention.layer import Attention
+from llmhal.attention.state import RecurrentLayer, check_explicit_choice, recurrent_layers
 from llmhal.config import EngineConfig
 from llmhal.engine.decode_graphs import DecodeGraphs
 from llmhal.engine.outputs import Logprob
 from llmhal.engine.request import Request
 from llmhal.engine.sampler import logprob_entries
 from llmhal.engine.scheduler import ScheduledBatch
+from llmhal.engine.state_cache import plan_caches
 from llmhal.forward_context import ForwardContext, set_forward_context
+from llmhal.logger import init_logger
 from llmhal.platforms import Platform, get_current_platform
+
+logger = init_logger(__name__)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -53,12 +59,21 @@ class ModelRunner:
         self.device = device
         self.block_size = config.cache.block_size
         self.layers = [m for m in model.modules() if isinstance(m, Attention)]
-        if not self.layers:
+        # Layers with a per-request state (llmhal.attention.state); the engine's StateCacheManager
+        # (state_cache) gives each running request its slot in them.
+        self.state_layers: list[RecurrentLayer] = recurrent_layers(model)
+        self.state_cache: Any = None
+        self.num_state_slots = 0
+        if not self.layers and not self.state_layers:
             raise ValueError(
-                f"{type(model).__name__} has no llmhal Attention layers; cannot allocate a KV cache"
+                f"{type(model).__name__} has neither llmhal Attention layers nor recurrent layers; "
+                "cannot allocate a cache"
             )
+        if self.state_layers:
+            selections = [m.selection for m in [*self.layers, *self.state_layers]]
+            check_explicit_choice(selections, config.attention_backend)
         self.builders: dict[str, AttentionMetadataBuilder] = {}
-        for layer in self.layers:
+        for layer in [*self.layers, *self.state_layers]:
             name = layer.backend.name
             if name not in self.builders:
                 self.builders[name] = layer.backend.get_builder_cls()(layer.requirements, device)
@@ -70,6 +85,14 @@ class ModelRunner:
         from embeddings (see :mod:`llmhal.engine.decode_graphs`); None: every step runs eagerly."""
         platform = get_current_platform()
         if self.config.model.enforce_eager or not platform.capabilities.graphs:
+            return None
+        if self.state_layers:
+            # A replay would need the step's state slots in a static buffer too; not recorded yet.
+            logger.info(
+                "Decode-step graphs are off: the model has recurrent layers (%s), whose state "
+                "slots the recorded steps do not carry; decodes run eagerly",
+                ", ".join(sorted({m.kind for m in self.state_layers})),
+            )
             return None
         if type(platform).capture_step_graph is Platform.capture_step_graph:
             return None  # the capability is declared, the recorder not (yet) implemented
@@ -102,9 +125,39 @@ class ModelRunner:
             total += math.prod(shape) * dtype.itemsize
         return total
 
-    def allocate_kv_cache(self, num_blocks: int) -> int:
-        """Give every attention layer its cache tensor; returns the bytes allocated."""
+    def blocks_fitting(self, budget: int) -> int:
+        """The KV blocks ``budget`` bytes hold beside the recurrent layers' states; the state
+        slots planned with them (:func:`llmhal.engine.state_cache.plan_caches`) are allocated by
+        :meth:`allocate_kv_cache` and kept in ``num_state_slots``."""
+        sched = self.config.scheduler
+        plan = plan_caches(
+            budget, self.kv_cache_bytes_per_block(), self.state_bytes_per_slot(),
+            sched.max_num_seqs, self.config.model.max_model_len, self.block_size,
+        )  # fmt: skip
+        self.num_state_slots = plan.num_slots
+        return plan.num_blocks
+
+    def state_bytes_per_slot(self) -> int:
+        """Bytes of recurrent state one request takes (every recurrent layer's specs)."""
+        return sum(spec.nbytes for m in self.state_layers for spec in m.state_specs())
+
+    def allocate_state_cache(self, num_slots: int) -> int:
+        """Give every recurrent layer its state tensors ([num_slots, *spec.shape] each); returns
+        the bytes allocated."""
         total = 0
+        for m in self.state_layers:
+            m.states = tuple(
+                _zeros((num_slots, *spec.shape), spec.dtype, self.device)
+                for spec in m.state_specs()
+            )
+            total += sum(t.numel() * t.element_size() for t in m.states)
+        return total
+
+    def allocate_kv_cache(self, num_blocks: int) -> int:
+        """Give every attention layer its cache tensor, and every recurrent layer its states
+        (``num_state_slots`` of them, planned by :meth:`blocks_fitting`); returns the bytes
+        allocated."""
+        total = self.allocate_state_cache(self.num_state_slots) if self.state_layers else 0
         for layer in self.layers:
             shape, dtype = self._layer_cache_spec(layer, num_blocks)
             layer.kv_cache = _zeros(shape, dtype, self.device)
@@ -158,6 +211,9 @@ class ModelRunner:
                 sample_rows.extend(range(offset - 1 - (start + n - known), offset))
                 sample_reqs.append(req)
         common = build_common_metadata(query_lens, computed, tables, self.block_size, self.device)
+        if self.state_layers:
+            slots = [self.state_cache.slot_of(req) for req, _ in batch.items]
+            common.state_indices = torch.tensor(slots, dtype=torch.int32, device=self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         ctx = ForwardContext(common, {name: b.build(common) for name, b in self.builders.items()})
         with set_forward_context(ctx):

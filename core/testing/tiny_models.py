@@ -26,6 +26,8 @@ _CORPUS = [
 ARCHS = ("llama", "llama_untied", "mistral", "qwen2", "qwen3")
 # Models with recurrent layers (state cache): their configs differ from the Llama family's.
 STATE_ARCHS = ("lfm2", "minimax", "bamba")
+# Pure state-space models (no attention layer at all).
+MAMBA_ARCHS = ("mamba", "falcon_mamba", "mamba2")
 
 
 def make_tokenizer(vocab_size: int = TINY_VOCAB) -> Any:
@@ -84,8 +86,12 @@ def tiny_config(arch: str, vocab_size: int = TINY_VOCAB, **overrides: Any) -> An
     elif arch in STATE_ARCHS:
         cls, extra = _state_arch_config(arch)
         common.update(extra)
+    elif arch in MAMBA_ARCHS:
+        cls, extra = _mamba_config(arch)
+        common.update(extra)
     else:
-        raise ValueError(f"unknown tiny arch {arch!r}; known: {', '.join(ARCHS + STATE_ARCHS)}")
+        known = ", ".join(ARCHS + STATE_ARCHS + MAMBA_ARCHS)
+        raise ValueError(f"unknown tiny arch {arch!r}; known: {known}")
     common.update(overrides)
     return cls(**common)
 
@@ -113,6 +119,19 @@ def _state_arch_config(arch: str) -> tuple[Any, dict[str, Any]]:
     mamba = dict(mamba_n_heads=8, mamba_d_state=16, mamba_chunk_size=16, mamba_d_conv=4)
     extra = dict(num_hidden_layers=3, attn_layer_indices=[1], tie_word_embeddings=False)
     return transformers.BambaConfig, dict(**extra, **mamba)
+
+
+def _mamba_config(arch: str) -> tuple[Any, dict[str, Any]]:
+    """Mamba-1 / FalconMamba / Mamba-2 settings: 2 layers of width 64, inner width 128, 16 state
+    channels; Mamba-2 with 8 heads of 16 in 2 groups and 16-token SSD chunks (a 17+ token prompt
+    crosses a chunk)."""
+    import transformers
+
+    if arch == "mamba2":
+        extra = dict(num_heads=8, head_dim=16, n_groups=2, state_size=16, chunk_size=16)
+        return transformers.Mamba2Config, dict(expand=2, conv_kernel=4, **extra)
+    cls = transformers.FalconMambaConfig if arch == "falcon_mamba" else transformers.MambaConfig
+    return cls, dict(expand=2, conv_kernel=4, state_size=16, time_step_rank=8)
 
 
 def make_tiny_model(
