@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmhal.engine.outputs import RequestOutput
 from llmhal.engine.sampling_params import SamplingParams
+from llmhal.engine.scheduler import check_priority
 from llmhal.logger import init_logger
 
 if TYPE_CHECKING:  # pragma: no cover  (the engine imports torch; `llmhal serve --help` need not)
@@ -52,16 +53,20 @@ class EngineLoop:
         self._thread.start()
 
     def submit(
-        self, requests: list[tuple[str | dict[str, Any], SamplingParams]], sink: Any = None
+        self,
+        requests: list[tuple[str | dict[str, Any], SamplingParams]],
+        sink: Any = None,
+        priority: int = 0,
     ) -> tuple[list[str], Any]:
         """Validate every (prompt, params) and enqueue them together; raises ValueError/TypeError
         for bad input (then nothing was added). Returns the request ids, in order, and the queue
         of their updates: ``sink`` when given (any object with a non-blocking ``put``, called on
         the loop's thread: an asyncio server hands the updates to its event loop), else a new
-        ``queue.Queue``."""
+        ``queue.Queue``. ``priority``: every request's (the engine's priority policy)."""
         if not requests:
             raise ValueError("no prompts were given")
         engine = self.engine
+        check_priority(priority, engine.scheduler.policy)
         # Prepared here, on the caller's thread and outside the lock the loop holds while it
         # steps: tokenizing and compiling grammars must not stall everyone's decoding.
         arrival = time.monotonic()
@@ -75,7 +80,7 @@ class EngineLoop:
                 raise EngineStopped(self._stop_reason)
             rids = [f"req-{next(self._ids)}" for _ in prepared]
             for i, (rid, prep) in enumerate(zip(rids, prepared, strict=True)):
-                engine.add_request(prep, request_id=rid)
+                engine.add_request(prep, request_id=rid, priority=priority)
                 self._routes[rid] = (group, i)
             self._cv.notify()
         return rids, q

@@ -10,6 +10,7 @@ from llmhal.engine.builder import EngineArgs, build_engine
 from llmhal.engine.chat import normalize_chat_messages
 from llmhal.engine.outputs import RequestOutput
 from llmhal.engine.sampling_params import SamplingParams
+from llmhal.engine.scheduler import POLICIES, check_priority
 
 Prompt = str | dict[str, Any]
 
@@ -38,6 +39,9 @@ class LLM:
     :meth:`score` pool. ``io_processor_plugin`` names an IO processor (a
     ``vllm.io_processor_plugins`` entry point or a built-in, see :mod:`llmhal.pooling.io_processor`)
     that ``encode({"data": ...})`` and the server's ``/pooling`` with ``data`` go through.
+    ``scheduling_policy`` (vLLM's): ``"fcfs"`` (default) runs requests by arrival;
+    ``"priority"`` by each request's priority (``generate(priority=[...])``, lower first, ties by
+    arrival), preempting the lowest when the KV cache runs out.
 
     Of vLLM's other engine arguments, ``trust_remote_code`` and ``disable_log_stats`` are accepted
     and change nothing (llmhal never runs a checkpoint's own code, and logs no per-step stats), and
@@ -68,6 +72,7 @@ class LLM:
         speculative_config: dict[str, Any] | None = None,
         pooler_config: Any = None,
         io_processor_plugin: str | None = None,
+        scheduling_policy: str = "fcfs",
         trust_remote_code: bool = False,
         disable_log_stats: bool = True,
         tensor_parallel_size: int = 1,
@@ -86,6 +91,8 @@ class LLM:
         from llmhal.pooling.params import PoolerConfig
 
         pooling = PoolerConfig.parse(pooler_config)  # checked before the model loads
+        if scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy {scheduling_policy!r} is not one of {', '.join(POLICIES)} (vLLM's)")  # fmt: skip
         if io_processor_plugin is not None:
             from llmhal.pooling.io_processor import find_io_processor
 
@@ -101,6 +108,7 @@ class LLM:
         )  # fmt: skip
         self.engine, self.load_report = build_engine(args)
         self.engine.pooler_config = pooling
+        self.engine.scheduler.set_policy(scheduling_policy)
         from llmhal.pooling.io_processor import load_io_processor
 
         # Process 0 only (vLLM's rule): this process owns the requests.
@@ -133,13 +141,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool | Callable[..., Any] = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
         Every prompt is validated before any work starts, so a bad one (e.g. longer than the model's
         context) raises without side effects and the LLM stays usable. ``use_tqdm`` (vLLM's): a
         progress bar of finished prompts on stderr, when it is a terminal; a callable is used as
-        the tqdm class; False hides it.
+        the tqdm class; False hides it. ``priority`` (vLLM's): one integer per prompt, lower
+        first, with ``LLM(scheduling_policy="priority")``.
         """
         if isinstance(prompts, str | dict):
             prompts = [prompts]
@@ -150,7 +160,12 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         engine = self.engine
+        for p in priorities:
+            check_priority(p, engine.scheduler.policy)
         # n > 1: n requests of one completion each (vLLM's parallel sampling), joined below. Every
         # child's parameters are built (and so checked) before any request is added.
         children = [p.children() for p in params]
@@ -166,7 +181,7 @@ class LLM:
             prepared.append([engine.prepare_request(inp, c) for c in kids])
         for prep in (p for g in prepared for p in g):  # compiled together, on the manager's threads
             prep.wait_for_grammar()
-        groups = [[engine.add_request(prep) for prep in g] for g in prepared]
+        groups = [[engine.add_request(prep, priority=p) for prep in g] for g, p in zip(prepared, priorities, strict=True)]  # fmt: skip
         owner = {rid: gi for gi, g in enumerate(groups) for rid in g}
         left = [len(g) for g in groups]  # completions each prompt still waits for
         final: dict[str, RequestOutput] = {}

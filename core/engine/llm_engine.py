@@ -23,7 +23,7 @@ from llmhal.engine.outputs import Logprob, RequestMetrics, RequestOutput
 from llmhal.engine.request import Request, RequestStatus, TokenView
 from llmhal.engine.sampler import Sampler
 from llmhal.engine.sampling_params import SamplingParams
-from llmhal.engine.scheduler import Scheduler
+from llmhal.engine.scheduler import Scheduler, check_priority
 from llmhal.engine.stat_loggers import (
     FinishedRequestStats,
     IterationStats,
@@ -123,6 +123,7 @@ class LLMEngine:
         self.sampler = Sampler(torch.Generator().manual_seed(config.model.seed))
         self.stats = EngineStats()
         self._ids = itertools.count()
+        self._arrivals = itertools.count()  # ties of equal priority go by this
         self._requests: dict[str, Request] = {}
         self.eos_token_ids = self._eos_ids()
         self.stat_loggers = load_stat_loggers(config)
@@ -310,8 +311,11 @@ class LLMEngine:
         prompt: str | dict[str, Any] | PreparedRequest,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> str:
-        """Queue a request: a prompt with its params, or one :meth:`prepare_request` made."""
+        """Queue a request: a prompt with its params, or one :meth:`prepare_request` made.
+        ``priority`` (vLLM's; lower runs first) needs the scheduler's ``priority`` policy."""
+        check_priority(priority, self.scheduler.policy)
         if isinstance(prompt, PreparedRequest):
             if params is not None:
                 raise ValueError("a prepared request carries its own SamplingParams")
@@ -346,6 +350,8 @@ class LLMEngine:
             bad_words_token_ids=prep.bad_words_token_ids,
             metrics=RequestMetrics(prep.arrival_time),
             cache_salt=prep.cache_salt,
+            priority=priority,
+            arrival_index=next(self._arrivals),
         )
         if prep.pooling is not None:
             from llmhal.pooling.pooler import PoolingState

@@ -111,6 +111,9 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     # A pooling request's llmhal.pooling.pooler.PoolingState: prefilled only, never sampled.
     pooling: Any = None
+    # The scheduler's order under its priority policy: priority (lower first), then arrival.
+    priority: int = 0
+    arrival_index: int = 0
     _emitted_chars: int = 0
 
     @property

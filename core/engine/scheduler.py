@@ -12,16 +12,38 @@ scheduled for the rest only (a preempted one usually finds most of its own block
 A request much of whose uncached prompt another running request is computing waits until it is
 cached instead of computing it again (keeping its place in line while later requests go ahead), so
 a burst of requests sharing a system prompt computes that prompt once.
+
+Two policies, vLLM's: ``fcfs`` (the default) queues by arrival, as above. ``priority`` queues by
+each request's ``priority`` (lower first), ties by arrival, a preempted request going back to its
+place by the same order; and the request that gives way when blocks run out is the running one
+with the highest value (lowest priority), latest arrival among equals, even if it was already
+scheduled in this step.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmhal.engine.kv_cache_manager import KVCacheManager
 from llmhal.engine.request import Request, RequestStatus
 from llmhal.logger import init_logger
+
+POLICIES = ("fcfs", "priority")
+
+
+def check_priority(priority: Any, policy: str) -> None:
+    """vLLM's rule: a request's priority other than 0 needs the ``priority`` scheduling policy."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    if priority != 0 and policy != "priority":
+        raise ValueError(
+            f"priority={priority}: priority scheduling is not enabled (the engine schedules first "
+            "come, first served, vLLM's fcfs policy); start it with scheduling_policy='priority' "
+            "(llmhal serve --scheduling-policy priority), or send priority 0"
+        )
+
 
 logger = init_logger(__name__)
 
@@ -56,10 +78,34 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.policy = "fcfs"
+
+    def set_policy(self, policy: str) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling_policy {policy!r} is not one of {', '.join(POLICIES)} (vLLM's)")  # fmt: skip
+        if self.has_unfinished():
+            raise ValueError("the scheduling policy changes only while no request is queued")
+        self.policy = policy
+
+    @staticmethod
+    def _order(req: Request) -> tuple[int, int]:
+        return (req.priority, req.arrival_index)
+
+    def _queue(self, request: Request) -> None:
+        """Into the waiting queue at its place: by (priority, arrival) under ``priority``."""
+        key = self._order(request)
+        for i, other in enumerate(self.waiting):
+            if self._order(other) > key:
+                self.waiting.insert(i, request)
+                return
+        self.waiting.append(request)
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        if self.policy == "priority":
+            self._queue(request)
+        else:
+            self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -71,7 +117,10 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         victim.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(victim)
+        if self.policy == "priority":
+            self._queue(victim)
+        else:
+            self.waiting.appendleft(victim)
         logger.debug("Preempted request %s (KV cache full)", victim.request_id)
 
     def schedule(self) -> ScheduledBatch:
@@ -92,8 +141,11 @@ class Scheduler:
             # Speculative drafts are verified after the last token, as far as the budget goes.
             del req.spec_token_ids[max(0, n - known) :]
             while not self.kv.allocate(req, n):
-                # The most recently admitted request not scheduled in this step gives way.
-                victim = next(r for r in reversed(self.running) if id(r) not in scheduled)
+                victim = self._victim(scheduled)
+                if id(victim) in scheduled:  # priority: a lower one scheduled earlier gives way
+                    scheduled.discard(id(victim))
+                    budget += next(k for r, k in batch.items if r is victim)
+                    batch.items = [(r, k) for r, k in batch.items if r is not victim]
                 self.running.remove(victim)
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -137,6 +189,12 @@ class Scheduler:
         # Backends expect decodes first; a stable sort keeps arrival order within each group.
         batch.items.sort(key=lambda item: item[1] != 1)
         return batch
+
+    def _victim(self, scheduled: set[int]) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=self._order)
+        # The most recently admitted request not scheduled in this step gives way.
+        return next(r for r in reversed(self.running) if id(r) not in scheduled)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status

@@ -11,7 +11,8 @@ vLLM's request extras handled here: ``truncate_prompt_tokens`` (the prompt's las
 ``add_generation_prompt``, ``continue_final_message`` (and ``chat_template`` with
 ``--trust-request-chat-template``), chat ``echo`` (the last message, when it has the answer's role,
 before each choice's content), ``return_token_ids``, ``prompt_logprobs`` (in full answers),
-``return_tokens_as_token_ids``, ``request_id`` and ``stream_options.continuous_usage_stats``.
+``return_tokens_as_token_ids``, ``request_id``, ``stream_options.continuous_usage_stats`` and
+``priority`` (with ``--scheduling-policy priority``; else a 400 for any but 0).
 ``max_tokens`` past the context is a 400 naming both numbers (vLLM's rule), and a prompt is
 measured in characters before it is tokenized, so an enormous one costs milliseconds.
 """
@@ -107,11 +108,6 @@ def _refuse_unsupported(req: Any, chat: bool, state: Any) -> None:
         raise api.BadRequest("suffix is not currently supported (as in vLLM); leave it out")
     if req.use_beam_search:
         raise api.BadRequest("use_beam_search is not supported by llmhal; leave it out or false")
-    if req.priority != 0:
-        raise api.BadRequest(
-            f"priority={req.priority}: priority scheduling is not enabled (llmhal schedules "
-            "first come, first served, vLLM's fcfs policy); send priority 0 or leave it out"
-        )
     if chat and req.chat_template is not None and not state.trust_request_chat_template:
         raise api.BadRequest(
             "chat_template in a request needs `llmhal serve --trust-request-chat-template` "
@@ -231,7 +227,7 @@ def prepare(state: Any, body: dict[str, Any], chat: bool, sink: Sink, request_id
             role = "assistant" if req.add_generation_prompt else last.get("role")
             echo_prefix = _text(last.get("content")) if last.get("role") == role else ""
     # Submitted last: nothing after this can fail and leave the requests running for nobody.
-    rids, _ = state.loop.submit(api.choices(api.salted(prompts, body), params), sink)
+    rids, _ = state.loop.submit(api.choices(api.salted(prompts, body), params), sink, req.priority)
     return Plan(
         chat=chat, body=body, req=req, params=params, rids=rids, sink=sink,
         include_usage=include_usage, continuous_usage=include_usage and continuous,

@@ -63,7 +63,9 @@ class _Sampling(OpenAIBaseModel):
     length_penalty: float = Field(1.0, description="accepted, ignored (beam search only)")
     # vLLM's other extras
     structured_outputs: dict[str, Any] | None = None
-    priority: int = Field(0, **_INT64, description="only 0 (llmhal schedules first come)")
+    priority: int = Field(
+        0, **_INT64, description="lower runs first; needs --scheduling-policy priority"
+    )
     request_id: str | None = Field(None, description="the response id's suffix")
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     return_tokens_as_token_ids: bool | None = None

@@ -92,6 +92,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="the IO processor /pooling requests with 'data' go through: a "
         "vllm.io_processor_plugins entry point or the built-in similarity_ranking",
     )
+    p.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="fcfs (default): requests run by arrival; priority: by each request's 'priority' "
+        "(lower first, ties by arrival; the lowest is preempted first when the KV cache is full)",
+    )
 
 
 def _structured_outputs_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -126,6 +133,7 @@ def build_llm(prog: str, args: argparse.Namespace, **extra: Any) -> LLM | None:
             speculative_config=None if spec is None else parse_cli_value(spec),
             pooler_config=getattr(args, "pooler_config", None),
             io_processor_plugin=getattr(args, "io_processor_plugin", None),
+            scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
             **extra,
         )  # fmt: skip
     except (
