@@ -46,6 +46,9 @@ ssm_states, query_start_loc, cache_indices, has_initial_state) -> Tensor``
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -241,6 +244,25 @@ def _ssd_one(
     return torch.cat(ys, 0), h
 
 
+def _ssd_sequential_one(
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    h: torch.Tensor,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_ssd_one`'s result by the plain recurrence, one token at a time."""
+    y = torch.empty_like(x)
+    for t in range(x.shape[0]):
+        h = h * torch.exp(delta[t] * A)[:, None, None] + (
+            (delta[t][:, None] * x[t])[:, :, None] * B[t][:, None, :]
+        )
+        y[t] = torch.einsum("hpn,hn->hp", h, C[t])
+    return y, h
+
+
 def ssd_chunk_scan_varlen(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -256,6 +278,8 @@ def ssd_chunk_scan_varlen(
     query_start_loc: torch.Tensor,
     cache_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
+    *,
+    _one: Callable[..., tuple[torch.Tensor, torch.Tensor]] = _ssd_one,
 ) -> torch.Tensor:
     heads, groups = x.shape[1], B.shape[1]
     if heads % groups:
@@ -271,45 +295,14 @@ def ssd_chunk_scan_varlen(
     for i, (s, e) in enumerate(_spans(query_start_loc)):
         h0 = _initial(ssm_states, slots[i], carried[i])
         if e > s:
-            y[s:e], h0 = _ssd_one(xf[s:e], delta[s:e], Af, Bh[s:e], Ch[s:e], h0, chunk_size)
+            y[s:e], h0 = _one(xf[s:e], delta[s:e], Af, Bh[s:e], Ch[s:e], h0, chunk_size)
         ssm_states[slots[i]] = h0
     if D is not None:
         y += xf * D.float()[:, None]
     return y.to(x.dtype)
 
 
-def ssd_sequential_scan(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    dt_softplus: bool,
-    dt_limit: tuple[float, float],
-    ssm_states: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    cache_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-) -> torch.Tensor:
-    """:func:`ssd_chunk_scan_varlen`'s result by the plain recurrence, one token at a time (the
-    definition the chunked algorithm is tested against; slow)."""
-    heads, groups = x.shape[1], B.shape[1]
-    delta = _dt(dt, dt_bias, dt_softplus, dt_limit)
-    xf, Af = x.float(), A.float()
-    Bh = B.float().repeat_interleave(heads // groups, 1)
-    Ch = C.float().repeat_interleave(heads // groups, 1)
-    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    slots, carried = cache_indices.tolist(), has_initial_state.tolist()
-    for i, (s, e) in enumerate(_spans(query_start_loc)):
-        h = _initial(ssm_states, slots[i], carried[i])  # [H, P, N]
-        for t in range(s, e):
-            h = h * torch.exp(delta[t] * Af)[:, None, None] + (
-                (delta[t][:, None] * xf[t])[:, :, None] * Bh[t][:, None, :]
-            )
-            y[t] = torch.einsum("hpn,hn->hp", h, Ch[t])
-        ssm_states[slots[i]] = h
-    if D is not None:
-        y += xf * D.float()[:, None]
-    return y.to(x.dtype)
+def ssd_sequential_scan(*args: Any) -> torch.Tensor:
+    """:func:`ssd_chunk_scan_varlen` (same arguments; ``chunk_size`` is checked, then unused) by the plain
+    recurrence, one token at a time: the definition the chunked algorithm is tested against."""
+    return ssd_chunk_scan_varlen(*args, _one=_ssd_sequential_one)

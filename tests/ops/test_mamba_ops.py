@@ -201,7 +201,7 @@ def test_ssd_chunked_equals_sequential_scan(chunk_size, groups):
     args = (x, dt, A, B, C)
     rest = (D, bias, True, (0.0, 1.5))
     y = M.ssd_chunk_scan_varlen(*args, chunk_size, *rest, states, _qsl(lengths), slots, carried)
-    ref = M.ssd_sequential_scan(*args, *rest, seq_states, _qsl(lengths), slots, carried)
+    ref = M.ssd_sequential_scan(*args, 1, *rest, seq_states, _qsl(lengths), slots, carried)
     torch.testing.assert_close(y, ref, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(states, seq_states, atol=2e-5, rtol=1e-4)
     # The empty request with a carried state kept it; the slots no request names are untouched.
