@@ -3,7 +3,8 @@
 Sources, later ones overriding earlier ones of the same name:
 
 1. core's hardware-neutral backends (``flex_attention``, ``triton_attn``, ``tree_attn``, ``reference``,
-   and the recurrent kinds' ``mamba1_attn``, ``mamba2_attn``, ...);
+   the MLA ones ``torch_mla`` and ``reference_mla``, and the recurrent kinds' ``mamba1_attn``,
+   ``mamba2_attn``, ...);
 2. every installed platform's declared backends (the active platform's are usable; an inactive one's
    are listed so errors and ``llmhal doctor`` can say which platform provides them);
 3. :func:`register_attention_backend`, for out-of-tree code.
@@ -28,6 +29,9 @@ CORE_BACKENDS: dict[str, tuple[str, str]] = {
     "triton_attn": ("llmhal.attention.triton_attn:TritonAttentionBackend", "mha"),
     "tree_attn": ("llmhal.attention.tree_attn:TreeAttentionBackend", "tree"),
     "reference": ("llmhal.attention.reference:ReferenceAttentionBackend", "mha"),
+    # MLA (DeepSeek), latent KV cache: the batched one first, the one an unranked platform picks.
+    "torch_mla": ("llmhal.attention.mla.torch_mla:TorchMLABackend", "mla"),
+    "reference_mla": ("llmhal.attention.mla.reference:ReferenceMLABackend", "mla"),
     # Recurrent kinds (see llmhal.attention.state): metadata builders for state-keeping layers.
     "mamba1_attn": ("llmhal.attention.mamba1_attn:Mamba1AttentionBackend", "mamba1"),
     "mamba2_attn": ("llmhal.attention.mamba2_attn:Mamba2AttentionBackend", "mamba2"),

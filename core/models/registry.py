@@ -22,6 +22,8 @@ _BUILTIN: dict[str, str] = {
     "MixtralForCausalLM": "llmhal.models.mixtral:MixtralForCausalLM",
     "Qwen2MoeForCausalLM": "llmhal.models.qwen2_moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "llmhal.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "DeepseekV2ForCausalLM": "llmhal.models.deepseek_v2:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "llmhal.models.deepseek_v2:DeepseekV3ForCausalLM",
     "Mamba2ForCausalLM": "llmhal.models.mamba2:Mamba2ForCausalLM",
     "Lfm2ForCausalLM": "llmhal.models.lfm2:Lfm2ForCausalLM",
     "MiniMaxForCausalLM": "llmhal.models.minimax:MiniMaxForCausalLM",
