@@ -24,6 +24,7 @@ _BUILTIN: dict[str, str] = {
     "Qwen3MoeForCausalLM": "llmhal.models.qwen3_moe:Qwen3MoeForCausalLM",
     "DeepseekV2ForCausalLM": "llmhal.models.deepseek_v2:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "llmhal.models.deepseek_v2:DeepseekV3ForCausalLM",
+    "OlmoeForCausalLM": "llmhal.models.olmoe:OlmoeForCausalLM",
     "Mamba2ForCausalLM": "llmhal.models.mamba2:Mamba2ForCausalLM",
     "Lfm2ForCausalLM": "llmhal.models.lfm2:Lfm2ForCausalLM",
     "MiniMaxForCausalLM": "llmhal.models.minimax:MiniMaxForCausalLM",
