@@ -52,6 +52,10 @@ class EngineArgs:
     structured_outputs_reasoning_parser: str | None = None
     # vLLM's speculative_config dict (or a SpeculativeConfig); None: no speculative decoding.
     speculative_config: Any = None
+    # vLLM's names: ranks per pipeline stage, stages, and what runs the ranks (see llmhal.executor).
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -227,23 +231,30 @@ def build_engine(args: EngineArgs) -> tuple[Any, LoadReport]:
     return engine, report
 
 
-def _build(
-    args: EngineArgs, platform: Any, source: Any, progress: LoadProgress, t0: float
-) -> tuple[Any, LoadReport]:
-    from llmhal.engine.llm_engine import LLMEngine
-    from llmhal.engine.model_runner import ModelRunner
-    from llmhal.engine.state_cache import make_cache_manager
+def resolve_engine_config(
+    args: EngineArgs, platform: Any, source: Any
+) -> tuple[EngineConfig, Any, Any]:
+    """Everything decided before a weight loads: (config, the opened checkpoint, the model class).
+    Every rank of a parallel engine runs this on the same arguments and gets the same config."""
+    from llmhal.executor import resolve_parallel
     from llmhal.model_loader.checkpoint import open_checkpoint
     from llmhal.model_loader.source import GGUF
     from llmhal.models.registry import ModelRegistry
     from llmhal.quantization.resolve import resolve_quantization
 
-    progress.stage("config")
+    parallel = resolve_parallel(
+        args.tensor_parallel_size, args.pipeline_parallel_size, args.distributed_executor_backend
+    )
     ckpt = open_checkpoint(source)
     hf_config = ckpt.hf_config
     model_cls, arch = ModelRegistry.resolve_model_cls(
         getattr(hf_config, "architectures", None) or []
     )
+    if parallel.pipeline_parallel_size > 1 and not getattr(model_cls, "supports_pp", False):
+        raise ValueError(
+            f"{arch} does not split into pipeline stages; use pipeline_parallel_size=1 (tensor "
+            f"parallelism, tensor_parallel_size, may still apply)"
+        )
     dtype = resolve_dtype(args.dtype, hf_config, platform, source.kind == GGUF)
     quant_name, quant_config = resolve_quantization(
         ckpt.quant_method,
@@ -274,12 +285,56 @@ def _build(
         structured_outputs_backend=args.structured_outputs_backend,
         structured_outputs_reasoning_parser=args.structured_outputs_reasoning_parser,
         speculative_config=args.speculative_config,
+        parallel=parallel,
         extra=dict(args.extra),
     )  # fmt: skip
     # The platform may adjust the config (block size, cache dtype, ...): from here on every value
     # comes from `config`, not `args`, so the KV cache, its manager and the runner agree.
     platform.check_and_update_config(config)
-    device = config.device = config.device or platform.torch_device()
+    config.device = config.device or platform.torch_device()
+    return config, ckpt, model_cls
+
+
+def load_model(
+    config: EngineConfig, ckpt: Any, model_cls: Any, progress: LoadProgress | None = None
+) -> Any:
+    """Build this process's model (its shard, when distributed is initialized), load its weights
+    and return its :class:`~llmhal.engine.model_runner.ModelRunner` (``runner.model``)."""
+    from llmhal.engine.model_runner import ModelRunner
+
+    with set_current_config(config), torch.device(config.device):
+        model = model_cls(config.model.hf_config)
+    model.eval()
+    with set_current_config(config), torch.no_grad():
+        weights = ckpt.weights(progress)
+        if config.quant_config is not None:  # formats whose names need mapping (bitsandbytes)
+            weights = config.quant_config.map_checkpoint_weights(weights)
+        loaded = model.load_weights(weights)
+        _check_all_loaded(model, loaded)
+        if progress is not None:
+            progress.stage("preparing weights for the kernels")
+        process_weights_after_loading(model)
+    return ModelRunner(config, model, config.device)
+
+
+def kv_blocks_fitting(config: EngineConfig, runner: Any, platform: Any) -> int:
+    """KV-cache blocks this process's budget holds (``kv_cache_memory_bytes`` per rank, as in
+    vLLM, else the platform's budget after this rank's weights)."""
+    budget = config.cache.kv_cache_memory_bytes
+    if budget is None:
+        budget = platform.kv_cache_memory_budget(model_weight_bytes(runner.model))
+    return int(runner.blocks_fitting(budget))  # beside the recurrent layers' states, if any
+
+
+def _build(
+    args: EngineArgs, platform: Any, source: Any, progress: LoadProgress, t0: float
+) -> tuple[Any, LoadReport]:
+    from llmhal.engine.llm_engine import LLMEngine
+    from llmhal.engine.state_cache import make_cache_manager
+    from llmhal.executor import make_executor
+
+    progress.stage("config")
+    config, ckpt, model_cls = resolve_engine_config(args, platform, source)
     proposer = _make_proposer(config)  # its settings are checked before any weight loads
     platform.seed(args.seed)
     progress.stage("tokenizer")
@@ -287,53 +342,49 @@ def _build(
     config.extra.setdefault("generation_eos_token_ids", ckpt.generation_eos_token_ids())
     config.extra.setdefault("generation_defaults", ckpt.generation_defaults())
 
-    with set_current_config(config), torch.device(device):
-        model = model_cls(hf_config)
-    model.eval()
-    with set_current_config(config), torch.no_grad():
-        weights = ckpt.weights(progress)
-        if quant_config is not None:  # formats whose tensor names need mapping (bitsandbytes)
-            weights = quant_config.map_checkpoint_weights(weights)
-        loaded = model.load_weights(weights)
-        _check_all_loaded(model, loaded)
-        progress.stage("preparing weights for the kernels")
-        process_weights_after_loading(model)
+    executor = make_executor(config, args)
+    try:
+        # Other ranks (if any) start and load their shards while this process loads its own.
+        executor.initialize(lambda: load_model(config, ckpt, model_cls, progress))
+        runner = executor.runner
+        model = runner.model
+        _check_prefix_caching(config, runner)
+        _warn_slow_paths(runner, platform)
+        speculator = None
+        if proposer is not None:
+            from llmhal.spec_decode.speculator import Speculator
 
-    runner = ModelRunner(config, model, device)
-    _check_prefix_caching(config, runner)
-    _warn_slow_paths(runner, platform)
-    speculator = None
-    if proposer is not None:
-        from llmhal.spec_decode.speculator import Speculator
-
-        proposer.load_model(model)
-        speculator = Speculator(config.speculative_config, proposer, max_len)
-    weight_bytes = model_weight_bytes(model)
-    budget = config.cache.kv_cache_memory_bytes
-    if budget is None:
-        budget = platform.kv_cache_memory_budget(weight_bytes)
-    num_blocks = runner.blocks_fitting(budget)  # beside the recurrent layers' states, if any
-    if num_blocks < 1:
-        raise ValueError(
-            f"The KV-cache budget ({budget} bytes) is smaller than one block "
-            f"({runner.kv_cache_bytes_per_block()} bytes for "
-            f"block_size={config.cache.block_size}); raise kv_cache_memory_bytes."
-        )
-    config.cache.num_blocks = int(num_blocks)
-    progress.stage("KV cache")
-    kv_bytes = runner.allocate_kv_cache(int(num_blocks))
-    kv = make_cache_manager(
-        int(num_blocks), config.cache.block_size, runner.num_state_slots,
-        config.cache.enable_prefix_caching,
-    )  # fmt: skip
-    runner.state_cache = kv  # the runner asks it for each request's state slot
-    _log_concurrency(config, runner)
-    engine = LLMEngine(config, model, tokenizer, platform, runner, kv, speculator)
-    progress.stage("warming up")
-    engine.warmup()
+            proposer.load_model(model)
+            speculator = Speculator(config.speculative_config, proposer, config.model.max_model_len)
+        weight_bytes = model_weight_bytes(model)
+        num_blocks = executor.determine_num_blocks()  # the fewest any rank holds
+        if num_blocks < 1:
+            budget = config.cache.kv_cache_memory_bytes
+            if budget is None:
+                budget = platform.kv_cache_memory_budget(weight_bytes)
+            raise ValueError(
+                f"The KV-cache budget ({budget} bytes) is smaller than one block "
+                f"({runner.kv_cache_bytes_per_block()} bytes for "
+                f"block_size={config.cache.block_size}); raise kv_cache_memory_bytes."
+            )
+        config.cache.num_blocks = num_blocks
+        progress.stage("KV cache")
+        kv_bytes = executor.allocate(num_blocks)
+        kv = make_cache_manager(
+            num_blocks, config.cache.block_size, runner.num_state_slots,
+            config.cache.enable_prefix_caching, runner.reset_state_slot,
+        )  # fmt: skip
+        runner.state_cache = kv  # the runner asks it for each request's state slot
+        _log_concurrency(config, runner)
+        engine = LLMEngine(config, model, tokenizer, platform, executor, kv, speculator)
+        progress.stage("warming up")
+        engine.warmup()
+    except BaseException:
+        executor.shutdown()
+        raise
     report = LoadReport(
-        str(source.path), arch, dtype, quant_name, runner.attention_backends, weight_bytes, kv_bytes, int(num_blocks),
-        time.perf_counter() - t0,
+        str(source.path), config.model.architecture, config.model.dtype, config.model.quantization,
+        runner.attention_backends, weight_bytes, kv_bytes, num_blocks, time.perf_counter() - t0,
     )  # fmt: skip
     return engine, report
 

@@ -44,8 +44,12 @@ class LLM:
     arrival), preempting the lowest when the KV cache runs out.
 
     Of vLLM's other engine arguments, ``trust_remote_code`` and ``disable_log_stats`` are accepted
-    and change nothing (llmhal never runs a checkpoint's own code, and logs no per-step stats), and
-    ``tensor_parallel_size`` is accepted when it is 1. Any other keyword is a TypeError naming it:
+    and change nothing (llmhal never runs a checkpoint's own code, and logs no per-step stats).
+    ``tensor_parallel_size`` and ``pipeline_parallel_size`` split the model over that many ranks
+    (their product), run by ``distributed_executor_backend``: ``"mp"`` (local processes, the
+    default for more than one rank), ``"ray"``, ``"external_launcher"`` (one ``torchrun`` process
+    per rank, each running this LLM) or ``"uni"`` (one rank); see docs/distributed.md and
+    :meth:`shutdown`. Any other keyword is a TypeError naming it:
     silently ignoring one (``gpu_memory_utilization``, ``enable_lora``, ...) would run something
     other than what was asked for.
     """
@@ -76,6 +80,8 @@ class LLM:
         trust_remote_code: bool = False,
         disable_log_stats: bool = True,
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -83,10 +89,10 @@ class LLM:
                 f"LLM() got keyword argument(s) llmhal does not support: {', '.join(sorted(unknown))}"
                 "; see help(llmhal.LLM) for the ones it takes"
             )
-        if tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size}: llmhal runs a model on one device"
-            )
+        from llmhal.executor import resolve_parallel
+
+        # Checked before the model loads (an unknown backend, a size of 0).
+        resolve_parallel(tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend)
         so_backend, so_reasoning = _structured_outputs_config(structured_outputs_config)
         from llmhal.pooling.params import PoolerConfig
 
@@ -105,14 +111,25 @@ class LLM:
             enable_prefix_caching=True if enable_prefix_caching is None else bool(enable_prefix_caching),
             load_progress=load_progress, structured_outputs_backend=so_backend,
             structured_outputs_reasoning_parser=so_reasoning, speculative_config=speculative_config,
+            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+            distributed_executor_backend=distributed_executor_backend,
         )  # fmt: skip
         self.engine, self.load_report = build_engine(args)
         self.engine.pooler_config = pooling
         self.engine.scheduler.set_policy(scheduling_policy)
         from llmhal.pooling.io_processor import load_io_processor
 
-        # Process 0 only (vLLM's rule): this process owns the requests.
-        self.io_processor = load_io_processor(self.engine.config, io_processor_plugin)
+        # Process 0 only (vLLM's rule): this process owns the requests. (With an external
+        # launcher every rank runs an LLM; the others get none.)
+        first = self.engine.config.parallel.rank == 0
+        self.io_processor = (
+            load_io_processor(self.engine.config, io_processor_plugin) if first else None
+        )
+
+    def shutdown(self) -> None:
+        """Stop the engine's other processes now (they are also stopped when this process
+        exits); the LLM cannot generate afterwards."""
+        self.engine.shutdown()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's): True when done, False (nothing forgotten) while

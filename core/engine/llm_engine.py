@@ -106,7 +106,7 @@ class LLMEngine:
         model: torch.nn.Module,
         tokenizer: Any,
         platform: Any,
-        runner: ModelRunner,
+        executor: Any,
         kv: KVCacheManager,
         speculator: Any = None,
     ) -> None:
@@ -114,7 +114,9 @@ class LLMEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.platform = platform
-        self.runner = runner
+        # A llmhal.executor Executor: runs each step on every rank; its runner is this process's.
+        self.executor = executor
+        self.runner: ModelRunner = executor.runner
         self.kv = kv
         sched = config.scheduler
         self.scheduler = Scheduler(
@@ -126,7 +128,8 @@ class LLMEngine:
         self._arrivals = itertools.count()  # ties of equal priority go by this
         self._requests: dict[str, Request] = {}
         self.eos_token_ids = self._eos_ids()
-        self.stat_loggers = load_stat_loggers(config)
+        # Process 0 only (vLLM's rule): an external launcher's other ranks run this engine too.
+        self.stat_loggers = load_stat_loggers(config) if config.parallel.rank == 0 else []
         self.pooler_config: Any = (
             None  # a llmhal.pooling.PoolerConfig (LLM sets it); None: defaults
         )
@@ -436,6 +439,10 @@ class LLMEngine:
             self.stat_loggers = loggers
             self.kv.reset_prefix_cache()  # its blocks hold nothing a user asked for
 
+    def shutdown(self) -> None:
+        """Stop the executor's other processes (if any); the engine is unusable afterwards."""
+        self.executor.shutdown()
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's; e.g. after changing the weights in place). False,
         and nothing forgotten, while requests are running."""
@@ -460,7 +467,7 @@ class LLMEngine:
         # Speculative drafts being verified this step (the scheduler trimmed them to what runs).
         verifying = any(r.spec_token_ids for r, _ in batch.items)
         with self.platform.inference_mode():
-            logits, sample_reqs, prompt_lps = self.runner.execute(batch)
+            logits, sample_reqs, prompt_lps = self.executor.execute_model(batch)
             if verifying:
                 verified = self.speculator.verify(logits, sample_reqs, self.sampler, self._apply_grammars)  # type: ignore[union-attr]  # fmt: skip
                 result = None

@@ -10,6 +10,7 @@ prompt positions of requests that asked for prompt log-probabilities.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,6 +53,44 @@ PROMPT_LOGITS_ROWS = 256
 PromptLogprobs = list[tuple[Request, list[dict[int, Logprob]]]]
 
 
+@dataclass
+class StepInput:
+    """One step's model inputs as plain data (no Request objects), so a parallel executor can
+    send it to the other ranks: the flattened token ids, each request's query length, tokens
+    already computed and block table, the hidden rows to sample, prompt spans that need
+    log-probabilities ``(first row, first position, end position, top-k, targets)``, and rows to
+    pool ``(first row, rows)``."""
+
+    input_ids: list[int]
+    query_lens: list[int]
+    computed: list[int]
+    block_tables: list[list[int]]
+    sample_rows: list[int]
+    prompt_spans: list[tuple[int, int, int, int, list[int]]]
+    pool_spans: list[tuple[int, int]]
+    # Each request's slot in the recurrent layers' state cache (empty without such layers).
+    state_slots: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepOwners:
+    """Who a :class:`StepInput`'s rows belong to; stays in the process that owns the requests."""
+
+    sample: list[Request]
+    prompt: list[Request]
+    pool: list[tuple[Request, int]]  # (request, first position of its rows)
+
+
+@dataclass
+class StepOutput:
+    """What a step computed: logits of the sampled rows (None: none sampled), each prompt span's
+    log-probability entries, and each pooled span's hidden rows."""
+
+    logits: torch.Tensor | None
+    prompt_logprobs: list[list[dict[int, Logprob]]]
+    pooled: list[torch.Tensor]
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device) -> None:
         self.config = config
@@ -78,6 +117,9 @@ class ModelRunner:
             if name not in self.builders:
                 self.builders[name] = layer.backend.get_builder_cls()(layer.requirements, device)
         self.num_blocks = 0
+        from llmhal.distributed import get_pp_group
+
+        self._pp = get_pp_group()  # the trivial group of one unless pipeline-parallel
         self.decode_graphs = self._decode_graphs()
 
     def _decode_graphs(self) -> DecodeGraphs | None:
@@ -93,6 +135,10 @@ class ModelRunner:
                 "slots the recorded steps do not carry; decodes run eagerly",
                 ", ".join(sorted({m.kind for m in self.state_layers})),
             )
+            return None
+        if self.config.parallel.world_size > 1:
+            # A recorded step replays its kernels, not the collectives between ranks (gloo's run
+            # outside any graph), and every rank would have to replay in lockstep: run eagerly.
             return None
         if type(platform).capture_step_graph is Platform.capture_step_graph:
             return None  # the capability is declared, the recorder not (yet) implemented
@@ -153,6 +199,12 @@ class ModelRunner:
             total += sum(t.numel() * t.element_size() for t in m.states)
         return total
 
+    def reset_state_slot(self, slot: int) -> None:
+        """Zero ``slot`` in every recurrent layer (a request is starting in it)."""
+        for m in self.state_layers:
+            for t in m.states:
+                t[slot].zero_()
+
     def allocate_kv_cache(self, num_blocks: int) -> int:
         """Give every attention layer its cache tensor, and every recurrent layer its states
         (``num_state_slots`` of them, planned by :meth:`blocks_fitting`); returns the bytes
@@ -179,64 +231,109 @@ class ModelRunner:
             if hidden is not None:  # a decode or uniform verification: every row is sampled
                 logits = self.model.compute_logits(hidden)
                 return logits.float(), [req for req, _ in batch.items], []
-        ids: list[int] = []
-        query_lens, computed, tables = [], [], []
-        sample_rows: list[int] = []
-        sample_reqs: list[Request] = []
-        # (request, first hidden row, first position): prompt positions whose next token's
-        # log-probability is still missing (after a preemption, recomputed ones are not).
-        prompt_spans: list[tuple[Request, int, int, int]] = []
-        pool_spans: list[tuple[Request, int, int, int]] = []  # (request, first row, n, position)
+        step, owners = self.prepare(batch)
+        return self.finish(owners, self.run(step))
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[StepInput, StepOwners]:
+        """The step as plain data (what every rank runs; see :class:`StepInput`) and, kept on
+        this process, the requests its sampled rows, prompt spans and pooled rows belong to."""
+        step = StepInput([], [], [], [], [], [], [])
+        owners = StepOwners([], [], [])
         offset = 0
         for req, n in batch.items:
             start = req.num_computed_tokens
             known = min(start + n, req.num_tokens)
-            ids.extend(req.token_slice(start, known))
+            step.input_ids.extend(req.token_slice(start, known))
             # Speculative drafts follow the last token; each one's row is sampled too.
-            ids.extend(req.spec_token_ids[: start + n - known])
-            query_lens.append(n)
-            computed.append(start)
-            tables.append(req.block_ids)
+            step.input_ids.extend(req.spec_token_ids[: start + n - known])
+            step.query_lens.append(n)
+            step.computed.append(start)
+            step.block_tables.append(req.block_ids)
+            if self.state_layers:
+                step.state_slots.append(self.state_cache.slot_of(req))
             if req.prompt_logprobs is not None:
+                # Prompt positions whose next token's log-probability is still missing (after a
+                # preemption, recomputed ones are not).
                 first = max(start, len(req.prompt_logprobs) - 1)
                 end = min(start + n, len(req.prompt_token_ids) - 1)  # position p predicts p + 1
                 if first < end:
-                    prompt_spans.append((req, offset + first - start, first, end))
+                    k = req.params.prompt_logprobs or 0
+                    targets = req.prompt_token_ids[first + 1 : end + 1]
+                    step.prompt_spans.append((offset + first - start, first, end, k, targets))
+                    owners.prompt.append(req)
             if req.pooling is not None:  # its hidden states go to its pooler, never sampled
-                pool_spans.append((req, offset, n, start))
+                step.pool_spans.append((offset, n))
+                owners.pool.append((req, start))
                 offset += n
                 continue
             offset += n
             if known == req.num_tokens:
-                sample_rows.extend(range(offset - 1 - (start + n - known), offset))
-                sample_reqs.append(req)
-        common = build_common_metadata(query_lens, computed, tables, self.block_size, self.device)
-        if self.state_layers:
-            slots = [self.state_cache.slot_of(req) for req, _ in batch.items]
-            common.state_indices = torch.tensor(slots, dtype=torch.int32, device=self.device)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+                step.sample_rows.extend(range(offset - 1 - (start + n - known), offset))
+                owners.sample.append(req)
+        return step, owners
+
+    def _run_stage(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """This pipeline stage's layers; the hidden states on the last stage, else None (the
+        stage's IntermediateTensors went to the next stage)."""
+        from llmhal.distributed.pipeline import IntermediateTensors
+
+        pp = self._pp
+        inter = None if pp.is_first_rank else IntermediateTensors(pp.recv_tensor_dict())
+        out = self.model(input_ids, positions, intermediate_tensors=inter)
+        if pp.is_last_rank:
+            return out
+        pp.send_tensor_dict(out.tensors)
+        return None
+
+    def run(self, step: StepInput) -> StepOutput | None:
+        """Run the model on one step's inputs: every rank of a parallel group calls this with the
+        same ``step`` (the collectives inside the model pair them up). None on a pipeline stage
+        before the last (its output went on to the next stage)."""
+        common = build_common_metadata(
+            step.query_lens, step.computed, step.block_tables, self.block_size, self.device
+        )
+        if step.state_slots:
+            common.state_indices = torch.tensor(
+                step.state_slots, dtype=torch.int32, device=self.device
+            )
+        input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
         ctx = ForwardContext(common, {name: b.build(common) for name, b in self.builders.items()})
         with set_forward_context(ctx):
-            hidden = self.model(input_ids, common.positions)
-        prompt_lps = [(r, self._prompt_logprobs(hidden, r, *span)) for r, *span in prompt_spans]
-        for req, row, n, start in pool_spans:
-            req.pooling.add(hidden[row : row + n], start)
-        if not sample_rows:
-            return None, [], prompt_lps
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+            if self._pp.world_size == 1:
+                hidden = self.model(input_ids, common.positions)
+            else:  # a pipeline stage: from the previous stage's tensors, on to the next
+                hidden = self._run_stage(input_ids, common.positions)
+                if hidden is None:
+                    return None
+        prompt_lps = [self._prompt_logprobs(hidden, *span) for span in step.prompt_spans]
+        pooled = [hidden[row : row + n] for row, n in step.pool_spans]
+        if not step.sample_rows:
+            return StepOutput(None, prompt_lps, pooled)
+        rows = torch.tensor(step.sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
-        return logits.float(), sample_reqs, prompt_lps
+        return StepOutput(logits.float(), prompt_lps, pooled)
+
+    @staticmethod
+    def finish(
+        owners: StepOwners, out: StepOutput
+    ) -> tuple[torch.Tensor | None, list[Request], PromptLogprobs]:
+        """Hand a step's results back to its requests: pooled rows to their poolers; returns what
+        :meth:`execute` does."""
+        for (req, start), rows in zip(owners.pool, out.pooled, strict=True):
+            req.pooling.add(rows, start)
+        prompt_lps = list(zip(owners.prompt, out.prompt_logprobs, strict=True))
+        return out.logits, owners.sample if out.logits is not None else [], prompt_lps
 
     def _prompt_logprobs(
-        self, hidden: torch.Tensor, req: Request, row: int, first: int, end: int
+        self, hidden: torch.Tensor, row: int, first: int, end: int, k: int, targets: list[int]
     ) -> list[dict[int, Logprob]]:
-        """Entries for prompt tokens first + 1 .. end (hidden rows row .. row + end - first)."""
-        k = req.params.prompt_logprobs or 0
+        """Entries for prompt tokens first + 1 .. end (hidden rows row .. row + end - first), each
+        with the top ``k``; ``targets`` are those prompt tokens."""
         out: list[dict[int, Logprob]] = []
         for a in range(first, end, PROMPT_LOGITS_ROWS):
             b = min(end, a + PROMPT_LOGITS_ROWS)
             h = hidden[row + a - first : row + b - first]
             lp = torch.log_softmax(self.model.compute_logits(h).float(), -1)
-            targets = req.prompt_token_ids[a + 1 : b + 1]
-            out.extend(logprob_entries(lp, targets, [k] * len(targets)))
+            chunk = targets[a - first : b - first]
+            out.extend(logprob_entries(lp, chunk, [k] * len(chunk)))
         return out

@@ -87,6 +87,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "CLS or ALL",
     )
     p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split each layer over this many ranks (processes; default 1)",
+    )
+    p.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=1,
+        help="split the layers into this many stages, one rank group each (default 1)",
+    )
+    p.add_argument(
+        "--distributed-executor-backend",
+        choices=("mp", "ray", "external_launcher", "uni"),
+        help="what runs the ranks: mp (local processes; the default for more than one rank), "
+        "ray (a Ray cluster), external_launcher (one process per rank started by torchrun)",
+    )
+    p.add_argument(
         "--io-processor-plugin",
         metavar="NAME",
         help="the IO processor /pooling requests with 'data' go through: a "
@@ -134,6 +154,9 @@ def build_llm(prog: str, args: argparse.Namespace, **extra: Any) -> LLM | None:
             pooler_config=getattr(args, "pooler_config", None),
             io_processor_plugin=getattr(args, "io_processor_plugin", None),
             scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
+            tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+            pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
+            distributed_executor_backend=getattr(args, "distributed_executor_backend", None),
             **extra,
         )  # fmt: skip
     except (

@@ -1,0 +1,66 @@
+"""The executor contract: how the engine runs a step on every rank of its model.
+
+Members, in the order the engine calls them:
+
+``initialize(build_shard)``
+    Start the other ranks (if any), join the process group, and call ``build_shard()`` in this
+    process: it loads this process's shard and returns its ``ModelRunner`` (then ``runner``).
+``determine_num_blocks() -> int``
+    The KV-cache blocks every rank can hold: the smallest of the ranks' own numbers.
+``allocate(num_blocks) -> int``
+    Give every rank its KV cache of ``num_blocks`` blocks; returns this rank's bytes.
+``execute_model(batch) -> (logits, sampled requests, prompt log-probabilities)``
+    Run one scheduled step on every rank (``ModelRunner.execute``'s result, on the rank that owns
+    the requests). Raises :class:`EngineDeadError` once any rank has failed.
+``check_health()``
+    Raise :class:`EngineDeadError` if a rank has failed.
+``shutdown()``
+    Stop every other rank; idempotent, and safe after a failure.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+
+class EngineDeadError(RuntimeError):
+    """A rank failed (died, or raised): the engine cannot run another step. ``rank`` is the
+    global rank that failed, ``cause`` what happened to it."""
+
+    def __init__(self, rank: int, cause: str) -> None:
+        super().__init__(
+            f"rank {rank} of the engine failed: {cause}. The engine's other processes were "
+            f"stopped; start a new engine"
+        )
+        self.rank = rank
+        self.cause = cause
+
+
+class Executor(ABC):
+    """Runs the model's ranks. ``config`` is the engine's config (``config.parallel`` the layout;
+    this process's rank in it), ``args`` the EngineArgs it came from."""
+
+    def __init__(self, config: Any, args: Any) -> None:
+        self.config = config
+        self.args = args
+        self.runner: Any = None
+
+    @abstractmethod
+    def initialize(self, build_shard: Callable[[], Any]) -> None: ...
+
+    @abstractmethod
+    def determine_num_blocks(self) -> int: ...
+
+    @abstractmethod
+    def allocate(self, num_blocks: int) -> int: ...
+
+    @abstractmethod
+    def execute_model(self, batch: Any) -> Any: ...
+
+    def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None

@@ -1,0 +1,284 @@
+"""``mp``: ranks 1..N-1 as local processes (multiprocessing 'spawn'); rank 0 is the engine's own.
+
+Each step rank 0 pickles the step's inputs once (a ModelRunner ``StepInput``: token ids, lengths,
+block tables; a few hundred bytes for a decode) and writes them to every worker's pipe, then runs
+its own shard; the collectives inside the model pair the ranks up. With pipeline stages, the last
+stage's first rank sends the step's output back through its pipe.
+
+Faults: a monitor thread waits on the workers' process sentinels. A worker that dies (or raises:
+it reports the traceback through its pipe, then exits) is recorded with its rank and cause, and
+every other worker is stopped; rank 0, blocked in a collective with it, gets an error from gloo
+(the peer's sockets closed) and :meth:`execute_model` raises :class:`EngineDeadError`. A worker
+whose pipe from rank 0 closes (rank 0 exited, even by SIGKILL) exits itself, and ignores SIGINT:
+Ctrl-C reaches the whole process group, and rank 0 decides what stops.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import signal
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+from multiprocessing.connection import wait
+from typing import Any
+
+from llmhal.executor.base import EngineDeadError, Executor
+from llmhal.logger import init_logger
+
+logger = init_logger(__name__)
+
+# A worker's traceback is cut to this many characters: a pipe holds ~64 KiB before its writer
+# blocks, and a worker that blocks there would never exit.
+_MAX_ERROR_CHARS = 8000
+# How long rank 0, after a collective failed, waits for the monitor to name the worker behind it.
+_BLAME_WAIT_S = 5.0
+
+
+def describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "stopped responding"
+    if exitcode < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with status {exitcode}"
+
+
+def _worker_main(args: Any, parallel: Any, rank: int, init_method: str, conn: Any) -> None:
+    """A worker process's life: load, then run what rank 0 sends until its pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from llmhal.executor.worker import Worker
+
+    worker = Worker(args, parallel, rank, init_method)
+    # The last stage's first rank reports each step's output (rank 0 itself with one stage).
+    reports = rank == (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
+    try:
+        blocks = worker.load(before_join=lambda: conn.send(("joining", None)))
+        conn.send(("ready", blocks))
+        while True:
+            kind, payload = conn.recv()  # EOFError: rank 0 has gone
+            if kind == "step":
+                out = worker.execute(payload)
+                if reports:
+                    conn.send(("output", out))
+            elif kind == "alloc":
+                conn.send(("allocated", worker.allocate(payload)))
+            elif kind == "stop":
+                break
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        os._exit(0)  # rank 0 is gone: nothing to report to, and no collective to finish
+    except BaseException as e:
+        text = "".join(traceback.format_exception(e))[-_MAX_ERROR_CHARS:]
+        cause = f"raised {type(e).__name__}: {e}"
+        try:
+            conn.send(("error", (cause[:_MAX_ERROR_CHARS], text)))
+        finally:
+            os._exit(1)  # skip interpreter teardown: a process group with dead peers can hang it
+    worker.close()
+    os._exit(0)
+
+
+def _stop(procs: list[Any], conns: list[Any]) -> None:
+    """Stop the workers: close their pipes (an idle worker exits on that), then SIGTERM, then
+    SIGKILL what is left. Bounded: a few seconds at most."""
+    for c in conns:
+        try:
+            c.send(("stop", None))
+        except (OSError, ValueError):
+            pass
+        c.close()
+    deadline = time.monotonic() + 2.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(2.0)
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
+
+
+class MultiprocExecutor(Executor):
+    def initialize(self, build_shard: Callable[[], Any]) -> None:
+        from llmhal.distributed.launch import free_port
+        from llmhal.executor.worker import join_process_group
+
+        par = self.config.parallel
+        init = f"tcp://127.0.0.1:{free_port()}"
+        ctx = multiprocessing.get_context("spawn")
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+        self._locks: list[threading.Lock] = []
+        self._failure: EngineDeadError | None = None
+        self._closing = False
+        self._blocks: list[int] = []
+        for rank in range(1, par.world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(self.args, par, rank, init, child),
+                name=f"llmhal-rank{rank}",
+                daemon=True,  # multiprocessing stops it when this process exits normally
+            )
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+            self._locks.append(threading.Lock())
+        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns)
+        for rank in range(1, par.world_size):
+            self._recv(rank, "joining")  # past imports and config: joining cannot hang on them
+        join_process_group(self.config, 0, init)
+        self.runner = build_shard()
+        self._blocks = [self._recv(rank, "ready") for rank in range(1, par.world_size)]
+        self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
+        self._monitor = threading.Thread(target=self._watch, name="llmhal-mp-monitor", daemon=True)
+        self._monitor.start()
+        # The last stage's first rank reports each step's output (rank 0 when there is one stage).
+        self._output_rank = (par.pipeline_parallel_size - 1) * par.tensor_parallel_size
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Ranks 1..N-1's process ids, in rank order."""
+        return [p.pid for p in self._procs]
+
+    # ----------------------------------------------------------------------- messages
+    def _fail(self, rank: int, cause: str, detail: str = "") -> EngineDeadError:
+        if self._failure is None:
+            if detail:
+                logger.error("rank %d failed:\n%s", rank, detail)
+            self._failure = EngineDeadError(rank, cause)
+        return self._failure
+
+    def _recv(self, rank: int, kind: str) -> Any:
+        """The next message from ``rank``, which must be ``kind``; EngineDeadError if the worker
+        reports an error or dies first."""
+        conn, proc = self._conns[rank - 1], self._procs[rank - 1]
+        while True:
+            wait([conn, proc.sentinel])
+            with self._locks[rank - 1]:
+                if conn.poll():
+                    try:
+                        got, payload = conn.recv()
+                    except EOFError:
+                        got, payload = None, None
+                    if got == kind:
+                        return payload
+                    if got == "error":
+                        raise self._fail(rank, *payload)
+                    if got is not None:
+                        raise self._fail(rank, f"sent {got!r} where {kind!r} was expected")
+            if not proc.is_alive():
+                proc.join()
+                raise self._fail(rank, describe_exit(proc.exitcode))
+
+    def _record_exit(self, rank: int) -> EngineDeadError:
+        """Fail the engine with the exited worker ``rank``'s cause: the error it reported, else
+        how it exited."""
+        proc, conn = self._procs[rank - 1], self._conns[rank - 1]
+        proc.join()
+        for _ in range(50):  # two threads reaping one child: the loser reads None until the
+            if proc.exitcode is not None:  # winner has stored the status
+                break
+            time.sleep(0.01)
+        with self._locks[rank - 1]:
+            try:
+                msg = conn.recv() if conn.poll() else None
+            except (EOFError, OSError):
+                msg = None
+        if msg is not None and msg[0] == "error":
+            return self._fail(rank, *msg[1])
+        return self._fail(rank, describe_exit(proc.exitcode))
+
+    def _watch(self) -> None:
+        """The monitor thread: the first worker to exit unasked fails the engine."""
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self._procs, start=1)}
+        ready = wait([*sentinels, self._wake_r])
+        if self._closing or self._wake_r in ready:
+            return
+        self._record_exit(min(sentinels[s] for s in ready))
+        logger.error("%s", self._failure)
+        self._shutdown_workers()
+
+    def _blame(self, error: BaseException) -> EngineDeadError:
+        """The error a failed step raises: the worker that failed (a worker's death reaches rank 0
+        as a broken collective or pipe, perhaps before it has fully exited), else rank 0 itself."""
+        deadline = time.monotonic() + _BLAME_WAIT_S
+        while self._failure is None and time.monotonic() < deadline:
+            dead = [r for r, p in enumerate(self._procs, start=1) if not p.is_alive()]
+            if dead:
+                self._record_exit(dead[0])
+                break
+            wait([p.sentinel for p in self._procs], timeout=0.05)
+        failure = self._failure or self._fail(0, f"raised {type(error).__name__}: {error}")
+        self._shutdown_workers()
+        return failure
+
+    # ------------------------------------------------------------------------- contract
+    def check_health(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    def determine_num_blocks(self) -> int:
+        from llmhal.engine.builder import kv_blocks_fitting
+        from llmhal.platforms import get_current_platform
+
+        own = kv_blocks_fitting(self.config, self.runner, get_current_platform())
+        return min([own, *self._blocks])
+
+    def _send_all(self, data: bytes) -> None:
+        for conn in self._conns:
+            try:
+                conn.send_bytes(data)
+            except (OSError, ValueError) as e:  # its pipe broke: it died
+                raise self._blame(e) from None
+
+    def allocate(self, num_blocks: int) -> int:
+        self.check_health()
+        self._send_all(pickle.dumps(("alloc", num_blocks)))
+        own = self.runner.allocate_kv_cache(num_blocks)
+        for rank in range(1, len(self._procs) + 1):
+            self._recv(rank, "allocated")
+        return own
+
+    def execute_model(self, batch: Any) -> Any:
+        self.check_health()
+        runner = self.runner
+        step, owners = runner.prepare(batch)
+        self._send_all(pickle.dumps(("step", step), protocol=pickle.HIGHEST_PROTOCOL))
+        try:
+            out = runner.run(step)
+            if out is None:  # an earlier pipeline stage: the last one reports the output
+                out = self._recv(self._output_rank, "output")
+        except EngineDeadError:
+            self._shutdown_workers()
+            raise
+        except Exception as e:
+            raise self._blame(e) from e
+        return runner.finish(owners, out)
+
+    def _shutdown_workers(self) -> None:
+        self._closing = True
+        self._finalizer()  # runs _stop once
+        wake = getattr(self, "_wake_w", None)
+        if wake is not None:
+            try:
+                wake.send_bytes(b"x")
+            except OSError:
+                pass
+
+    def shutdown(self) -> None:
+        if not hasattr(self, "_procs"):
+            return  # initialize never ran
+        self._shutdown_workers()
+        from llmhal.distributed import destroy_distributed
+
+        destroy_distributed()

@@ -1,0 +1,204 @@
+"""Executors (issue 24): a model split over ranks by tensor (TP) and pipeline (PP) parallelism
+gives the same greedy tokens as one process, through every executor backend.
+
+The fast tier keeps one ``mp`` TP=2 run on the default model (SmolLM2-135M, Q4_1 GGUF) and one on
+a tiny Llama; the rest (Qwen, quantized, PP, TP x PP, Ray, torchrun) are marked slow.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from llmhal import LLM, SamplingParams
+
+PROMPTS = ["The capital of France is", "def add(a, b):", "1, 2, 3, 4,"]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+KV = 4 << 20
+
+
+def greedy_ids(model: str | None, prompts=PROMPTS, params=GREEDY, **kwargs) -> list[list[int]]:
+    """Each prompt's greedy tokens from an LLM built with ``kwargs``; its ranks stopped after."""
+    llm = LLM(model, kv_cache_memory_bytes=KV, **kwargs)
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+
+
+def test_default_model_tp2_mp_equals_one_process():
+    """The issue's headline: the default model on two gloo ranks answers as one process does."""
+    ray_before = "ray" in sys.modules
+    two = LLM(None, kv_cache_memory_bytes=KV, tensor_parallel_size=3, max_model_len=256)
+    try:
+        assert two.engine.config.parallel.distributed_executor_backend == "mp"  # the default
+        assert two.engine.runner.decode_graphs is None  # no recorded steps across ranks
+        got = [o.outputs[0].token_ids for o in two.generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
+        pids = two.engine.executor.worker_pids
+    finally:
+        two.shutdown()
+    assert got == greedy_ids(None, PROMPTS[:2], max_model_len=256)
+    assert ray_before or "ray" not in sys.modules  # Ray is imported only when chosen
+    for pid in pids:  # shutdown stops the worker
+        assert not _alive(pid)
+
+
+def test_tiny_llama_tp2_mp_equals_one_process(tiny_models):
+    folder, _ = tiny_models("llama")
+    assert greedy_ids(folder, tensor_parallel_size=2) == greedy_ids(folder)
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped) counts as gone.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer"),
+        ({"pipeline_parallel_size": "2"}, "pipeline_parallel_size must be a positive integer"),
+        ({"distributed_executor_backend": "mpi"}, "Unknown distributed executor backend"),
+        (
+            {"tensor_parallel_size": 2, "distributed_executor_backend": "uni"},
+            "use 'mp', 'ray' or 'external_launcher'",
+        ),
+    ],
+)
+def test_bad_parallel_settings_are_refused_before_loading(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM("/nonexistent/model", **kwargs)
+
+
+# ------------------------------------------------------------------------------------ slow tier
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama_untied"])
+def test_tiny_models_tp2_equal_one_process(tiny_models, arch):
+    folder, _ = tiny_models(arch)
+    assert greedy_ids(folder, tensor_parallel_size=2) == greedy_ids(folder)
+
+
+@pytest.mark.slow
+def test_tiny_llama_fp8_tp2_equals_one_process(tiny_models):
+    """Online fp8 (per-tensor weight scales, each shard its own)."""
+    folder, _ = tiny_models("llama")
+    want = greedy_ids(folder, quantization="fp8")
+    assert greedy_ids(folder, quantization="fp8", tensor_parallel_size=2) == want
+
+
+@pytest.mark.slow
+def test_tiny_gguf_q8_tp2_equals_one_process(tmp_path):
+    from llmhal.testing.gguf_files import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", weight_type="Q8_0").path
+    prompts = [{"prompt_token_ids": [5, 17, 42]}, {"prompt_token_ids": [7, 60, 23, 9]}]
+    want = greedy_ids(str(path), prompts)
+    assert greedy_ids(str(path), prompts, tensor_parallel_size=2) == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])
+def test_tiny_llama_pipeline_equals_one_process(tiny_models, tp, pp):
+    folder, _ = tiny_models("llama")
+    want = greedy_ids(folder)
+    got = greedy_ids(folder, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    assert got == want
+
+
+@pytest.mark.slow
+def test_default_model_pp2_equals_one_process():
+    want = greedy_ids(None, PROMPTS[:2], max_model_len=256)
+    assert greedy_ids(None, PROMPTS[:2], max_model_len=256, pipeline_parallel_size=2) == want
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_and_sampling_agree_across_ranks(tiny_models):
+    """Prompt log-probabilities (computed on the last stage) and seeded sampling come back to
+    rank 0 the same as in one process."""
+    folder, _ = tiny_models("llama")
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=6, prompt_logprobs=2)
+
+    def run(**kw):
+        llm = LLM(folder, kv_cache_memory_bytes=KV, **kw)
+        try:
+            outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        finally:
+            llm.shutdown()
+        lps = [
+            [
+                sorted((t, round(lp.logprob, 4)) for t, lp in e.items())
+                for e in o.prompt_logprobs[1:]
+            ]
+            for o in outs
+        ]
+        return [o.outputs[0].token_ids for o in outs], lps
+
+    assert run(pipeline_parallel_size=2) == run()
+
+
+@pytest.mark.slow
+def test_ray_tp2_equals_one_process(tiny_models):
+    ray = pytest.importorskip("ray")
+    folder, _ = tiny_models("llama")
+    want = greedy_ids(folder)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        got = greedy_ids(folder, tensor_parallel_size=2, distributed_executor_backend="ray")
+        got_pp = greedy_ids(folder, pipeline_parallel_size=2, distributed_executor_backend="ray")
+    finally:
+        ray.shutdown()
+    assert got == want
+    assert got_pp == want
+
+
+_TORCHRUN_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    from llmhal import LLM, SamplingParams
+
+    folder, tp, pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    llm = LLM(folder, kv_cache_memory_bytes=4 << 20, tensor_parallel_size=tp,
+              pipeline_parallel_size=pp, distributed_executor_backend="external_launcher")
+    outs = llm.generate(json.loads(sys.argv[4]), SamplingParams(temperature=0, max_tokens=8,
+                        ignore_eos=True), use_tqdm=False)
+    print("RANK", os.environ["RANK"], json.dumps([o.outputs[0].token_ids for o in outs]))
+    llm.shutdown()
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_external_launcher_under_torchrun_equals_one_process(tiny_models, tmp_path, tp, pp):
+    """Every torchrun rank runs the engine and gets the same tokens as one process."""
+    import json
+
+    folder, _ = tiny_models("llama")
+    script = tmp_path / "run.py"
+    script.write_text(_TORCHRUN_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp),
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+           str(script), folder, str(tp), str(pp), json.dumps(PROMPTS)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RANK ")]
+    assert len(lines) == tp * pp
+    want = greedy_ids(folder)
+    for line in lines:
+        assert json.loads(line.split(" ", 2)[2]) == want
+
+
+def _free_port() -> int:
+    from llmhal.distributed.launch import free_port
+
+    return free_port()
