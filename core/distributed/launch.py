@@ -17,9 +17,40 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _where(fn: Callable[..., Any]) -> tuple[str, str, str]:
+    import inspect
+
+    return fn.__module__, fn.__qualname__, inspect.getfile(fn)
+
+
+def _resolve(where: tuple[str, str, str]) -> Callable[..., Any]:
+    """The function in the child: by module name, else from its file (a test module imported by
+    pytest's importlib mode is not importable by name from a fresh process)."""
+    import importlib
+    import importlib.util
+    import sys
+
+    module_name, qualname, path = where
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        module = None
+    if module is None or getattr(module, "__file__", None) != path:
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot import {qualname} from {path}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    obj: Any = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def _entry(
     rank: int,
-    fn: Callable[..., Any],
+    where: tuple[str, str, str],
     world: int,
     tp: int,
     pp: int,
@@ -34,6 +65,7 @@ def _entry(
 
     # Two ranks on a shared host: one thread each keeps them from fighting over the cores.
     torch.set_num_threads(1)
+    fn = _resolve(where)
     init_distributed(world, rank, init, tp, pp, backend=backend)
     try:
         results.put((rank, fn(rank, *args)))
@@ -61,7 +93,7 @@ def run_ranks(
     procs = mp.start_processes(
         _entry,
         args=(
-            fn,
+            _where(fn),
             world,
             tensor_parallel_size,
             pipeline_parallel_size,

@@ -1,22 +1,40 @@
-"""Quantization-aware linear layers.
+"""Quantization-aware linear layers, replicated or split across the tensor-parallel group.
 
-No tensor parallelism: llmhal runs a model on one device, so the layers are replicated linears
-that may merge several projections (q/k/v, gate/up) into one matmul. Each layer asks the engine's
-quantization config for its method (by prefix); unquantized layers use ``UnquantizedLinearMethod``.
+A layer may merge several projections (q/k/v, gate/up) into one matmul. Each layer asks the
+engine's quantization config for its method (by prefix); unquantized layers use
+``UnquantizedLinearMethod``.
+
+Tensor parallelism (Megatron's split, as vLLM does it): a column-parallel layer holds a slice of
+every projection's outputs (each rank computes its slice, no communication); a row-parallel layer
+holds a slice of the inputs and sums the ranks' partial products with one all-reduce. A block
+column -> row (q/k/v -> o, gate/up -> down) therefore costs one all-reduce of the hidden state.
+
+The quantization method creates the rank's parameters at the rank's sizes; the layer then wraps
+every parameter's ``weight_loader`` so that a checkpoint tensor is cut to the rank's slice before
+it is copied (:func:`_rank_slice`). The cut follows the loading protocol's attributes
+(``output_dim``/``input_dim``, see :mod:`llmhal.layers.weights`) and is proportional: the stored
+extent along that dimension is split into equal parts, which is exact for plain rows, packed
+words, per-group scales and ggml blocks alike provided each part holds whole units (a parameter's
+``shard_unit`` attribute: stored entries that must stay together, e.g. one ggml block's bytes). A
+split that would cut a quantization group, a packed word or a block is an error naming the layer
+and the tensor-parallel sizes that work. An extent of 1 (a per-tensor scale) is replicated.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import accumulate
 from typing import Any
 
 import torch
 from torch import nn
 
-from llmhal.layers.weights import sharded_weight_loader
+from llmhal.layers.weights import WeightLoadError, sharded_weight_loader
 from llmhal.quantization.base import QuantizationConfig, QuantizeMethodBase
 from llmhal.quantization.unquantized import UnquantizedLinearMethod
+
+# shard id -> (number of equal parts of the checkpoint tensor, the part this rank holds)
+SplitFn = Callable[[Any], tuple[int, int]]
 
 
 def _current_quant_and_dtype() -> tuple[QuantizationConfig | None, torch.dtype]:
@@ -37,8 +55,101 @@ def quant_and_dtype(
     return quant_config, params_dtype
 
 
+def tp_rank_and_size() -> tuple[int, int]:
+    """This process's tensor-parallel rank and group size ((0, 1) when not distributed)."""
+    from llmhal.distributed.parallel_state import get_tp_group
+
+    g = get_tp_group()
+    return g.rank_in_group, g.world_size
+
+
+def divide(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ValueError(
+            f"{what} ({total}) is not divisible by tensor_parallel_size={parts}; use a "
+            f"tensor_parallel_size that divides it"
+        )
+    return total // parts
+
+
+def _rank_slice(
+    layer: nn.Module, name: str, dim_attr: str, split: SplitFn, *, pad: bool = False
+) -> Callable[..., None]:
+    """Wrap ``layer``'s parameter ``name``'s loader: cut the checkpoint tensor to this rank's part
+    along the parameter's ``dim_attr`` dimension first. ``pad``: the last part may be short
+    (a vocabulary not divisible by the ranks) and is zero-padded to the others' size."""
+    param = getattr(layer, name)
+    inner = param.weight_loader
+
+    def load(p: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        dim = getattr(p, dim_attr, None)
+        parts, index = split(shard_id)
+        if parts > 1 and dim is not None and loaded.dim() > dim and loaded.shape[dim] != 1:
+            extent = loaded.shape[dim]
+            if pad:
+                per = -(-extent // parts)
+            else:
+                _check_whole_units(layer, name, p, dim_attr, shard_id, extent, parts)
+                per = extent // parts
+            start = min(index * per, extent)
+            loaded = loaded.narrow(dim, start, min(per, extent - start))
+            if loaded.shape[dim] < per:
+                shape = list(loaded.shape)
+                shape[dim] = per - loaded.shape[dim]
+                loaded = torch.cat([loaded, loaded.new_zeros(shape)], dim=dim)
+        inner(p, loaded, shard_id)
+
+    return load
+
+
+def _check_whole_units(
+    layer: nn.Module,
+    name: str,
+    p: torch.Tensor,
+    dim_attr: str,
+    shard_id: Any,
+    extent: int,
+    parts: int,
+) -> None:
+    """Raise unless each of ``parts`` equal parts of ``extent`` stored entries covers whole units
+    (a stored entry stands for ``logical / extent`` weights: a packed word, a group's scale, a
+    block's scale; or ``shard_unit`` entries make one indivisible unit, e.g. a ggml block's
+    bytes)."""
+    if dim_attr == "input_dim":
+        per_rank = layer.input_size
+    else:
+        ids = list(getattr(layer, "shard_names", [0]))
+        per_rank = layer.output_sizes[ids.index(shard_id) if shard_id in ids else 0]
+    total = per_rank * parts
+    unit = getattr(p, "shard_unit", None) if dim_attr == "input_dim" else None
+    if unit is not None:
+        ok = extent % (parts * unit) == 0
+    elif total % extent == 0:
+        ok = per_rank % (total // extent) == 0
+    else:  # a ragged last block: where the parts fall in it cannot be told
+        ok = False
+    if not ok:
+        raise WeightLoadError(
+            f"{getattr(layer, 'prefix', '') or type(layer).__name__}.{name}: {total} "
+            f"{'inputs' if dim_attr == 'input_dim' else 'outputs'} stored as {extent} entries "
+            f"cannot be split into {parts} tensor-parallel parts without cutting a quantization "
+            f"group, packed word or block; use a tensor_parallel_size whose parts hold whole "
+            f"groups (or tensor_parallel_size=1)"
+        )
+
+
+def shard_parameters(layer: nn.Module, dim_attr: str, split: SplitFn, *, pad: bool = False) -> None:
+    """Make every parameter of ``layer`` (its own, not its children's) load its rank's part."""
+    for name, p in list(layer.named_parameters(recurse=False)):
+        if hasattr(p, "weight_loader"):
+            p.weight_loader = _rank_slice(layer, name, dim_attr, split, pad=pad)
+
+
 class LinearBase(nn.Module):
-    """``y = x @ W.T + b`` where ``W`` stacks ``output_sizes`` shards named ``shard_names``."""
+    """``y = x @ W.T + b`` where ``W`` stacks ``output_sizes`` shards named ``shard_names``.
+
+    ``input_size`` and ``output_sizes`` are this rank's (a parallel subclass divides the model's
+    sizes before calling this)."""
 
     def __init__(
         self,
@@ -67,9 +178,19 @@ class LinearBase(nn.Module):
         if quant_config is not None:
             method = quant_config.get_quant_method(self, prefix)
         self.quant_method: QuantizeMethodBase = method or UnquantizedLinearMethod()
-        self.quant_method.create_weights(
-            self, input_size, self.output_sizes, params_dtype, weight_loader=loader
-        )
+        try:
+            self.quant_method.create_weights(
+                self, input_size, self.output_sizes, params_dtype, weight_loader=loader
+            )
+        except ValueError as e:
+            tp = getattr(self, "tp_size", 1)
+            if tp == 1:
+                raise
+            raise ValueError(
+                f"{e} (sizes of tensor-parallel rank {self.tp_rank}'s part, 1/{tp} of the "
+                f"layer: use a tensor_parallel_size whose parts hold whole quantization groups "
+                f"and blocks, or tensor_parallel_size=1)"
+            ) from None
         if bias:
             b = nn.Parameter(torch.zeros(self.output_size, dtype=params_dtype), requires_grad=False)
             b.output_dim = 0
@@ -86,18 +207,19 @@ class LinearBase(nn.Module):
 
 
 class ReplicatedLinear(LinearBase):
-    """A plain linear layer (one shard)."""
+    """A plain linear layer (one shard), the whole weight on every rank."""
 
     def __init__(self, input_size: int, output_size: int, **kw: Any) -> None:
         super().__init__(input_size, [output_size], **kw)
 
 
 class MergedLinear(LinearBase):
-    """Several projections of the same input in one matmul, shards 0..n-1 (e.g. gate and up)."""
+    """Several projections of the same input in one matmul, shards 0..n-1 (e.g. gate and up),
+    replicated."""
 
 
 class QKVLinear(LinearBase):
-    """The q, k and v projections in one matmul; shards "q", "k", "v"."""
+    """The q, k and v projections in one matmul; shards "q", "k", "v"; replicated."""
 
     def __init__(
         self, hidden_size: int, head_size: int, num_heads: int, num_kv_heads: int, **kw: Any
@@ -105,3 +227,131 @@ class QKVLinear(LinearBase):
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         sizes = [num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size]
         super().__init__(hidden_size, sizes, shard_names=["q", "k", "v"], **kw)
+
+
+class MergedColumnParallelLinear(MergedLinear):
+    """Projections of the same input, each split along its outputs across the tensor-parallel
+    ranks: rank ``r`` holds part ``r`` of every shard (of gate and of up), so its output is the
+    rank's slice of each projection, side by side. ``gather_output``: all-gather the full output
+    (otherwise the rank's slice is returned, for a row-parallel layer to consume)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        *,
+        gather_output: bool = False,
+        prefix: str = "",
+        **kw: Any,
+    ) -> None:
+        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.gather_output = gather_output
+        self.full_output_sizes = list(output_sizes)
+        sizes = [divide(s, self.tp_size, f"{prefix}: output size") for s in output_sizes]
+        super().__init__(input_size, sizes, prefix=prefix, **kw)
+        if self.tp_size > 1:
+            shard_parameters(self, "output_dim", self._split)
+
+    def _split(self, shard_id: Any) -> tuple[int, int]:
+        if shard_id is None and len(self.shard_names) > 1:
+            raise WeightLoadError(
+                f"{self.prefix}: one checkpoint tensor for the merged shards {self.shard_names} "
+                f"cannot be split across tensor-parallel ranks; load it per shard"
+            )
+        return self.tp_size, self.tp_rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.quant_method.apply(self, x, self.bias)
+        if self.gather_output and self.tp_size > 1:
+            from llmhal.distributed.parallel_state import get_tp_group
+
+            y = get_tp_group().all_gather(y, dim=-1)
+        return y
+
+
+class ColumnParallelLinear(MergedColumnParallelLinear):
+    """One projection split along its outputs across the tensor-parallel ranks."""
+
+    def __init__(self, input_size: int, output_size: int, **kw: Any) -> None:
+        super().__init__(input_size, [output_size], **kw)
+
+
+class QKVParallelLinear(QKVLinear):
+    """q/k/v with the attention heads split across the tensor-parallel ranks: each rank holds
+    ``num_heads / tp`` query heads and ``num_kv_heads / tp`` key/value heads. With fewer KV heads
+    than ranks, each KV head is replicated on ``tp / num_kv_heads`` consecutive ranks (the ranks
+    whose query heads share it under grouped-query attention). ``num_heads``/``num_kv_heads`` are
+    the model's; the layer's attributes of the same names are the rank's."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        *,
+        prefix: str = "",
+        **kw: Any,
+    ) -> None:
+        self.tp_rank, self.tp_size = tp_rank_and_size()
+        tp = self.tp_size
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
+        heads = divide(num_heads, tp, f"{prefix}: the number of attention heads")
+        if num_kv_heads >= tp:
+            kv_heads = divide(num_kv_heads, tp, f"{prefix}: the number of KV heads")
+            self.kv_parts, self.kv_index = tp, self.tp_rank
+        else:
+            divide(tp, num_kv_heads, f"{prefix}: with fewer KV heads than ranks, the ranks")
+            kv_heads = 1
+            self.kv_parts, self.kv_index = num_kv_heads, self.tp_rank // (tp // num_kv_heads)
+        super().__init__(hidden_size, head_size, heads, kv_heads, prefix=prefix, **kw)
+        if tp > 1:
+            shard_parameters(self, "output_dim", self._split)
+
+    def _split(self, shard_id: Any) -> tuple[int, int]:
+        if shard_id == "q":
+            return self.tp_size, self.tp_rank
+        if shard_id in ("k", "v"):
+            return self.kv_parts, self.kv_index
+        raise WeightLoadError(
+            f"{self.prefix}: a fused q/k/v checkpoint tensor cannot be split across "
+            f"tensor-parallel ranks; load q, k and v as separate shards"
+        )
+
+
+class RowParallelLinear(ReplicatedLinear):
+    """One projection split along its inputs: rank ``r`` holds input columns
+    ``[r*K/tp, (r+1)*K/tp)`` and takes the matching slice of the activations (a column-parallel
+    layer's output). The partial products are summed with one all-reduce (``reduce_results``);
+    the bias is added once, after the sum."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = False,
+        reduce_results: bool = True,
+        prefix: str = "",
+        **kw: Any,
+    ) -> None:
+        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.reduce_results = reduce_results
+        self.full_input_size = input_size
+        k = divide(input_size, self.tp_size, f"{prefix}: input size")
+        # The rank's first input column: methods whose tensors index input groups (GPTQ's
+        # g_idx) read it to rebase them.
+        self.input_start = self.tp_rank * k
+        super().__init__(k, output_size, bias=bias, prefix=prefix, **kw)
+        if self.tp_size > 1:
+            shard_parameters(self, "input_dim", lambda _sid: (self.tp_size, self.tp_rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return self.quant_method.apply(self, x, self.bias)
+        from llmhal.distributed.parallel_state import get_tp_group
+
+        y = self.quant_method.apply(self, x, None)
+        if self.reduce_results:
+            y = get_tp_group().all_reduce(y)
+        return y if self.bias is None else y + self.bias.to(y.dtype)

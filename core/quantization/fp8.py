@@ -254,7 +254,10 @@ class Fp8LinearMethod(QuantizeMethodBase):
             return
         add_param(layer, "weight", shape, torch.float8_e4m3fn, loader,
                   dtypes=FP8_CHECKPOINT_DTYPES, output_dim=0, input_dim=1)  # fmt: skip
-        add_stash_param(layer, self.scheme.scale_name, dtypes=FLOAT_DTYPES)
+        scale = add_stash_param(layer, self.scheme.scale_name, dtypes=FLOAT_DTYPES)
+        # Per-channel scales run along the outputs, block scales along both: tensor parallelism
+        # cuts them with the weight (a per-tensor scale, one value, is kept whole).
+        scale.output_dim, scale.input_dim = 0, 1
         if self.scheme.static_input_scale:
             add_stash_param(layer, "input_scale", dtypes=FLOAT_DTYPES)
 

@@ -165,6 +165,10 @@ class GGUFLinearMethod(GroupedLinearMethod):
             except ValueError as e:
                 raise ValueError(f"{layer_name(layer)}: {e}") from None
         param = add_stash_param(layer, "weight")
+        # Rows are outputs and a row's bytes are whole ggml blocks along the inputs: tensor
+        # parallelism (llmhal.layers.linear) cuts rows anywhere, a row only between blocks.
+        param.output_dim, param.input_dim = 0, 1
+        param.shard_unit = 1 if self.types[0].is_float else self.types[0].type_size
         keep = param.weight_loader
 
         def load(p: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:

@@ -202,11 +202,16 @@ class GPTQLinearMethod(GroupedLinearMethod):
                 f"sizes {output_sizes} are not all multiples of {self.pack}"
             )
         layer.gptq_group_size = g
+        # A row-parallel rank (llmhal.layers.linear) holds inputs from ``input_start`` on; one
+        # group over all inputs (group_size -1) is every rank's group 0.
+        start = getattr(layer, "input_start", 0)
+        layer.g_idx_base = 0 if self.group_size_cfg == -1 else start // g
         int32 = [torch.int32]
         add_param(layer, "qweight", (k // self.pack, n), torch.int32, loader, dtypes=int32,
                   input_dim=0, output_dim=1, packed_dim=0, packed_factor=self.pack)  # fmt: skip
         add_zeros_and_scales(layer, loader, k, n, g, self.pack)
-        add_stash_param(layer, "g_idx", dtypes=[torch.int32, torch.int64])
+        # One group index per input column: a row-parallel layer keeps its columns' entries.
+        add_stash_param(layer, "g_idx", dtypes=[torch.int32, torch.int64]).input_dim = 0
 
     def grouped_parts(self, layer: nn.Module) -> list[GroupedPart]:
         check_loaded(layer, ["qweight", "qzeros", "scales", "g_idx"], "GPTQ")

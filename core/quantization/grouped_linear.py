@@ -98,14 +98,24 @@ def stashed_g_idx(layer: nn.Module, name: str, group_size: int) -> dict[Any, tor
 
     k = layer.input_size
     groups = k // group_size
+    # A row-parallel rank's groups are numbered from its first one (``g_idx_base``, set by the
+    # method when it creates the rank's weights).
+    base = getattr(layer, "g_idx_base", 0)
     out = {}
     for sid, gi in stashed(layer, name).items():
         expect_shape(layer, name, sid, gi, (k,))
-        gi = gi.to(torch.int64)
+        gi = gi.to(torch.int64) - base
         if gi.numel() and (int(gi.min()) < 0 or int(gi.max()) >= groups):
+            split = (
+                " (this tensor-parallel rank's input columns belong to other ranks' groups: "
+                "an act-order checkpoint cannot be split along its inputs; use "
+                "tensor_parallel_size=1 or a checkpoint without desc_act)"
+                if base or getattr(layer, "tp_size", 1) > 1
+                else ""
+            )
             raise WeightLoadError(
                 f"{layer_name(layer)}.{name}: group indices must lie in [0, {groups}), got "
-                f"[{int(gi.min())}, {int(gi.max())}]"
+                f"[{int(gi.min())}, {int(gi.max())}]{split}"
             )
         out[sid] = gi
     if None in out:  # loaded without a shard id into a merged layer: it serves every shard
