@@ -110,9 +110,7 @@ class Mamba2Mixer(RecurrentLayer):
         # The SSM state accumulates over the whole sequence: float32, whatever the model dtype.
         return (
             StateSpec("conv", (self.conv_kernel - 1, self.conv_dim), self.model_dtype),
-            StateSpec(
-                "ssm", (self.num_heads, self.head_dim, self.state_size), torch.float32
-            ),
+            StateSpec("ssm", (self.num_heads, self.head_dim, self.state_size), torch.float32),
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
