@@ -488,9 +488,11 @@ class LLMEngine:
             req.num_computed_tokens += n - len(req.spec_token_ids)
             self.kv.cache_blocks(req)
         outputs: list[Any] = failed
-        for req, _ in batch.items:  # a pooling request ends once its prompt is computed
+        pooled = []  # a pooling request ends once its prompt is computed
+        for req, _ in batch.items:
             if req.pooling is not None and req.num_computed_tokens >= len(req.prompt_token_ids):
                 outputs.append(self._finish_pooling(req))
+                pooled.append(req)
         # Each sampled request's previous token time, for the stat loggers' latencies.
         before = [r.metrics.last_token_time for r in sample_reqs] if self.stat_loggers else []
         if result is not None:
@@ -514,7 +516,7 @@ class LLMEngine:
             sampled = list(zip(sample_reqs, before, strict=True))
             ended = [r for r in sample_reqs if r.status.finished]
             generated = decoded if verifying else None
-            self._record_stats(dt, sampled, ended, len(batch.preempted), prefix_stats, generated)
+            self._record_stats(dt, sampled, ended, len(batch.preempted), prefix_stats, generated, pooled)  # fmt: skip
         return outputs
 
     def _apply_grammars(self, logits: torch.Tensor, rows: Sequence[Any]) -> None:
@@ -553,11 +555,14 @@ class LLMEngine:
         preempted: int,
         prefix_stats: PrefixCacheStats | None = None,
         generated: int | None = None,
+        pooled: Sequence[Request] = (),
     ) -> None:
         """Feed the stat loggers one step: ``sampled`` pairs each request that got a token with
         the time of its previous one (None: this was its first); ``ended`` are the requests that
         finished (or were aborted); ``generated`` the tokens emitted (None: one per sampled
-        request; speculative decoding emits several)."""
+        request; speculative decoding emits several); ``pooled`` the pooling requests answered
+        (their prompts counted, each a finished request with reason stop, no token)."""
+        ended = [*ended, *pooled]
         sched = self.scheduler
         used = 1.0 - self.kv.num_free_blocks / self.kv.num_blocks
         # Only requests that got a token (a row with nothing to sample ends without one).
@@ -582,7 +587,8 @@ class LLMEngine:
                 dt,
                 # vLLM's count: a request's whole prompt (cached tokens included) once, when its
                 # first token comes; chunks before it and recomputation after preemption add none.
-                sum(len(r.prompt_token_ids) for r, prev in sampled if prev is None),
+                sum(len(r.prompt_token_ids) for r, prev in sampled if prev is None)
+                + sum(len(r.prompt_token_ids) for r in pooled),
                 len(sampled) if generated is None else generated,
                 tuple(r.request_id for r in ended),
                 preempted,

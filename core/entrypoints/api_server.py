@@ -40,7 +40,7 @@ DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 ROUTES = (
     "the routes are GET /health, /ping, /load, /v1/models, /metrics, /version, /openapi.json, "
     "/docs and POST /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, "
-    "/pooling, /score, /tokenize, /detokenize; GET, DELETE /v1/responses/{id}"
+    "/pooling, /score, /rerank, /classify, /tokenize, /detokenize; GET, DELETE /v1/responses/{id}"
 )
 _PHRASES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found",
             405: "method_not_allowed", 408: "request_timeout", 413: "payload_too_large",
@@ -358,7 +358,7 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
 
     from llmhal.entrypoints.pooling_api import add_pooling_routes
 
-    add_pooling_routes(app, state)  # /v1/embeddings, /pooling, /score
+    add_pooling_routes(app, state)  # /v1/embeddings, /pooling, /score, /rerank, /classify
     from llmhal.entrypoints.api_responses import add_responses_routes
 
     add_responses_routes(app, state)  # /v1/responses

@@ -1,10 +1,14 @@
-"""``POST /v1/embeddings`` (OpenAI's shape), ``POST /pooling`` and ``POST /score`` (vLLM's).
+"""``POST /v1/embeddings`` (OpenAI's shape), ``POST /pooling`` and ``POST /score`` (vLLM's),
+and through :mod:`llmhal.entrypoints.rerank_api` ``/rerank`` and ``/classify``.
 
 Each request's prompts go through the server's engine loop as pooling requests (see
 :mod:`llmhal.pooling`), batched with whatever else is running. ``encoding_format="base64"`` sends
 each vector as the base64 of its float32 little-endian bytes (what the ``openai`` SDK asks for by
-default and decodes itself). Imported by the server only; :func:`add_pooling_routes` is called from
-its app factory.
+default and decodes itself). vLLM's extras: ``truncate_prompt_tokens`` keeps each prompt's last N
+tokens (-1: the model's context), and ``messages`` instead of ``input`` (embeddings and pooling)
+pools a chat rendered by the model's template, without a generation prompt or special tokens
+unless asked. Imported by the server only; :func:`add_pooling_routes` is called from its app
+factory.
 """
 
 from __future__ import annotations
@@ -27,24 +31,39 @@ from llmhal.pooling.params import PoolingParams
 Input = str | list[str] | list[int] | list[list[int]]
 
 
-class EmbeddingRequest(OpenAIBaseModel):
+class _Prompted(OpenAIBaseModel):
+    """vLLM's prompt extras on every pooling route."""
+
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="keep the last N tokens; -1: the context")  # fmt: skip
+    add_special_tokens: bool | None = Field(None, description="default: true for input, false for messages")  # fmt: skip
+
+
+class _Chat(_Prompted):
+    """``input``, or vLLM's chat form: ``messages`` rendered by the model's chat template."""
+
+    input: Input | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class EmbeddingRequest(_Chat):
     model: str | None = None
-    input: Input
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1, description="Matryoshka models only")
     user: str | None = Field(None, description="accepted, ignored")
     normalize: bool | None = Field(None, description="vLLM's extra: the pooler_config's default")
 
 
-class PoolingRequest(OpenAIBaseModel):
+class PoolingRequest(_Chat):
     model: str | None = None
-    input: Input
     task: Literal["embed", "token_embed"] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     normalize: bool | None = None
 
 
-class ScoreRequest(OpenAIBaseModel):
+class ScoreRequest(_Prompted):
     model: str | None = None
     text_1: str | list[str]
     text_2: str | list[str]
@@ -108,6 +127,39 @@ def _prompts(value: Input) -> list[Any]:
     if all(isinstance(v, int) for v in value):
         return [{"prompt_token_ids": value}]
     return [v if isinstance(v, str) else {"prompt_token_ids": v} for v in value]
+
+
+def truncated(state: Any, prompts: list[Any], req: _Prompted, special: bool = True) -> list[Any]:
+    """The prompts as the engine takes them, each cut to its last ``truncate_prompt_tokens``
+    tokens when asked (vLLM's rule: -1 is the model's context, more than it is refused)."""
+    from llmhal.entrypoints import api_completions as gen
+
+    keep = req.truncate_prompt_tokens
+    if req.add_special_tokens is not None:
+        special = req.add_special_tokens
+    if keep is None and special:
+        return prompts  # the engine tokenizes text with its special tokens
+    if keep is not None and keep > state.max_model_len:
+        raise ValueError(f"truncate_prompt_tokens={keep} is more than the model's context of {state.max_model_len} tokens (max_model_len)")  # fmt: skip
+    out = []
+    for p in prompts:
+        ids = gen._tokens(state, p, special, keep) if isinstance(p, str) else p["prompt_token_ids"]
+        out.append({"prompt_token_ids": gen._truncate(ids, keep, state.max_model_len)})
+    return out
+
+
+def chat_or_input(state: Any, req: _Chat) -> list[Any]:
+    """The request's prompts: its ``input``, or its ``messages`` rendered as one prompt."""
+    if (req.input is None) == (req.messages is None):
+        raise ValueError("send input (text or token ids) or messages (a chat), one of the two")
+    if req.input is not None:
+        return truncated(state, _prompts(req.input), req)
+    text = state.llm.apply_chat_template(
+        req.messages, req.add_generation_prompt, continue_final_message=req.continue_final_message,
+        chat_template_kwargs=req.chat_template_kwargs,
+    )  # fmt: skip
+    # The template wrote the special tokens it wants (vLLM's default for chat: none added).
+    return truncated(state, [text], req, special=False)
 
 
 def _body(model: type[OpenAIBaseModel]) -> dict[str, Any]:
@@ -180,10 +232,15 @@ def add_pooling_routes(app: FastAPI, state: Any) -> None:
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 
+    async def prompts_of(fn: Any) -> list[Any]:
+        """``fn()``'s prompts, made on a worker (templates and tokenizers stay off the event
+        loop); 400 for what it refuses."""
+        return await asyncio.get_running_loop().run_in_executor(state.workers, checked, fn)
+
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, openapi_extra=_body(EmbeddingRequest), responses=_GEN_DOCS)  # fmt: skip
     async def embeddings(request: Request) -> JSONResponse:
         req = await parse(request, EmbeddingRequest)
-        prompts = checked(lambda: _prompts(req.input))
+        prompts = await prompts_of(lambda: chat_or_input(state, req))
         params = checked(lambda: PoolingParams("embed", req.dimensions, req.normalize))
         outs = await pool(prompts, params)
         data = [
@@ -206,7 +263,7 @@ def add_pooling_routes(app: FastAPI, state: Any) -> None:
         dims = (req.model_extra or {}).get("dimensions")
         if dims is not None:  # vLLM refuses it here too
             raise ApiError(400, f"dimensions={dims} is for POST /v1/embeddings; /pooling returns the pooled hidden states whole", "dimensions")  # fmt: skip
-        prompts = checked(lambda: _prompts(req.input))
+        prompts = await prompts_of(lambda: chat_or_input(state, req))
         config = state.llm.engine.pooler_config
         task = req.task or ("token_embed" if config is not None and config.pooling_type == "ALL" else "embed")  # fmt: skip
         params = checked(lambda: PoolingParams(task, None, req.normalize))
@@ -244,7 +301,7 @@ def add_pooling_routes(app: FastAPI, state: Any) -> None:
     async def score(request: Request) -> JSONResponse:
         req = await parse(request, ScoreRequest)
         left, right = checked(lambda: pair_up(req.text_1, req.text_2))
-        outs = await pool(left + right, PoolingParams("embed"))
+        outs = await pool(await prompts_of(lambda: truncated(state, left + right, req)), PoolingParams("embed"))  # fmt: skip
         n = len(left)
         data = [
             {"index": i, "object": "score", "score": cosine(a, b)}
@@ -254,3 +311,7 @@ def add_pooling_routes(app: FastAPI, state: Any) -> None:
 
     for path in ("/score", "/v1/score"):
         app.post(path, response_model=ScoreResponse, openapi_extra=_body(ScoreRequest), responses=_GEN_DOCS)(score)  # fmt: skip
+
+    from llmhal.entrypoints.rerank_api import add_rerank_routes
+
+    add_rerank_routes(app, state, parse, pool, checked, prompts_of)
