@@ -1,0 +1,224 @@
+"""``llmhal bench ssm``: a full-width Mamba-2 (and, when llmhal has it, the Bamba hybrid) against
+transformers on the same weights, and llmhal's decode time per token as the context grows.
+
+The checkpoints are tiny-random but full-width, built here with transformers' own classes
+(default: 24 layers of width 768, Mamba-2 mixers of 24 heads x 64 with 128 state channels in one
+group, conv width 4, 256-token SSD chunks; the hybrid has the same mixers with softmax attention
+(12 heads over 4 KV heads of 64) in every sixth layer and a 2048-wide MLP after every mixer, as
+Bamba does). The vocabulary is the tiny test tokenizer's (384 ids), so the LM head does not
+dilute the layers' cost.
+
+Decode tokens/s at each batch size come from ``llmhal bench engine``'s workers, one process per
+system (best of ``--repeat`` timed runs after an untimed warm-up). The context rows are one
+request at a time in one llmhal process: a prompt of each context length, then ``--new-tokens``
+decode steps, timed by the engine's own decode clock (prefill excluded). A Mamba-2 model's state
+is constant in size, so its time per token should not grow with the context; the hybrid's
+attention layers read a KV cache that does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmhal.benchmarks.engine import WorkerSpec, add_workload_args, run_worker
+
+
+@dataclass(frozen=True)
+class SsmShape:
+    hidden: int = 768
+    layers: int = 24
+    heads: int = 24  # Mamba-2 heads: heads * head_dim = expand * hidden
+    head_dim: int = 64
+    state: int = 128
+    groups: int = 1
+    conv: int = 4
+    chunk: int = 256
+    attn_every: int = 6  # hybrid: softmax attention in layers attn_every - 1, 2 * attn_every - 1...
+    attn_heads: int = 12
+    attn_kv_heads: int = 4
+    mlp: int = 2048
+
+
+def _configs(shape: SsmShape) -> dict[str, Any]:
+    import transformers
+
+    from llmhal.testing.tiny_models import TINY_VOCAB
+
+    expand, rest = divmod(shape.heads * shape.head_dim, shape.hidden)
+    if rest or not expand:
+        raise SystemExit(
+            f"heads x head_dim ({shape.heads} x {shape.head_dim}) must be a multiple of hidden "
+            f"({shape.hidden}): the mixers' inner width is expand x hidden"
+        )
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=0, pad_token_id=0)  # fmt: skip
+    attn = list(range(shape.attn_every - 1, shape.layers, shape.attn_every))
+    return {
+        "mamba2": transformers.Mamba2Config(
+            num_heads=shape.heads, head_dim=shape.head_dim, expand=expand, state_size=shape.state,
+            n_groups=shape.groups, conv_kernel=shape.conv, chunk_size=shape.chunk, **common,
+        ),
+        "hybrid": transformers.BambaConfig(
+            mamba_n_heads=shape.heads, mamba_d_head=shape.head_dim, mamba_expand=expand,
+            mamba_d_state=shape.state, mamba_n_groups=shape.groups, mamba_d_conv=shape.conv,
+            mamba_chunk_size=shape.chunk, attn_layer_indices=attn,
+            num_attention_heads=shape.attn_heads, num_key_value_heads=shape.attn_kv_heads,
+            intermediate_size=shape.mlp, max_position_embeddings=16384, **common,
+        ),
+    }  # fmt: skip
+
+
+def make_checkpoints(folder: Path, shape: SsmShape, names: list[str], seed: int = 0) -> dict:
+    """Write the named checkpoints (``mamba2``, ``hybrid``) in float32 with the tiny tokenizer;
+    reuses checkpoints already written for the same shape."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmhal.testing.tiny_models import TINY_VOCAB, make_tokenizer
+
+    configs = _configs(shape)
+    out = {}
+    for name in names:
+        target = folder / f"{name}-{shape.hidden}x{shape.layers}-h{shape.heads}-n{shape.state}"
+        out[name] = target
+        if (target / "model.safetensors").exists():
+            continue
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(configs[name], dtype=torch.float32)
+        model.save_pretrained(str(target), safe_serialization=True)
+        make_tokenizer(TINY_VOCAB).save_pretrained(str(target))
+        del model
+    return out
+
+
+def _context_worker(a: argparse.Namespace) -> dict[str, Any]:
+    """llmhal's decode ms per token after a prompt of each context length (one request)."""
+    import random
+
+    from llmhal import LLM, SamplingParams
+
+    contexts = [int(c) for c in a.contexts.split(",")]
+    llm = LLM(a.model, dtype=a.dtype, max_num_seqs=1, enable_prefix_caching=False,
+              max_model_len=max(contexts) + a.new_tokens + 8)  # fmt: skip
+    engine, rng = llm.engine, random.Random(0)
+    vocab = engine.config.model.hf_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=a.new_tokens, ignore_eos=True)
+
+    def ms_per_token(length: int) -> float:
+        prompt = [rng.randrange(10, vocab - 10) for _ in range(length)]
+        engine.stats.__init__()
+        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        return 1000.0 / engine.stats.decode_tps
+
+    ms_per_token(min(contexts))  # untimed: first-use costs
+    return {str(c): min(ms_per_token(c) for _ in range(max(1, a.repeat))) for c in contexts}
+
+
+def run_context_worker(model: Path, a: argparse.Namespace) -> dict[str, float]:
+    cmd = [sys.executable, "-m", "llmhal.benchmarks.ssm", "--worker", "--model", str(model),
+           "--dtype", a.dtype, "--contexts", a.contexts, "--new-tokens", str(a.new_tokens),
+           "--repeat", str(a.repeat)]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"context worker failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _row(name: str, values: list[str]) -> str:
+    return f"{name:<30}" + "".join(f"{v:>12}" for v in values)
+
+
+def _fmt(x: float | None, unit: str = "") -> str:
+    return "-" if x is None else f"{x:.2f}{unit}" if x < 100 else f"{x:.0f}{unit}"
+
+
+def report(results: dict[str, dict[str, Any]], batch_sizes: list[int], contexts: list[int]) -> str:
+    lines = [_row("decode tok/s", [f"batch {b}" for b in batch_sizes])]
+    for model in ("mamba2", "hybrid"):
+        ours, theirs = results.get(model), results.get(f"hf_{model}")
+        if ours is None:
+            continue
+        ours_tps = [float(ours["decode"][str(b)]) for b in batch_sizes]
+        lines.append(_row(f"llmhal {model}", [_fmt(v) for v in ours_tps]))
+        if theirs is not None:
+            theirs_tps = [float(theirs["decode"][str(b)]) for b in batch_sizes]
+            lines.append(_row(f"transformers {model}", [_fmt(v) for v in theirs_tps]))
+            lines.append(_row("  llmhal / transformers", [
+                _fmt(o / t if t else None, "x") for o, t in zip(ours_tps, theirs_tps, strict=True)
+            ]))  # fmt: skip
+    if not contexts:
+        return "\n".join(lines)
+    lines += ["", _row("llmhal decode ms/token", [f"ctx {c}" for c in contexts] + ["last/first"])]
+    for model in ("mamba2", "hybrid"):
+        ctx = results.get(f"ctx_{model}")
+        if ctx is not None:
+            ms = [float(ctx[str(c)]) for c in contexts]
+            lines.append(_row(model, [_fmt(v) for v in ms] + [_fmt(ms[-1] / ms[0], "x")]))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="llmhal bench ssm", description=__doc__.split("\n\n")[0])
+    for field_name, default in SsmShape.__dataclass_fields__.items():
+        p.add_argument("--" + field_name.replace("_", "-"), type=int, default=default.default)
+    p.add_argument("--dtype", default="float32")
+    add_workload_args(p, batch_sizes="1,8", new_tokens=32, prefill_len=128, repeat=2)
+    p.add_argument(
+        "--contexts", default="256,1024,4096", help="prompt lengths of the ms/token rows"
+    )
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--no-hybrid", action="store_true", help="skip the Bamba hybrid")
+    p.add_argument("--no-contexts", action="store_true", help="skip the context rows")
+    p.add_argument(
+        "--workdir", help="keep the generated checkpoints here (reused when the shape matches)"
+    )
+    p.add_argument("--json", dest="json_path", help="also write the results here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        print(json.dumps(_context_worker(a)))
+        return 0
+    from llmhal.models.registry import ModelRegistry
+
+    a.batch_sizes = [int(x) for x in str(a.batch_sizes).split(",")]
+    contexts = [int(c) for c in a.contexts.split(",")]
+    shape = SsmShape(**{f: getattr(a, f) for f in SsmShape.__dataclass_fields__})
+    names = ["mamba2"]
+    if not a.no_hybrid and ModelRegistry.is_registered("BambaForCausalLM"):
+        names.append("hybrid")
+    if a.workdir:
+        folder = Path(a.workdir)
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    else:
+        folder = Path(tempfile.mkdtemp(prefix="llmhal_bench_ssm_"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    ckpt = make_checkpoints(folder, shape, names)
+    results: dict[str, dict[str, Any]] = {}
+    for name in names:
+        spec = WorkerSpec(str(ckpt[name]), a.dtype, None, tuple(a.batch_sizes), a.new_tokens,
+                          a.prompt_len, a.prefill_len, a.repeat)  # fmt: skip
+        results[name] = run_worker("llmhal", spec)
+        if not a.no_hf:
+            results[f"hf_{name}"] = run_worker("hf", spec)
+        if not a.no_contexts:
+            results[f"ctx_{name}"] = run_context_worker(ckpt[name], a)
+    print(f"shape: {shape}  dtype: {a.dtype}  new tokens: {a.new_tokens}  prompt: {a.prompt_len}")
+    print(report(results, a.batch_sizes, [] if a.no_contexts else contexts))
+    if a.json_path:
+        with open(a.json_path, "w") as f:
+            json.dump({"shape": shape.__dict__, "results": results, "args": vars(a)}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""``llmhal bench ssm``: the checkpoints it builds, the table's arithmetic, and (slow) a real run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmhal.benchmarks import ssm as bench
+
+TINY = ["--hidden", "64", "--layers", "2", "--heads", "4", "--head-dim", "32", "--state", "16",
+        "--chunk", "16", "--attn-every", "2", "--attn-heads", "2", "--attn-kv-heads", "1",
+        "--mlp", "64", "--contexts", "32,64", "--new-tokens", "8", "--repeat", "1",
+        "--prefill-len", "16"]  # fmt: skip
+
+
+def test_checkpoints_and_table(tmp_path, monkeypatch, capsys):
+    canned = {"llmhal": [{"decode": {"1": 30.0, "8": 200.0}}, {"decode": {"1": 20.0, "8": 100.0}}],
+              "hf": [{"decode": {"1": 10.0, "8": 50.0}}, {"decode": {"1": 10.0, "8": 20.0}}]}  # fmt: skip
+    seen = []
+
+    def run_worker(system, spec):
+        seen.append((system, spec.model))
+        return canned[system][len([s for s in seen if s[0] == system]) - 1]
+
+    contexts = iter([{"32": 4.0, "64": 4.4}, {"32": 5.0, "64": 7.5}])
+    monkeypatch.setattr(bench, "run_worker", run_worker)
+    monkeypatch.setattr(bench, "run_context_worker", lambda model, a: next(contexts))
+    out = tmp_path / "r.json"
+    assert bench.main([*TINY, "--workdir", str(tmp_path), "--json", str(out)]) == 0
+    assert [s[0] for s in seen] == ["llmhal", "hf", "llmhal", "hf"]
+    mamba2 = json.loads((tmp_path / seen[0][1].split("/")[-1] / "config.json").read_text())
+    assert mamba2["architectures"] == ["Mamba2ForCausalLM"]
+    assert (mamba2["num_heads"], mamba2["head_dim"], mamba2["expand"]) == (4, 32, 2)
+    hybrid = json.loads((tmp_path / seen[2][1].split("/")[-1] / "config.json").read_text())
+    assert hybrid["architectures"] == ["BambaForCausalLM"] and hybrid["attn_layer_indices"] == [1]
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    ratios = [r[-2:] for r in rows if r[:1] == ["llmhal"] and r[1:2] == ["/"]]
+    assert ratios == [["3.00x", "4.00x"], ["2.00x", "5.00x"]]
+    ctx = {r[0]: r[1:] for r in rows if r[:1] in (["mamba2"], ["hybrid"])}
+    assert ctx == {"mamba2": ["4.00", "4.40", "1.10x"], "hybrid": ["5.00", "7.50", "1.50x"]}
+    assert json.loads(out.read_text())["results"]["ctx_hybrid"]["64"] == 7.5
+
+
+def test_refuses_an_inner_width_that_is_not_a_multiple_of_hidden(tmp_path):
+    with pytest.raises(SystemExit, match="multiple of hidden"):
+        bench.main([*TINY[:4], "--heads", "3", *TINY[6:], "--workdir", str(tmp_path)])
+
+
+@pytest.mark.slow
+def test_real_run_on_a_tiny_shape(capsys):
+    assert bench.main(TINY) == 0
+    table = capsys.readouterr().out
+    assert "llmhal / transformers" in table and "last/first" in table
