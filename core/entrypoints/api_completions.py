@@ -10,7 +10,8 @@ vLLM's request extras handled here: ``truncate_prompt_tokens`` (the prompt's las
 ``add_special_tokens``, the chat template's ``chat_template_kwargs``, ``documents``,
 ``add_generation_prompt``, ``continue_final_message`` (and ``chat_template`` with
 ``--trust-request-chat-template``), chat ``echo`` (the last message, when it has the answer's role,
-before each choice's content), ``return_token_ids``, ``prompt_logprobs`` (in full answers),
+before each choice's content), ``return_token_ids``, ``prompt_logprobs`` (in full answers, and in each choice's first chunk of
+a stream, as vLLM sends them),
 ``return_tokens_as_token_ids``, ``request_id``, ``stream_options.continuous_usage_stats`` and
 ``priority`` (with ``--scheduling-policy priority``; else a 400 for any but 0).
 ``max_tokens`` past the context is a 400 naming both numbers (vLLM's rule), and a prompt is
@@ -322,6 +323,7 @@ async def stream_events(state: Any, plan: Plan, gone: asyncio.Future[Any]) -> As
     last: list[Any] = [None] * size
     streams = [plan.output.stream() for _ in range(size)] if plan.output else None
     want_ids = bool(plan.req.return_token_ids)
+    want_plp = plan.req.prompt_logprobs is not None
 
     def chunk(index: int, delta: str, finish: str | None, out: Any, ids: list[int], **kw: Any) -> bytes:  # fmt: skip
         c = api.stream_chunk(plan.id, state.model_name, delta, finish, chat=plan.chat, index=index, first=not started[index], **kw)  # fmt: skip
@@ -333,6 +335,8 @@ async def stream_events(state: Any, plan: Plan, gone: asyncio.Future[Any]) -> As
                     c["prompt_token_ids"] = out.prompt_token_ids
                 else:
                     choice["prompt_token_ids"] = out.prompt_token_ids
+        if want_plp and not started[index]:  # complete: a prompt is computed before its first token
+            (c if plan.chat else choice)["prompt_logprobs"] = _prompt_logprobs(out)
         if finish is not None:
             choice["stop_reason"] = out.outputs[0].stop_reason
         if plan.include_usage:

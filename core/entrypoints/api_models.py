@@ -222,6 +222,7 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # in a choice's first chunk
 
 
 class ErrorInfo(OpenAIBaseModel):
