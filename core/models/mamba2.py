@@ -19,28 +19,13 @@ from llmhal.layers.vocab_embedding import ParallelLMHead, VocabEmbedding
 from llmhal.models.utils import load_weights_by_name
 
 
-class Mamba2Block(nn.Module):
-    def __init__(self, config: Any, prefix: str) -> None:
+class MambaBlock(nn.Module):
+    """Pre-norm residual block around a mixer (``build_mixer(config, prefix)``)."""
+
+    def __init__(self, config: Any, build_mixer: Any, prefix: str) -> None:
         super().__init__()
-        eps = config.layer_norm_epsilon
-        self.norm = RMSNorm(config.hidden_size, eps=eps)
-        inner = int(config.expand * config.hidden_size)
-        self.mixer = Mamba2Mixer(
-            config.hidden_size,
-            num_heads=config.num_heads,
-            head_dim=config.head_dim,
-            state_size=config.state_size,
-            n_groups=config.n_groups,
-            conv_kernel=config.conv_kernel,
-            intermediate_size=inner,
-            chunk_size=config.chunk_size,
-            use_bias=config.use_bias,
-            use_conv_bias=config.use_conv_bias,
-            activation=config.hidden_act,
-            norm_eps=eps,
-            dt_limit=tuple(config.time_step_limit),
-            prefix=f"{prefix}.mixer",
-        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.mixer = build_mixer(config, f"{prefix}.mixer")
 
     def forward(self, hidden: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
         # The residual add is fused into the next norm, as in the Llama family.
@@ -51,14 +36,15 @@ class Mamba2Block(nn.Module):
         return self.mixer(hidden), residual
 
 
-class Mamba2Model(nn.Module):
-    def __init__(self, config: Any, prefix: str = "backbone") -> None:
+class MambaModel(nn.Module):
+    def __init__(self, config: Any, build_mixer: Any, prefix: str = "backbone") -> None:
         super().__init__()
         self.embeddings = VocabEmbedding(
             config.vocab_size, config.hidden_size, prefix=f"{prefix}.embeddings"
         )
         self.layers = nn.ModuleList(
-            Mamba2Block(config, f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)
+            MambaBlock(config, build_mixer, f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers)
         )
         self.norm_f = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
@@ -71,10 +57,12 @@ class Mamba2Model(nn.Module):
 
 
 class Mamba2ForCausalLM(nn.Module):
+    """Also the base of Mamba-1 (:mod:`llmhal.models.mamba`), which overrides :meth:`build_mixer`."""
+
     def __init__(self, hf_config: Any, prefix: str = "") -> None:
         super().__init__()
         self.config = hf_config
-        self.backbone = Mamba2Model(hf_config)
+        self.backbone = MambaModel(hf_config, self.build_mixer)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.backbone.embeddings
@@ -82,6 +70,24 @@ class Mamba2ForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(
                 hf_config.vocab_size, hf_config.hidden_size, prefix="lm_head"
             )
+
+    def build_mixer(self, config: Any, prefix: str) -> nn.Module:
+        return Mamba2Mixer(
+            config.hidden_size,
+            num_heads=config.num_heads,
+            head_dim=config.head_dim,
+            state_size=config.state_size,
+            n_groups=config.n_groups,
+            conv_kernel=config.conv_kernel,
+            intermediate_size=int(config.expand * config.hidden_size),
+            chunk_size=config.chunk_size,
+            use_bias=config.use_bias,
+            use_conv_bias=config.use_conv_bias,
+            activation=config.hidden_act,
+            norm_eps=config.layer_norm_epsilon,
+            dt_limit=tuple(config.time_step_limit),
+            prefix=prefix,
+        )
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         # Positions play no part: the order of tokens is carried by the states.

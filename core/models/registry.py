@@ -25,6 +25,8 @@ _BUILTIN: dict[str, str] = {
     "DeepseekV2ForCausalLM": "llmhal.models.deepseek_v2:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "llmhal.models.deepseek_v2:DeepseekV3ForCausalLM",
     "OlmoeForCausalLM": "llmhal.models.olmoe:OlmoeForCausalLM",
+    "MambaForCausalLM": "llmhal.models.mamba:MambaForCausalLM",
+    "FalconMambaForCausalLM": "llmhal.models.mamba:FalconMambaForCausalLM",
     "Mamba2ForCausalLM": "llmhal.models.mamba2:Mamba2ForCausalLM",
     "Lfm2ForCausalLM": "llmhal.models.lfm2:Lfm2ForCausalLM",
     "MiniMaxForCausalLM": "llmhal.models.minimax:MiniMaxForCausalLM",

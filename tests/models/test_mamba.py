@@ -1,0 +1,22 @@
+"""Mamba-1 and FalconMamba through LLM against transformers on tiny random checkpoints (the
+helpers and the engine checks shared with Mamba-2 live in test_mamba2.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmhal import LLM
+from tests.models.test_mamba2 import PROMPTS, differences, force_preemption, hf_greedy
+
+
+@pytest.mark.parametrize("arch", ["mamba", "falcon_mamba"])
+def test_greedy_tokens_and_logprobs_match_transformers(tiny_models, arch):
+    folder, model = tiny_models(arch)
+    refs = hf_greedy(model)
+    llm = LLM(folder, dtype="float32", max_num_seqs=4, max_num_batched_tokens=8)
+    assert llm.engine.runner.attention_backends == ["mamba1_attn"]
+    assert differences(llm, refs) == []  # chunked prefill, mixed with decodes
+    whole = LLM(folder, dtype="float32", max_num_seqs=4, block_size=16)
+    force_preemption(whole, num_blocks=9)
+    assert differences(whole, refs, PROMPTS) == []  # whole prompts, across preemptions
+    assert whole.engine.scheduler.num_preemptions > 0
