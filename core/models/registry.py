@@ -30,6 +30,7 @@ _BUILTIN: dict[str, str] = {
     "Mamba2ForCausalLM": "llmhal.models.mamba2:Mamba2ForCausalLM",
     "Lfm2ForCausalLM": "llmhal.models.lfm2:Lfm2ForCausalLM",
     "MiniMaxForCausalLM": "llmhal.models.minimax:MiniMaxForCausalLM",
+    "BambaForCausalLM": "llmhal.models.bamba:BambaForCausalLM",
 }
 
 

@@ -1,0 +1,93 @@
+"""Engine-level parity with transformers: greedy tokens and log-probabilities of ``LLM.generate``
+against HF ``generate`` on the same tiny checkpoint, prompt by prompt.
+
+Used by the tests of models whose layers keep state (LFM2, MiniMax, Bamba): their state lives in
+the engine's caches, so they are compared through :class:`llmhal.LLM`, where batching, chunked
+prefill and preemption happen, rather than layer by layer::
+
+    refs = hf_references(hf_model, PROMPTS, 64)
+    llm = LLM(folder, dtype="float32", max_num_batched_tokens=8)
+    assert not compare_with_references(llm, refs)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Prompts of different lengths: one token, a few, and one long enough (29) to cross 16-token
+# chunk and block boundaries of the tiny models.
+PROMPTS: tuple[tuple[int, ...], ...] = (
+    (5, 17, 42),
+    (7, 100, 23, 9, 88, 64, 3, 250, 31),
+    (300,),
+    tuple(range(11, 40)),
+)
+
+
+@dataclass(frozen=True)
+class Reference:
+    prompt: tuple[int, ...]
+    tokens: list[int]
+    logprobs: Any  # float32 [steps, vocab]
+
+
+def hf_references(model: Any, prompts: Any, steps: int) -> list[Reference]:
+    """transformers' greedy continuation of each prompt (no EOS stop) and its log-probabilities."""
+    import torch
+
+    refs = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([list(prompt)]), max_new_tokens=steps, min_new_tokens=steps,
+                do_sample=False, output_scores=True, return_dict_in_generate=True,
+                pad_token_id=0, eos_token_id=None,
+            )  # fmt: skip
+        scores = torch.stack(out.scores)[:, 0].float()
+        tokens = out.sequences[0, len(prompt) :].tolist()
+        refs.append(Reference(tuple(prompt), tokens, torch.log_softmax(scores, -1)))
+    return refs
+
+
+def compare_with_references(
+    llm: Any, refs: list[Reference], *, atol: float = 2e-4, logprobs: int = 3
+) -> list[str]:
+    """Run every reference prompt through ``llm`` in one batch (greedy, as many steps as the
+    references); returns the differences found (empty: identical tokens, and every returned
+    log-probability within ``atol`` of transformers')."""
+    from llmhal import SamplingParams
+
+    steps = len(refs[0].tokens)
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=logprobs)
+    outs = llm.generate([{"prompt_token_ids": list(r.prompt)} for r in refs], params)
+    problems = []
+    for ref, out in zip(refs, outs, strict=True):
+        got = out.outputs[0]
+        if got.token_ids != ref.tokens:
+            pairs = enumerate(zip(got.token_ids, ref.tokens, strict=False))
+            first = next((i for i, (a, b) in pairs if a != b), len(ref.tokens))
+            problems.append(
+                f"prompt of {len(ref.prompt)} tokens: tokens differ from step {first} "
+                f"({got.token_ids[first : first + 4]} != {ref.tokens[first : first + 4]})"
+            )
+            continue
+        for step, entry in enumerate(got.logprobs):
+            for tok, lp in entry.items():
+                want = float(ref.logprobs[step, tok])
+                if abs(lp.logprob - want) > atol:
+                    problems.append(
+                        f"prompt of {len(ref.prompt)} tokens, step {step}, token {tok}: "
+                        f"logprob {lp.logprob:.6f} != {want:.6f}"
+                    )
+                    break
+    return problems
+
+
+def preempting_budget(llm: Any, slots: int, blocks: int) -> int:
+    """A cache budget (``kv_cache_memory_bytes``) that gives ``slots`` state slots (with
+    ``max_num_seqs=slots``) and ``blocks`` KV blocks to a model like ``llm``'s: few enough blocks
+    that a batch of growing requests must preempt."""
+    runner = llm.engine.runner
+    per_slot, per_block = runner.state_bytes_per_slot(), runner.kv_cache_bytes_per_block()
+    return max(slots * per_slot + blocks * per_block, 2 * slots * per_slot)
