@@ -13,7 +13,10 @@ up front; :meth:`GGUFFile.weights` yields zero-copy views:
   layout, and the inverse reorders whole rows, so it applies to quantized rows as well.
 
 Supported architectures: llama (also Mistral and SmolLM, which llama.cpp writes as llama), qwen2,
-qwen3. The tokenizer (with its chat template) is built by transformers from the file's vocabulary
+qwen3, and the mixture-of-experts ones: llama with ``expert_count`` (Mixtral), qwen2moe (with its
+shared expert), qwen3moe. Their experts are 3-D tensors (``ffn_gate_exps`` [E, I, H], ...), yielded
+per expert (``mlp.experts.<e>.gate_proj.weight``: one expert's raw rows) for the MoE layer
+(:mod:`llmhal.quantization.gguf_moe`). The tokenizer (with its chat template) is built by transformers from the file's vocabulary
 and merges; the HF config is built here from the metadata.
 """
 
@@ -37,6 +40,20 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+}
+_MIXTRAL = ("mixtral", "MixtralForCausalLM")  # a llama file with experts
+# MoE tensors by llama.cpp's fixed names (per block) -> HF module below ``model.layers.<i>.``.
+_MOE_BLOCK = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 _PERMUTED_ARCHS = ("llama",)  # llama.cpp permutes q/k rows only for these
 _CONFIG_KEYS = {  # "<arch>.<key>" -> HF config field
@@ -207,7 +224,13 @@ class GGUFFile:
     def architecture(self) -> str:
         return str(self.metadata["general.architecture"])
 
+    @property
+    def is_moe(self) -> bool:
+        return int(self._meta("expert_count", 0) or 0) > 0
+
     def _arch(self) -> tuple[str, str]:
+        if self.architecture == "llama" and self.is_moe:
+            return _MIXTRAL
         if self.architecture not in ARCHITECTURES:
             raise GGUFFormatError(
                 f"{self.path.name}: GGUF architecture {self.architecture!r} is not supported; "
@@ -225,7 +248,14 @@ class GGUFFile:
         transformers ``PreTrainedConfig``, not the architecture's own class (see
         :func:`llmhal.model_loader.hf_config.config_for`); build ``LlamaConfig(**self.config_dict())``
         for a transformers model."""
-        return config_for(self._arch()[0], self.config_dict())
+        from llmhal.model_loader.hf_config import DEFAULTS
+
+        model_type = self._arch()[0]
+        if model_type not in DEFAULTS:  # the MoE ones: transformers' own config class
+            from transformers import AutoConfig
+
+            return AutoConfig.for_model(model_type, **self.config_dict())
+        return config_for(model_type, self.config_dict())
 
     def config_dict(self) -> dict[str, Any]:
         model_type, arch_cls = self._arch()
@@ -256,7 +286,31 @@ class GGUFFile:
         scaling = self._rope_scaling()
         if scaling is not None:
             cfg["rope_scaling"] = scaling
+        if self.is_moe:
+            cfg.update(self._moe_config(model_type))
         return cfg
+
+    def _moe_config(self, model_type: str) -> dict[str, Any]:
+        experts, used = int(self._meta("expert_count")), int(self._meta("expert_used_count", 0))
+        if not 0 < used <= experts:
+            raise GGUFFormatError(
+                f"{self.path.name}: expert_used_count {used} is not between 1 and expert_count "
+                f"{experts}"
+            )
+        out: dict[str, Any] = {"num_experts_per_tok": used}
+        if model_type == "mixtral":
+            out["num_local_experts"] = experts
+            return out
+        out["num_experts"] = experts
+        out["moe_intermediate_size"] = int(self._meta("expert_feed_forward_length"))
+        shared = self._meta("expert_shared_feed_forward_length")
+        if shared is not None:
+            out["shared_expert_intermediate_size"] = int(shared)
+        # llama.cpp renormalises qwen3moe's chosen weights and not qwen2moe's, unless the file
+        # says otherwise.
+        norm = self._meta("expert_weights_norm")
+        out["norm_topk_prob"] = bool(norm) if norm is not None else model_type == "qwen3_moe"
+        return out
 
     def _rope_scaling(self) -> dict[str, Any] | None:
         kind = self._meta("rope.scaling.type")
@@ -309,7 +363,7 @@ class GGUFFile:
         types = {}
         for name, info in self.tensors.items():
             base, _, suffix = name.rpartition(".")
-            if suffix == "weight" and len(info.shape) == 2:
+            if suffix == "weight" and len(info.shape) in (2, 3):  # 3-D: a MoE layer's experts
                 types[self.name_map[base]] = self.tensor_type(name).type_id
         return GGUFConfig(types, tie_word_embeddings="output.weight" not in self.tensors)
 
@@ -330,6 +384,9 @@ class GGUFFile:
             base = gmap.get_name(name)
             if base is not None:
                 out[base] = name
+        if self.is_moe:
+            for i in range(n_layers):
+                out.update({f"blk.{i}.{g}": f"model.layers.{i}.{h}" for g, h in _MOE_BLOCK.items()})
         return out
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -344,7 +401,7 @@ class GGUFFile:
         }
         if not c["tie_word_embeddings"]:
             out["lm_head.weight"] = (vocab, hidden)
-        bias = self.architecture == "qwen2" or c.get("attention_bias", False)
+        bias = self.architecture in ("qwen2", "qwen2moe") or c.get("attention_bias", False)
         for i in range(c["num_hidden_layers"]):
             p = f"model.layers.{i}."
             layer = {
@@ -360,9 +417,32 @@ class GGUFFile:
             }
             if bias:
                 layer.update({f"self_attn.{x}_proj.bias": (n * hd,) for x, n in (("q", heads), ("k", kv), ("v", kv))})  # fmt: skip
-            if self.architecture == "qwen3":
+            if self.architecture in ("qwen3", "qwen3moe"):
                 layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
+            if self.is_moe:
+                for dense in ("gate_proj", "up_proj", "down_proj"):
+                    del layer[f"mlp.{dense}.weight"]
+                layer.update(self._moe_shapes(c, hidden))
             out.update({p + k: v for k, v in layer.items()})
+        return out
+
+    def _moe_shapes(self, c: dict[str, Any], hidden: int) -> dict[str, tuple[int, ...]]:
+        e = c.get("num_local_experts") or c["num_experts"]
+        inter = c.get("moe_intermediate_size") or c["intermediate_size"]
+        out: dict[str, tuple[int, ...]] = {
+            "mlp.gate.weight": (e, hidden),
+            "mlp.experts.gate_proj.weight": (e, inter, hidden),
+            "mlp.experts.up_proj.weight": (e, inter, hidden),
+            "mlp.experts.down_proj.weight": (e, hidden, inter),
+        }
+        shared = c.get("shared_expert_intermediate_size")
+        if shared:
+            out.update({
+                "mlp.shared_expert_gate.weight": (1, hidden),
+                "mlp.shared_expert.gate_proj.weight": (shared, hidden),
+                "mlp.shared_expert.up_proj.weight": (shared, hidden),
+                "mlp.shared_expert.down_proj.weight": (hidden, shared),
+            })  # fmt: skip
         return out
 
     def hf_name(self, gguf_name: str) -> str:
@@ -392,7 +472,7 @@ class GGUFFile:
                     f"{self.path.name}: GGUF tensor {name} ({hf}) is not part of the "
                     f"{self.architecture} model described by the file's metadata"
                 )
-            if tuple(info.shape) != expected[hf]:
+            if tuple(info.shape) != expected[hf] and not _is_shared_gate(hf, info.shape):
                 raise GGUFFormatError(
                     f"{self.path.name}: GGUF tensor {name} ({hf}) has shape {info.shape}, the "
                     f"metadata implies {expected[hf]}"
@@ -428,7 +508,19 @@ class GGUFFile:
             proj = hf.split(".")[-2]
             if self.architecture in _PERMUTED_ARCHS and proj in heads:
                 tensor = unpermute_rows(tensor, heads[proj])
+            if ".mlp.experts." in hf:  # [E, rows, ...]: one expert at a time, as checkpoints do
+                module, _, part = hf.rpartition(".experts.")
+                for e in range(tensor.shape[0]):
+                    yield f"{module}.experts.{e}.{part}", tensor[e]
+                continue
+            if _is_shared_gate(hf, tuple(tensor.shape)):
+                tensor = tensor.reshape(1, -1)  # llama.cpp may store it as a vector
             yield hf, tensor
+
+
+def _is_shared_gate(hf_name: str, shape: tuple[int, ...]) -> bool:
+    """Qwen2-MoE's shared-expert gate stored as a vector ([H], llama.cpp's shape) or [1, H]."""
+    return hf_name.endswith("mlp.shared_expert_gate.weight") and (len(shape) == 1 or shape[0] == 1)
 
 
 def unpermute_rows(t: torch.Tensor, n_head: int) -> torch.Tensor:

@@ -122,8 +122,16 @@ class GGUFConfig(QuantizationConfig):
         return found  # type: ignore[return-value]
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        from llmhal.layers.fused_moe import FusedMoE
         from llmhal.layers.vocab_embedding import ParallelLMHead, VocabEmbedding
 
+        if isinstance(layer, FusedMoE):  # experts: llmhal.quantization.gguf_moe
+            from llmhal.quantization.gguf_moe import GGUFMoEMethod, gguf_expert_types
+
+            experts = gguf_expert_types(self.tensor_types, prefix)
+            if experts is None or all(t.is_float for t in experts.values()):
+                return None
+            return GGUFMoEMethod(experts, kernel_mode())
         types = self.types_for(prefix)
         if types is None or all(t.is_float for t in types):
             return None
