@@ -8,12 +8,17 @@ prefill and preemption happen, rather than layer by layer::
     refs = hf_references(hf_model, PROMPTS, 64)
     llm = LLM(folder, dtype="float32", max_num_batched_tokens=8)
     assert not compare_with_references(llm, refs)
+
+:class:`StateModelParity` packages the two standard cases (chunked prefill; unchunked with
+preemptions) as pytest tests a test class inherits, naming the tiny architecture.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
+
+import pytest
 
 # Prompts of different lengths: one token, a few, and one long enough (29) to cross 16-token
 # chunk and block boundaries of the tiny models.
@@ -91,3 +96,41 @@ def preempting_budget(llm: Any, slots: int, blocks: int) -> int:
     runner = llm.engine.runner
     per_slot, per_block = runner.state_bytes_per_slot(), runner.kv_cache_bytes_per_block()
     return max(slots * per_slot + blocks * per_block, 2 * slots * per_slot)
+
+
+class StateModelParity:
+    """Tests inherited by ``class TestX(StateModelParity): arch = "lfm2"`` (an arch of
+    :func:`llmhal.testing.tiny_models.make_tiny_model`; needs the session ``tiny_models`` fixture
+    of llmhal's tests/conftest.py): ``steps`` greedy steps of :data:`PROMPTS` equal transformers',
+    once with 8-token prefill chunks beside decodes, once unchunked with so few KV blocks that
+    requests are preempted and recomputed. ``chunked_llm`` is left for the class's own tests."""
+
+    arch: ClassVar[str]
+    steps: ClassVar[int] = 64
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def checkpoint(cls, tiny_models: Any) -> tuple[str, list[Reference]]:
+        folder, hf = tiny_models(cls.arch)
+        return folder, hf_references(hf, PROMPTS, cls.steps)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def chunked_llm(cls, checkpoint: tuple[str, list[Reference]]) -> Any:
+        from llmhal import LLM
+
+        kw = dict(max_num_seqs=4, max_num_batched_tokens=8, enforce_eager=True)
+        return LLM(checkpoint[0], dtype="float32", **kw)
+
+    def test_matches_transformers_with_chunked_prefill(self, checkpoint: Any, chunked_llm: Any):
+        assert compare_with_references(chunked_llm, checkpoint[1]) == []
+
+    def test_matches_transformers_unchunked_across_preemption(
+        self, checkpoint: Any, chunked_llm: Any
+    ):
+        from llmhal import LLM
+
+        budget = preempting_budget(chunked_llm, slots=4, blocks=7)
+        llm = LLM(checkpoint[0], dtype="float32", max_num_seqs=4, kv_cache_memory_bytes=budget)
+        assert compare_with_references(llm, checkpoint[1]) == []
+        assert llm.engine.stats.preemptions > 0
