@@ -6,7 +6,8 @@ of :func:`main` is 0 when a platform is usable, 1 otherwise.
 
 Report keys: ``llmhal`` (versions), ``platform`` {name, class, selected_by, reason, device, probes},
 ``plugins`` [{group, name, value, distribution, version, status, reason}], ``attention_backends``
-[{name, provider, class_path, available, reasons}], ``quantization_methods`` [{name, provider,
+[{name, provider, class_path, available, reasons, kind}] (kind: the layer kind it serves, e.g. mha,
+mamba2), ``quantization_methods`` [{name, provider,
 class_path, supported, reasons}], ``structured_output_backends`` [{name, available, reasons}],
 ``tool_parsers`` and ``reasoning_parsers`` [{name, class_path, available, reasons}], ``ops``
 [{name, implementation, source, note}],
@@ -164,6 +165,21 @@ def _entries_section(
             }
         )
     return out
+
+
+def _add_backend_kinds(rows: list[dict[str, Any]]) -> None:
+    """Each backend's kind: from its registration, else from its class when it imports."""
+    from llmhal.attention.registry import get_backend_entry, load_backend_class
+
+    for row in rows:
+        entry = get_backend_entry(row["name"])
+        kind = entry.kind if entry is not None else None
+        if kind is None and entry is not None:
+            try:
+                kind = getattr(load_backend_class(entry), "kind", None)
+            except Exception:  # its reasons already say why it cannot import
+                kind = None
+        row["kind"] = kind or "?"
 
 
 def _quantization_reasons(entry: Any, platform: Any, probes: list[dict[str, Any]]) -> list[str]:
@@ -362,6 +378,7 @@ def collect() -> dict[str, Any]:
         "available",
         errors,
     )
+    _add_backend_kinds(report["attention_backends"])
     report["quantization_methods"] = _entries_section(
         "quantization methods",
         list_quantization_methods,
@@ -430,11 +447,18 @@ def format_report(report: dict[str, Any]) -> str:
         ]
     )
     lines += ["", "Attention backends:"]
+    backends = sorted(report["attention_backends"], key=lambda b: (b.get("kind", "?"), b["name"]))
     lines += _table(
         [
-            [b["name"], b["provider"], "yes" if b["available"] else "no", "; ".join(b["reasons"])]
-            for b in report["attention_backends"]
+            [b.get("kind", "?"), b["name"], b["provider"], "yes" if b["available"] else "no",
+             "; ".join(b["reasons"])]
+            for b in backends
         ]
+    )  # fmt: skip
+    lines.append(
+        "  (kind: the layers a backend serves. Recurrent kinds (mamba1, mamba2, linear, short_conv) "
+        "keep a per-request state in the state cache; prefix caching is off for models with such "
+        "layers, since a cached block holds keys and values, not the state after it.)"
     )
     lines += ["", "Quantization methods:"]
     lines += _table(
