@@ -171,3 +171,62 @@ def test_bf16_logits_close_to_hf_fp32(checkpoints):
         hf, folder, dtype=torch.bfloat16, rel_tol=3e-2, compare_tokens=False, decode_steps=4
     )
     report.raise_on_failure()
+
+
+PROMPTS = [[5, 17, 42], [7, 100, 23, 9, 88, 64, 3, 250, 31], [300], list(range(11, 29))]
+
+
+@pytest.fixture(scope="module")
+def engine_checkpoint(tmp_path_factory):
+    from llmhal.testing.tiny_models import make_tokenizer
+
+    folder = tmp_path_factory.mktemp("deepseek_engine")
+    arch, kw = CASES["v3-grouped-bias-yarn"]
+    cfg = tiny_config(arch, **{**COMMON, **kw, "vocab_size": 384})
+    hf = save_tiny_model(cfg, folder)
+    make_tokenizer(cfg.vocab_size).save_pretrained(str(folder))
+    return hf, folder
+
+
+def test_engine_matches_transformers_across_preemption(engine_checkpoint):
+    """Through LLM: a latent cache of 6 blocks (3 layers x 40 values x 4 bytes x 16 tokens each)
+    holds the longest request (18 + 24 tokens) but not all four at once, so requests are
+    preempted and recomputed; greedy tokens stay HF's."""
+    from llmhal import LLM, SamplingParams
+    from llmhal.testing.model_parity import hf_greedy
+
+    hf, folder = engine_checkpoint
+    block = 3 * (32 + 8) * 4 * 16
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory_bytes=6 * block, block_size=16)
+    assert llm.load_report.kv_cache_bytes == 6 * block  # the latent layout, nothing per head
+    assert llm.load_report.attention_backends == ["torch_mla"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert llm.engine.stats.preemptions > 0
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24), prompt
+
+
+def test_fp8_latent_cache_through_the_engine(engine_checkpoint):
+    """kv_cache_dtype=fp8_e4m3 stores the latent in one byte a value (a quarter of fp32). Against
+    the fp32 cache on this tiny random model (measured): the first token equal for all four
+    prompts, its log-probability within 0.05; greedy agreement then lasts 1 to 24 steps (e4m3
+    keeps 3 mantissa bits and the tiny model's next-token distributions are nearly flat)."""
+    from llmhal import LLM, SamplingParams
+
+    _, folder = engine_checkpoint
+    block = 3 * (32 + 8) * 16
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
+    runs = {}
+    for dtype, blocks in (("auto", 4 * 8), ("fp8_e4m3", 8)):
+        llm = LLM(
+            str(folder), dtype="float32", kv_cache_dtype=dtype,
+            kv_cache_memory_bytes=blocks * block, block_size=16,
+        )  # fmt: skip
+        assert llm.load_report.num_blocks == 8
+        runs[dtype] = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    for exact, fp8 in zip(runs["auto"], runs["fp8_e4m3"], strict=True):
+        a, b = exact.outputs[0], fp8.outputs[0]
+        assert a.token_ids[0] == b.token_ids[0]
+        tok = a.token_ids[0]
+        assert abs(a.logprobs[0][tok].logprob - b.logprobs[0][tok].logprob) < 0.1
