@@ -26,7 +26,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #include <omp.h>
 
@@ -48,7 +47,7 @@ inline int team(int threads) { return threads > 1 ? threads : 1; }
 
 // torch's softplus (beta 1, threshold 20).
 inline float softplus(float v) { return v > 20.f ? v : std::log1p(std::exp(v)); }
-inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+inline float silu(float v) { return v / (1.f + exp_approx(-v)); }
 
 inline float delta(float dt, const float* bias, int64_t at, int sp, float lo, float hi) {
   if (bias) dt += bias[at];
@@ -133,31 +132,44 @@ int llmhal_conv_call(const void* p) {
   if (a.qsl && !starts_ok(a.qsl, a.nseq, a.tokens)) return -1;
   const int64_t k1 = a.width - 1;
   const int64_t blocks = (a.dim + 63) / 64;  // channels per task: a cache line of 16 floats x 4
-#pragma omp parallel for collapse(2) num_threads(team(a.threads)) \
+  // Channel blocks are the parallel unit, each loading its taps once for every request: at
+  // decode (one token per request) the taps would otherwise cost as much as the convolution.
+#pragma omp parallel for num_threads(team(a.threads)) \
     if (parallel(a.tokens * a.dim * a.width, a.threads)) schedule(dynamic)
-  for (int64_t r = 0; r < a.nseq; ++r) {
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      const int64_t d0 = blk * 64, d1 = d0 + 64 < a.dim ? d0 + 64 : a.dim, nd = d1 - d0;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t d0 = blk * 64, d1 = d0 + 64 < a.dim ? d0 + 64 : a.dim, nd = d1 - d0;
+    // The block's taps as a [width][64] tile: the inner loops run over contiguous channels.
+    float prev[8 * 64], taps[9 * 64], acc[64];
+    for (int64_t k = 0; k < a.width; ++k)
+      for (int64_t c = 0; c < nd; ++c) taps[k * 64 + c] = a.w[(d0 + c) * a.w_sd + k * a.w_sk];
+    for (int64_t r = 0; r < a.nseq; ++r) {
       const int64_t s = a.qsl ? a.qsl[r] : r, e = a.qsl ? a.qsl[r + 1] : r + 1, len = e - s;
       float* st = a.states + a.idx[r] * a.st_slot + d0;
       const bool carried = a.has_init == nullptr || a.has_init[r] != 0;
-      // window rows: k1 of state then len of input; row j < k1 is the state's, else x's.
-      float prev[64 * 8];  // this block's state rows (width <= 9)
+      // Window rows: k1 of state, then the request's inputs.
       for (int64_t j = 0; j < k1; ++j)
         for (int64_t c = 0; c < nd; ++c) prev[j * 64 + c] = carried ? st[j * a.st_row + c] : 0.f;
       auto row = [&](int64_t j) -> const float* {
         return j < k1 ? prev + j * 64 : a.x + (s + j - k1) * a.x_s + d0;
       };
       for (int64_t t = 0; t < len; ++t) {
-        float* o = a.out + (s + t) * a.dim + d0;
-        for (int64_t c = 0; c < nd; ++c) o[c] = a.bias ? a.bias[d0 + c] : 0.f;
+        for (int64_t c = 0; c < nd; ++c) acc[c] = a.bias ? a.bias[d0 + c] : 0.f;
         for (int64_t k = 0; k < a.width; ++k) {
           const float* in = row(t + k);
-          const float* wk = a.w + d0 * a.w_sd + k * a.w_sk;
-          for (int64_t c = 0; c < nd; ++c) o[c] += wk[c * a.w_sd] * in[c];
+          const float* wk = taps + k * 64;
+          for (int64_t c = 0; c < nd; ++c) acc[c] += wk[c] * in[c];
         }
-        if (a.silu)
-          for (int64_t c = 0; c < nd; ++c) o[c] = silu(o[c]);
+        float* o = a.out + (s + t) * a.dim + d0;
+        int64_t c = 0;
+        if (a.silu) {
+          for (; c + W <= nd; c += W) {
+            const vf v = vload(acc + c);
+            vstore(o + c, v / (1.f + exp_approx(-v)));
+          }
+          for (; c < nd; ++c) o[c] = acc[c] / (1.f + exp_approx(-acc[c]));
+        } else {
+          for (; c < nd; ++c) o[c] = acc[c];
+        }
       }
       // New state: the last k1 window rows (the state's own rows move up when len < k1).
       for (int64_t j = 0; j < k1; ++j) {
@@ -207,15 +219,22 @@ int llmhal_ssm_update_call(const void* p) {
       const float* bv = a.Bm + b * a.B_b + g * a.B_g;
       const float* cv = a.Cm + b * a.C_b + g * a.C_g;
       float* st = a.states + a.idx[b] * a.st_slot + h * a.st_h;
+      // Mamba-2 passes dt, dt_bias and A expanded along p (stride 0): then dt and the decay are
+      // one softplus and one exp per head instead of per channel (~1536 of each per token).
+      const bool head_dt = a.dt_p == 0 && (a.dt_bias == nullptr || a.db_p == 0);
+      const bool head_decay = head_dt && a.A_p == 0 && a.A_n == 0;
+      float dt = 0.f, decay = 0.f;
       for (int64_t q = 0; q < a.P; ++q) {
-        const float dt = delta(a.dt[b * a.dt_b + h * a.dt_h + q * a.dt_p], a.dt_bias,
-                               h * a.db_h + q * a.db_p, a.softplus, -inf, inf);
+        if (q == 0 || !head_dt)
+          dt = delta(a.dt[b * a.dt_b + h * a.dt_h + q * a.dt_p], a.dt_bias,
+                     h * a.db_h + q * a.db_p, a.softplus, -inf, inf);
         const float xv = a.x[b * a.x_b + h * a.x_h + q * a.x_p];
         const float* arow = a.A + h * a.A_h + q * a.A_p;
         // A constant along n (Mamba-2's expanded per-head scalar): one exp for the row.
         const bool scalar_a = a.A_n == 0;
+        if (scalar_a && (q == 0 || !head_decay)) decay = std::exp(arow[0] * dt);
         float y = ssm_row(st + q * a.st_p, bv, cv, a.N, dt * xv, dt, scalar_a ? nullptr : arow,
-                          a.A_n, scalar_a ? std::exp(arow[0] * dt) : 0.f);
+                          a.A_n, decay);
         if (a.D) y += xv * a.D[h * a.D_h + q * a.D_p];
         if (a.z) y *= silu(a.z[b * a.z_b + h * a.z_h + q * a.z_p]);
         a.out[(b * a.H + h) * a.P + q] = y;
