@@ -5,6 +5,7 @@ gives each process ``init_distributed`` and collects what the function returns.
 
 from __future__ import annotations
 
+import pickle
 import socket
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -68,7 +69,9 @@ def _entry(
     fn = _resolve(where)
     init_distributed(world, rank, init, tp, pp, backend=backend)
     try:
-        results.put((rank, fn(rank, *args)))
+        # Pickled here, by value: torch's queue pickler would share tensors through file
+        # descriptors that vanish when this process exits.
+        results.put((rank, pickle.dumps(fn(rank, *args))))
     finally:
         destroy_distributed()
 
@@ -113,5 +116,5 @@ def run_ranks(
         done = procs.join(timeout=0.05)
         while not results.empty():
             rank, value = results.get()
-            out[rank] = value
+            out[rank] = pickle.loads(value)
     return [out[r] for r in range(world)]

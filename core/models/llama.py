@@ -23,9 +23,19 @@ from torch import Tensor, nn
 
 from llmhal.attention.layer import Attention
 from llmhal.config import get_current_config
+from llmhal.distributed.pipeline import (
+    IntermediateTensors,
+    PPMissingLayer,
+    pp_stage,
+    stage_layers,
+)
 from llmhal.layers.activation import get_act_and_mul
 from llmhal.layers.layernorm import RMSNorm
-from llmhal.layers.linear import MergedLinear, QKVLinear, ReplicatedLinear
+from llmhal.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from llmhal.layers.rotary_embedding import RotaryEmbedding, get_rope_from_hf_config
 from llmhal.layers.vocab_embedding import ParallelLMHead, VocabEmbedding
 from llmhal.models.utils import (
@@ -51,10 +61,11 @@ class LlamaMLP(nn.Module):
     ) -> None:
         super().__init__()
         inter = intermediate_size or config.intermediate_size
-        self.gate_up_proj = MergedLinear(
+        # Column- then row-parallel: one all-reduce per MLP under tensor parallelism.
+        self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [inter, inter], bias=bias, prefix=_join(prefix, "gate_up_proj")
         )
-        self.down_proj = ReplicatedLinear(
+        self.down_proj = RowParallelLinear(
             inter, config.hidden_size, bias=bias, prefix=_join(prefix, "down_proj")
         )
         self.act_fn = get_act_and_mul(config.hidden_act)
@@ -78,21 +89,26 @@ class LlamaAttention(nn.Module):
         prefix: str = "",
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVLinear(
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
             self.head_dim,
-            self.num_heads,
-            self.num_kv_heads,
+            total_heads,
+            total_kv_heads,
             bias=qkv_bias,
             prefix=_join(prefix, "qkv_proj"),
         )
-        self.o_proj = ReplicatedLinear(
-            self.q_size, config.hidden_size, bias=o_bias, prefix=_join(prefix, "o_proj")
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(
+            total_heads * self.head_dim,
+            config.hidden_size,
+            bias=o_bias,
+            prefix=_join(prefix, "o_proj"),
         )
         # Shared by every layer of the model: not registered as a child here.
         self._rotary = (rotary_emb,)
@@ -159,9 +175,16 @@ class LlamaModel(nn.Module):
     def __init__(self, config: Any, layer_options: Any, prefix: str = "") -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = VocabEmbedding(
-            config.vocab_size, config.hidden_size, prefix=_join(prefix, "embed_tokens")
-        )
+        # Under pipeline parallelism this stage builds layers [start, end) only.
+        stage, stages = pp_stage()
+        self.is_first_stage, self.is_last_stage = stage == 0, stage == stages - 1
+        self.start_layer, self.end_layer = stage_layers(config.num_hidden_layers, stage, stages)
+        if self.is_first_stage:
+            self.embed_tokens = VocabEmbedding(
+                config.vocab_size, config.hidden_size, prefix=_join(prefix, "embed_tokens")
+            )
+        else:
+            self.embed_tokens = PPMissingLayer()
         head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads
         )
@@ -172,18 +195,41 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(
                 config, self.rotary_emb, layer_options(config, i), _join(prefix, f"layers.{i}")
             )
+            if self.start_layer <= i < self.end_layer
+            else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if self.is_last_stage:
+            self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        else:
+            self.norm = PPMissingLayer()
 
     def forward(
-        self, ids: Tensor | None, positions: Tensor, embeds: Tensor | None = None
-    ) -> Tensor:
-        """``embeds`` (the step's input embeddings) replaces the lookup of ``ids`` when given."""
-        hidden = self.embed_tokens(ids) if embeds is None else embeds
-        residual = None
-        for layer in self.layers:
+        self,
+        ids: Tensor | None,
+        positions: Tensor,
+        embeds: Tensor | None = None,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> Tensor | IntermediateTensors:
+        """``embeds`` (the step's input embeddings) replaces the lookup of ``ids`` when given.
+        A stage after the first starts from the previous stage's ``intermediate_tensors``; a
+        stage before the last returns its own (see llmhal.distributed.pipeline)."""
+        if self.is_first_stage:
+            hidden = self.embed_tokens(ids) if embeds is None else embeds
+            residual = None
+        else:
+            if intermediate_tensors is None:
+                raise ValueError(
+                    "pipeline stage after the first needs the previous stage's intermediate_tensors"
+                )
+            hidden, residual = (
+                intermediate_tensors["hidden_states"],
+                intermediate_tensors["residual"],
+            )
+        for layer in self.layers[self.start_layer : self.end_layer]:
             hidden, residual = layer(positions, hidden, residual)
+        if not self.is_last_stage:
+            return IntermediateTensors({"hidden_states": hidden, "residual": residual})
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -197,6 +243,8 @@ class LlamaForCausalLM(nn.Module):
     force_qkv_bias: ClassVar[bool] = False
     qk_norm: ClassVar[bool] = False
     supports_sliding_window: ClassVar[bool] = False
+    # Splits into pipeline stages (forward takes and returns IntermediateTensors).
+    supports_pp: ClassVar[bool] = True
 
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = packed_mapping(LLAMA_STACKED)
 
@@ -210,9 +258,11 @@ class LlamaForCausalLM(nn.Module):
             }
         self.model = LlamaModel(hf_config, self.layer_options, prefix=_join(prefix, "model"))
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        if not self.model.is_last_stage:
+            self.lm_head = PPMissingLayer()
+        elif self.tie_word_embeddings and self.model.is_first_stage:
             self.lm_head = self.model.embed_tokens
-        else:
+        else:  # untied, or tied with the embedding on another stage: loaded from embed_tokens
             self.lm_head = ParallelLMHead(
                 hf_config.vocab_size, hf_config.hidden_size, prefix=_join(prefix, "lm_head")
             )
@@ -239,17 +289,49 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def forward(
-        self, input_ids: Tensor | None, positions: Tensor, inputs_embeds: Tensor | None = None
-    ) -> Tensor:
-        return self.model(input_ids, positions, inputs_embeds)
+        self,
+        input_ids: Tensor | None,
+        positions: Tensor,
+        inputs_embeds: Tensor | None = None,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, inputs_embeds, intermediate_tensors)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.logits(hidden)
         return logits if logits.dtype == torch.float32 else logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        ignored = ("lm_head.",) if self.tie_word_embeddings else ()
-        return load_weights_by_name(self, weights, stacked=LLAMA_STACKED, ignored_prefixes=ignored)
+        ignored = ("lm_head.",) if self.lm_head is self.model.embed_tokens else ()
+        return load_weights_by_name(
+            self, self._stage_weights(weights), stacked=LLAMA_STACKED, ignored_prefixes=ignored
+        )
+
+    def _stage_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint tensors this pipeline stage holds (all of them without PP); a tied LM
+        head on a stage without the embedding takes the embedding's tensors."""
+        m = self.model
+        if m.is_first_stage and m.is_last_stage:
+            yield from weights
+            return
+        for name, t in weights:
+            if name.startswith("model.layers."):
+                if not m.start_layer <= int(name.split(".")[2]) < m.end_layer:
+                    continue
+            elif name.startswith("model.embed_tokens."):
+                if not m.is_first_stage:
+                    if not (self.tie_word_embeddings and m.is_last_stage):
+                        continue
+                    name = "lm_head." + name.removeprefix("model.embed_tokens.")
+                    yield name, t
+                    continue
+            elif name.startswith("model.norm.") and not m.is_last_stage:
+                continue
+            elif name.startswith("lm_head.") and not m.is_last_stage:
+                continue
+            yield name, t
 
 
 class MistralForCausalLM(LlamaForCausalLM):

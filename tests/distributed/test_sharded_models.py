@@ -1,0 +1,154 @@
+"""Tiny Llama/Qwen models split over two ranks (gloo, spawned processes) give the logits and greedy
+tokens of the same model in one process: tensor parallel (heads, MLP and vocabulary split; KV heads
+replicated when fewer than ranks) and pipeline parallel (layers split in two stages, the hidden
+state and residual sent between them).
+
+Each run is one flattened prefill of several prompts then batched greedy decode steps over a paged
+KV cache, as the engine runs them (llmhal.testing.model_parity.PagedRunner).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from llmhal.distributed.launch import run_ranks
+
+PROMPTS = [[5, 17, 42, 99, 7], [3, 250, 11], [8]]
+STEPS = 4
+
+
+class _Stage:
+    """Makes a pipeline stage look like a whole model to PagedRunner: a stage after the first
+    receives the previous stage's IntermediateTensors, a stage before the last sends its own
+    (and returns zero logits, which the test ignores)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.tokens = 0
+
+    def modules(self) -> Any:
+        return self.model.modules()
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor) -> Any:
+        from llmhal.distributed import get_pp_group
+        from llmhal.distributed.pipeline import IntermediateTensors
+
+        pp = get_pp_group()
+        self.tokens = positions.shape[0]
+        previous = None if pp.is_first_rank else IntermediateTensors(pp.recv_tensor_dict())
+        out = self.model(ids, positions, intermediate_tensors=previous)
+        if not pp.is_last_rank:
+            pp.send_tensor_dict(out.tensors)
+            return None
+        return out
+
+    def compute_logits(self, hidden: Any) -> torch.Tensor:
+        if hidden is None:
+            return torch.zeros(self.tokens, self.model.config.vocab_size)
+        return self.model.compute_logits(hidden)
+
+
+def _greedy_run(model: Any, config: Any) -> list[dict[int, torch.Tensor]]:
+    """Logits of every step: the prefill of PROMPTS, then STEPS greedy decode steps."""
+    from llmhal.distributed import get_pp_group
+    from llmhal.testing.model_parity import PagedRunner
+
+    pp = get_pp_group()
+    runner = PagedRunner(model, config)
+    steps = [runner.step(list(enumerate(PROMPTS)))]
+    for _ in range(STEPS):
+        # The last stage picks the tokens; every stage feeds them to the next step (as the
+        # engine's driver does).
+        chosen = {rid: int(logits.argmax()) for rid, logits in steps[-1].items()}
+        chosen = pp.broadcast_object(chosen, src=pp.world_size - 1)
+        steps.append(runner.step([(rid, [tok]) for rid, tok in chosen.items()]))
+    return steps
+
+
+def _rank_run(rank: int, folders: list[str]) -> list[Any]:
+    from llmhal.distributed import get_pp_group
+    from llmhal.testing.model_parity import build_model
+
+    out = []
+    for folder in folders:
+        model, config = build_model(folder)
+        runs = _greedy_run(_Stage(model), config)
+        out.append(runs if get_pp_group().is_last_rank else None)
+    return out
+
+
+def _single_process(folders: list[str]) -> list[list[dict[int, torch.Tensor]]]:
+    from llmhal.testing.model_parity import build_model
+
+    return [_greedy_run(*build_model(f)) for f in folders]
+
+
+def _assert_same(parallel: list[dict[int, torch.Tensor]], single: list[dict[int, torch.Tensor]]):
+    assert len(parallel) == len(single)
+    for step, (p, s) in enumerate(zip(parallel, single, strict=True)):
+        for rid in s:
+            # Greedy tokens equal, logits equal up to float32 summation order (all-reduce).
+            assert int(p[rid].argmax()) == int(s[rid].argmax()), f"step {step}, prompt {rid}"
+            torch.testing.assert_close(p[rid], s[rid], atol=2e-4, rtol=1e-4)
+
+
+# qwen2: q/k/v biases (split with the heads); qwen3: per-head q/k norms; llama_untied with one KV
+# head: the head replicated on both ranks, and an untied LM head.
+TP_MODELS = [("qwen2", {}), ("qwen3", {}), ("llama_untied", {"num_key_value_heads": 1})]
+# llama: tied embeddings, so the last stage's LM head loads the first stage's embedding table.
+PP_MODELS = [("llama", {}), ("qwen3", {})]
+
+
+def _folders(tiny_models, models) -> list[str]:
+    return [tiny_models(arch, **over)[0] for arch, over in models]
+
+
+@pytest.fixture(scope="module")
+def tp2(tiny_models):
+    folders = _folders(tiny_models, TP_MODELS)
+    return run_ranks(_rank_run, 2, 1, folders), _single_process(folders)
+
+
+@pytest.fixture(scope="module")
+def pp2(tiny_models):
+    folders = _folders(tiny_models, PP_MODELS)
+    return run_ranks(_rank_run, 1, 2, folders), _single_process(folders)
+
+
+@pytest.mark.parametrize(
+    "index", range(len(TP_MODELS)), ids=[f"{a}{o or ''}" for a, o in TP_MODELS]
+)
+def test_tensor_parallel_two_ranks_equal_one_process(tp2, index):
+    ranks, single = tp2
+    for rank in ranks:  # every rank computes the full logits (all-gathered)
+        _assert_same(rank[index], single[index])
+
+
+@pytest.mark.parametrize("index", range(len(PP_MODELS)), ids=[a for a, _ in PP_MODELS])
+def test_pipeline_parallel_two_stages_equal_one_process(pp2, index):
+    ranks, single = pp2
+    assert ranks[0][index] is None  # the first stage hands its output on
+    _assert_same(ranks[1][index], single[index])
+
+
+@pytest.mark.slow
+def test_tensor_and_pipeline_parallel_four_ranks(tiny_models):
+    folders = _folders(tiny_models, [("qwen3", {})])
+    ranks = run_ranks(_rank_run, 2, 2, folders)
+    single = _single_process(folders)
+    for rank in ranks[2:]:  # the last stage's two tensor-parallel ranks
+        _assert_same(rank[0], single[0])
+
+
+def test_a_stage_holds_only_its_layers(tiny_models):
+    """Stage layout without processes: the layer split, and what each stage's model holds."""
+    from llmhal.distributed.pipeline import PPMissingLayer, stage_layers
+
+    assert [stage_layers(5, r, 2) for r in range(2)] == [(0, 3), (3, 5)]
+    assert [stage_layers(4, r, 4) for r in range(4)] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    with pytest.raises(ValueError, match="at most 2 stages"):
+        stage_layers(2, 0, 3)
+    assert isinstance(PPMissingLayer(), torch.nn.Module)
