@@ -37,20 +37,31 @@ class Reference:
     logprobs: Any  # float32 [steps, vocab]
 
 
-def hf_references(model: Any, prompts: Any, steps: int) -> list[Reference]:
-    """transformers' greedy continuation of each prompt (no EOS stop) and its log-probabilities."""
+def hf_references(
+    model: Any, prompts: Any, steps: int, *, use_cache: bool = True
+) -> list[Reference]:
+    """transformers' greedy continuation of each prompt (no EOS stop) and its log-probabilities:
+    with ``generate`` (its cache), or (``use_cache=False``) one full forward over the whole
+    sequence per step, for configurations whose cached path transformers gets wrong."""
     import torch
 
     refs = []
     for prompt in prompts:
         with torch.no_grad():
-            out = model.generate(
-                torch.tensor([list(prompt)]), max_new_tokens=steps, min_new_tokens=steps,
-                do_sample=False, output_scores=True, return_dict_in_generate=True,
-                pad_token_id=0, eos_token_id=None,
-            )  # fmt: skip
-        scores = torch.stack(out.scores)[:, 0].float()
-        tokens = out.sequences[0, len(prompt) :].tolist()
+            if use_cache:
+                out = model.generate(
+                    torch.tensor([list(prompt)]), max_new_tokens=steps, min_new_tokens=steps,
+                    do_sample=False, output_scores=True, return_dict_in_generate=True,
+                    pad_token_id=0, eos_token_id=None,
+                )  # fmt: skip
+                scores = torch.stack(out.scores)[:, 0].float()
+                tokens = out.sequences[0, len(prompt) :].tolist()
+            else:
+                seq, rows = list(prompt), []
+                for _ in range(steps):
+                    rows.append(model(torch.tensor([seq])).logits[0, -1].float())
+                    seq.append(int(rows[-1].argmax()))
+                scores, tokens = torch.stack(rows), seq[len(prompt) :]
         refs.append(Reference(tuple(prompt), tokens, torch.log_softmax(scores, -1)))
     return refs
 
@@ -107,6 +118,11 @@ class StateModelParity:
 
     arch: ClassVar[str]
     steps: ClassVar[int] = 64
+    # A second tiny config turning on what the first leaves at its defaults (biases, groups,
+    # scale factors...), checked for 16 steps; ``variant_hf_cache=False`` takes transformers'
+    # uncached forward as the reference.
+    variant: ClassVar[dict[str, Any]] = {}
+    variant_hf_cache: ClassVar[bool] = True
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -134,3 +150,13 @@ class StateModelParity:
         llm = LLM(checkpoint[0], dtype="float32", max_num_seqs=4, kv_cache_memory_bytes=budget)
         assert compare_with_references(llm, checkpoint[1]) == []
         assert llm.engine.stats.preemptions > 0
+
+    def test_config_variant_matches_transformers(self, tiny_models: Any):
+        from llmhal import LLM
+
+        if not self.variant:
+            pytest.skip(f"{self.arch}: no config variant")
+        folder, hf = tiny_models(self.arch, **self.variant)
+        refs = hf_references(hf, PROMPTS, 16, use_cache=self.variant_hf_cache)
+        kw = dict(max_num_seqs=4, max_num_batched_tokens=8, enforce_eager=True)
+        assert compare_with_references(LLM(folder, dtype="float32", **kw), refs) == []

@@ -10,6 +10,11 @@ from llmhal.testing.engine_parity import StateModelParity
 
 class TestBamba(StateModelParity):
     arch = "bamba"
+    # Two SSM groups, projection and attention/MLP biases, no conv bias.
+    variant = dict(
+        mamba_n_groups=2, mamba_proj_bias=True, mamba_conv_bias=False, attention_bias=True,
+        mlp_bias=True,
+    )  # fmt: skip
 
     def test_hybrid_layers_and_backends(self, chunked_llm):
         runner = chunked_llm.engine.runner

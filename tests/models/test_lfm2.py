@@ -12,6 +12,11 @@ from llmhal.testing.engine_parity import StateModelParity
 
 class TestLfm2(StateModelParity):
     arch = "lfm2"
+    # Conv biases, an untied head, and the published MLP sizing (2/3 x 1.5, rounded up to 32).
+    variant = dict(
+        conv_bias=True, tie_word_embeddings=False, block_auto_adjust_ff_dim=True,
+        intermediate_size=192, block_multiple_of=32, block_ffn_dim_multiplier=1.5,
+    )  # fmt: skip
 
     def test_conv_layers_use_short_conv_attn(self, chunked_llm):
         runner = chunked_llm.engine.runner
