@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -99,7 +100,9 @@ class LLM:
         pooling = PoolerConfig.parse(pooler_config)  # checked before the model loads
         if scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy {scheduling_policy!r} is not one of {', '.join(POLICIES)} (vLLM's)")  # fmt: skip
-        if io_processor_plugin is not None:
+        # torchrun's other ranks (external_launcher) never import process-0-only plugins.
+        other_rank = distributed_executor_backend == "external_launcher" and os.environ.get("RANK", "0") != "0"  # fmt: skip
+        if io_processor_plugin is not None and not other_rank:
             from llmhal.pooling.io_processor import find_io_processor
 
             find_io_processor(io_processor_plugin)  # an unknown name fails before the model loads
