@@ -105,3 +105,15 @@ def test_generate_cli_runs_the_model(mamba2, capsys):
     assert generate.main(argv) == 0
     summary = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[llmhal]")]
     assert len(summary) == 1 and "mamba2_attn" in summary[0]
+
+
+def test_serve_streams_what_the_offline_api_generates(mamba2):
+    from llmhal.testing.http_client import post_json, running_server
+
+    llm = LLM(mamba2[0], dtype="float32", max_num_seqs=4)
+    offline = llm.generate(["Paris is"], SamplingParams(temperature=0, max_tokens=8))[0]
+    body = {"model": mamba2[0], "prompt": "Paris is", "max_tokens": 8, "temperature": 0}
+    with running_server(llm) as (url, _):
+        status, events = post_json(f"{url}/v1/completions", {**body, "stream": True}, stream=True)
+    assert status == 200 and len(events) > 1
+    assert "".join(e["choices"][0]["text"] for e in events) == offline.outputs[0].text
