@@ -117,3 +117,9 @@ def test_serve_streams_what_the_offline_api_generates(mamba2):
         status, events = post_json(f"{url}/v1/completions", {**body, "stream": True}, stream=True)
     assert status == 200 and len(events) > 1
     assert "".join(e["choices"][0]["text"] for e in events) == offline.outputs[0].text
+
+
+def test_speculative_decoding_is_refused_naming_why(mamba2):
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="Speculative decoding is not supported.*mamba2"):
+        LLM(mamba2[0], dtype="float32", speculative_config=spec)
