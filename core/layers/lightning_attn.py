@@ -53,6 +53,8 @@ class LightningAttention(RecurrentLayer):
         self.register_buffer(
             "decay", decay_rates(num_heads, layer_idx, num_layers), persistent=False
         )
+        self._prefill = get_op("lightning_attn_prefill")
+        self._decode = get_op("lightning_attn_decode")
 
     def state_specs(self) -> tuple[StateSpec, ...]:
         return (StateSpec("kv", (self.num_heads, self.head_dim, self.head_dim), torch.float32),)
@@ -66,11 +68,11 @@ class LightningAttention(RecurrentLayer):
         out = torch.zeros_like(q)  # rows past num_actual_tokens (padding) stay zero
         d, n = meta.num_decode_tokens, meta.num_actual_tokens
         if d:
-            out[:d] = get_op("lightning_attn_decode")(
+            out[:d] = self._decode(
                 q[:d], k[:d], v[:d], self.decay, kv_state, meta.decode_state_indices
             )
         if meta.num_prefills:
-            out[d:n] = get_op("lightning_attn_prefill")(
+            out[d:n] = self._prefill(
                 q[d:n],
                 k[d:n],
                 v[d:n],

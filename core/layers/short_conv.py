@@ -28,37 +28,6 @@ class DepthwiseConvWeights(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim, dtype=dtype), False) if bias else None
 
 
-def run_causal_conv(
-    layer: RecurrentLayer,
-    x: torch.Tensor,
-    conv: DepthwiseConvWeights,
-    conv_state: torch.Tensor,
-    activation: str | None,
-) -> torch.Tensor:
-    """The step's causal convolution of ``x`` [T, dim]: decode rows with one update, prefill rows
-    varlen, each request from (and back into) its slot of ``conv_state``."""
-    meta = layer.metadata()
-    weight = conv.weight.view(conv.weight.shape[0], -1)
-    out = torch.zeros_like(x)  # rows past num_actual_tokens (padding) stay zero
-    d, n = meta.num_decode_tokens, meta.num_actual_tokens
-    if d:
-        out[:d] = get_op("causal_conv1d_update")(
-            x[:d], conv_state, weight, conv.bias, activation, meta.decode_state_indices
-        )
-    if meta.num_prefills:
-        out[d:n] = get_op("causal_conv1d_fn")(
-            x[d:n],
-            weight,
-            conv.bias,
-            conv_state,
-            meta.prefill_query_start_loc,
-            meta.prefill_state_indices,
-            meta.prefill_has_initial_state,
-            activation,
-        )
-    return out
-
-
 class ShortConv(RecurrentLayer):
     def __init__(self, hidden_size: int, kernel_size: int, *, bias: bool, prefix: str) -> None:
         super().__init__("short_conv", prefix=prefix, head_size=hidden_size)
@@ -73,12 +42,27 @@ class ShortConv(RecurrentLayer):
         self.out_proj = ReplicatedLinear(
             hidden_size, hidden_size, bias=bias, prefix=f"{prefix}.out_proj"
         )
+        self._conv_fn = get_op("causal_conv1d_fn")
+        self._conv_update = get_op("causal_conv1d_update")
 
     def state_specs(self) -> tuple[StateSpec, ...]:
         return (StateSpec("conv", (self.kernel_size - 1, self.hidden_size), self.model_dtype),)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         b, c, x = self.in_proj(hidden).chunk(3, dim=-1)
+        bx = b * x
+        meta = self.metadata()
         (conv_state,) = self.states
-        y = run_causal_conv(self, b * x, self.conv, conv_state, None)
+        weight = self.conv.weight.view(self.hidden_size, self.kernel_size)
+        y = torch.zeros_like(bx)  # rows past num_actual_tokens (padding) stay zero
+        d, n = meta.num_decode_tokens, meta.num_actual_tokens
+        if d:
+            y[:d] = self._conv_update(
+                bx[:d], conv_state, weight, self.conv.bias, None, meta.decode_state_indices
+            )
+        if meta.num_prefills:
+            y[d:n] = self._conv_fn(
+                bx[d:n], weight, self.conv.bias, conv_state, meta.prefill_query_start_loc,
+                meta.prefill_state_indices, meta.prefill_has_initial_state, None,
+            )  # fmt: skip
         return self.out_proj(c * y)
