@@ -33,8 +33,9 @@ from llmhal.layers.weights import WeightLoadError, sharded_weight_loader
 from llmhal.quantization.base import QuantizationConfig, QuantizeMethodBase
 from llmhal.quantization.unquantized import UnquantizedLinearMethod
 
-# shard id -> (number of equal parts of the checkpoint tensor, the part this rank holds)
-SplitFn = Callable[[Any], tuple[int, int]]
+# shard id -> (first unit, number of units, units in all): the checkpoint tensor is cut into
+# equal units (a rank's share, or one attention head) and the rank holds a run of them.
+SplitFn = Callable[[Any], tuple[int, int, int]]
 
 
 def _current_quant_and_dtype() -> tuple[QuantizationConfig | None, torch.dtype]:
@@ -64,9 +65,10 @@ def tp_rank_and_size() -> tuple[int, int]:
 
 
 def divide(total: int, parts: int, what: str) -> int:
+    """``total / parts``, or an error naming ``what`` must divide evenly (a tensor split)."""
     if total % parts:
         raise ValueError(
-            f"{what} ({total}) is not divisible by tensor_parallel_size={parts}; use a "
+            f"{what} ({total}) does not split into {parts} equal parts; use a "
             f"tensor_parallel_size that divides it"
         )
     return total // parts
@@ -83,15 +85,15 @@ def _rank_slice(
 
     def load(p: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
         dim = getattr(p, dim_attr, None)
-        parts, index = split(shard_id)
-        if parts > 1 and dim is not None and loaded.dim() > dim and loaded.shape[dim] != 1:
+        first, count, total = split(shard_id)
+        if total > 1 and dim is not None and loaded.dim() > dim and loaded.shape[dim] != 1:
             extent = loaded.shape[dim]
             if pad:
-                per = -(-extent // parts)
+                unit = -(-extent // total)
             else:
-                _check_whole_units(layer, name, p, dim_attr, shard_id, extent, parts)
-                per = extent // parts
-            start = min(index * per, extent)
+                _check_whole_units(layer, name, p, dim_attr, shard_id, extent, count, total)
+                unit = extent // total
+            start, per = min(first * unit, extent), count * unit
             loaded = loaded.narrow(dim, start, min(per, extent - start))
             if loaded.shape[dim] < per:
                 shape = list(loaded.shape)
@@ -109,30 +111,28 @@ def _check_whole_units(
     dim_attr: str,
     shard_id: Any,
     extent: int,
-    parts: int,
+    count: int,
+    total: int,
 ) -> None:
-    """Raise unless each of ``parts`` equal parts of ``extent`` stored entries covers whole units
-    (a stored entry stands for ``logical / extent`` weights: a packed word, a group's scale, a
-    block's scale; or ``shard_unit`` entries make one indivisible unit, e.g. a ggml block's
-    bytes)."""
+    """Raise unless each of ``total`` equal units of ``extent`` stored entries is whole: a stored
+    entry stands for ``weights / extent`` weights (a packed word, a group's scale, a block's
+    scale), or ``shard_unit`` entries make one indivisible unit (a ggml block's bytes)."""
     if dim_attr == "input_dim":
-        per_rank = layer.input_size
+        mine = layer.input_size
     else:
         ids = list(getattr(layer, "shard_names", [0]))
-        per_rank = layer.output_sizes[ids.index(shard_id) if shard_id in ids else 0]
-    total = per_rank * parts
+        mine = layer.output_sizes[ids.index(shard_id) if shard_id in ids else 0]
+    weights = mine // count * total
     unit = getattr(p, "shard_unit", None) if dim_attr == "input_dim" else None
     if unit is not None:
-        ok = extent % (parts * unit) == 0
-    elif total % extent == 0:
-        ok = per_rank % (total // extent) == 0
-    else:  # a ragged last block: where the parts fall in it cannot be told
-        ok = False
+        ok = extent % (total * unit) == 0
+    else:  # (a ragged last block, weights % extent != 0: where units fall in it is unknown)
+        ok = weights % extent == 0 and extent % total == 0
     if not ok:
         raise WeightLoadError(
-            f"{getattr(layer, 'prefix', '') or type(layer).__name__}.{name}: {total} "
+            f"{getattr(layer, 'prefix', '') or type(layer).__name__}.{name}: {weights} "
             f"{'inputs' if dim_attr == 'input_dim' else 'outputs'} stored as {extent} entries "
-            f"cannot be split into {parts} tensor-parallel parts without cutting a quantization "
+            f"cannot be split into {total} tensor-parallel units without cutting a quantization "
             f"group, packed word or block; use a tensor_parallel_size whose parts hold whole "
             f"groups (or tensor_parallel_size=1)"
         )
@@ -252,13 +252,13 @@ class MergedColumnParallelLinear(MergedLinear):
         if self.tp_size > 1:
             shard_parameters(self, "output_dim", self._split)
 
-    def _split(self, shard_id: Any) -> tuple[int, int]:
+    def _split(self, shard_id: Any) -> tuple[int, int, int]:
         if shard_id is None and len(self.shard_names) > 1:
             raise WeightLoadError(
                 f"{self.prefix}: one checkpoint tensor for the merged shards {self.shard_names} "
                 f"cannot be split across tensor-parallel ranks; load it per shard"
             )
-        return self.tp_size, self.tp_rank
+        return self.tp_rank, 1, self.tp_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x, self.bias)
@@ -276,12 +276,38 @@ class ColumnParallelLinear(MergedColumnParallelLinear):
         super().__init__(input_size, [output_size], **kw)
 
 
+def head_partition(
+    num_heads: int, num_kv_heads: int, tp: int, rank: int
+) -> tuple[int, int, int, int]:
+    """(first query head, query heads, first KV head, KV heads) of tensor-parallel rank ``rank``.
+
+    Query heads follow their KV head (grouped-query attention), so the split is by KV group: with
+    at least as many KV heads as ranks, each rank takes a run of whole groups, the first
+    ``num_kv_heads % tp`` ranks one group more (9 heads over 3 KV heads on 2 ranks: 6 + 3); with
+    fewer, each KV head is replicated on ``tp / num_kv_heads`` ranks that share its group's query
+    heads equally."""
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"{num_heads} attention heads cannot share {num_kv_heads} KV heads equally"
+        )
+    group = num_heads // num_kv_heads
+    if num_kv_heads >= tp:
+        base, extra = divmod(num_kv_heads, tp)
+        kv_first = rank * base + min(rank, extra)
+        kv_count = base + (rank < extra)
+        return kv_first * group, kv_count * group, kv_first, kv_count
+    # Fewer KV heads than ranks: each is replicated on tp / num_kv_heads ranks.
+    replicas = divide(tp, num_kv_heads, f"tensor_parallel_size, over {num_kv_heads} KV heads,")
+    per = divide(group, replicas, f"the query heads of one KV head, over {replicas} ranks,")
+    return rank * per, per, rank // replicas, 1
+
+
 class QKVParallelLinear(QKVLinear):
-    """q/k/v with the attention heads split across the tensor-parallel ranks: each rank holds
-    ``num_heads / tp`` query heads and ``num_kv_heads / tp`` key/value heads. With fewer KV heads
-    than ranks, each KV head is replicated on ``tp / num_kv_heads`` consecutive ranks (the ranks
-    whose query heads share it under grouped-query attention). ``num_heads``/``num_kv_heads`` are
-    the model's; the layer's attributes of the same names are the rank's."""
+    """q/k/v with the attention heads split across the tensor-parallel ranks by
+    :func:`head_partition` (whole KV groups per rank; a KV head replicated on several ranks when
+    there are fewer KV heads than ranks). ``num_heads``/``num_kv_heads`` are the model's; the
+    layer's attributes of the same names are the rank's, and ``q_heads_partition`` is the
+    rank's (first, count, total) query heads, which the output projection's inputs follow."""
 
     def __init__(
         self,
@@ -294,25 +320,22 @@ class QKVParallelLinear(QKVLinear):
         **kw: Any,
     ) -> None:
         self.tp_rank, self.tp_size = tp_rank_and_size()
-        tp = self.tp_size
         self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
-        heads = divide(num_heads, tp, f"{prefix}: the number of attention heads")
-        if num_kv_heads >= tp:
-            kv_heads = divide(num_kv_heads, tp, f"{prefix}: the number of KV heads")
-            self.kv_parts, self.kv_index = tp, self.tp_rank
-        else:
-            divide(tp, num_kv_heads, f"{prefix}: with fewer KV heads than ranks, the ranks")
-            kv_heads = 1
-            self.kv_parts, self.kv_index = num_kv_heads, self.tp_rank // (tp // num_kv_heads)
-        super().__init__(hidden_size, head_size, heads, kv_heads, prefix=prefix, **kw)
-        if tp > 1:
+        try:
+            q0, nq, kv0, nkv = head_partition(num_heads, num_kv_heads, self.tp_size, self.tp_rank)
+        except ValueError as e:
+            raise ValueError(f"{prefix}: {e}") from None
+        self.q_heads_partition = (q0, nq, num_heads)
+        self.kv_heads_partition = (kv0, nkv, num_kv_heads)
+        super().__init__(hidden_size, head_size, nq, nkv, prefix=prefix, **kw)
+        if self.tp_size > 1:
             shard_parameters(self, "output_dim", self._split)
 
-    def _split(self, shard_id: Any) -> tuple[int, int]:
+    def _split(self, shard_id: Any) -> tuple[int, int, int]:
         if shard_id == "q":
-            return self.tp_size, self.tp_rank
+            return self.q_heads_partition
         if shard_id in ("k", "v"):
-            return self.kv_parts, self.kv_index
+            return self.kv_heads_partition
         raise WeightLoadError(
             f"{self.prefix}: a fused q/k/v checkpoint tensor cannot be split across "
             f"tensor-parallel ranks; load q, k and v as separate shards"
@@ -321,9 +344,11 @@ class QKVParallelLinear(QKVLinear):
 
 class RowParallelLinear(ReplicatedLinear):
     """One projection split along its inputs: rank ``r`` holds input columns
-    ``[r*K/tp, (r+1)*K/tp)`` and takes the matching slice of the activations (a column-parallel
-    layer's output). The partial products are summed with one all-reduce (``reduce_results``);
-    the bias is added once, after the sum."""
+    ``[r*K/tp, (r+1)*K/tp)`` (or, with ``input_partition=(first, count, total)``, units
+    ``first .. first+count-1`` of ``total`` equal units, e.g. the rank's attention heads) and takes
+    the matching slice of the activations (a column-parallel layer's output). The partial
+    products are summed with one all-reduce (``reduce_results``); the bias is added once, after
+    the sum."""
 
     def __init__(
         self,
@@ -332,19 +357,22 @@ class RowParallelLinear(ReplicatedLinear):
         *,
         bias: bool = False,
         reduce_results: bool = True,
+        input_partition: tuple[int, int, int] | None = None,
         prefix: str = "",
         **kw: Any,
     ) -> None:
         self.tp_rank, self.tp_size = tp_rank_and_size()
         self.reduce_results = reduce_results
         self.full_input_size = input_size
-        k = divide(input_size, self.tp_size, f"{prefix}: input size")
+        part = input_partition or (self.tp_rank, 1, self.tp_size)
+        unit = divide(input_size, part[2], f"{prefix}: input size")
+        self.input_partition = part
         # The rank's first input column: methods whose tensors index input groups (GPTQ's
         # g_idx) read it to rebase them.
-        self.input_start = self.tp_rank * k
-        super().__init__(k, output_size, bias=bias, prefix=prefix, **kw)
+        self.input_start = part[0] * unit
+        super().__init__(part[1] * unit, output_size, bias=bias, prefix=prefix, **kw)
         if self.tp_size > 1:
-            shard_parameters(self, "input_dim", lambda _sid: (self.tp_size, self.tp_rank))
+            shard_parameters(self, "input_dim", lambda _sid: part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -59,7 +59,9 @@ class VocabEmbedding(nn.Module):
             self, embedding_dim, [per], params_dtype, weight_loader=loader
         )
         if self.tp_size > 1:
-            shard_parameters(self, "output_dim", lambda _s: (self.tp_size, self.tp_rank), pad=True)
+            shard_parameters(
+                self, "output_dim", lambda _s: (self.tp_rank, 1, self.tp_size), pad=True
+            )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -104,10 +104,12 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        # Its inputs are the attention outputs of this rank's query heads.
         self.o_proj = RowParallelLinear(
             total_heads * self.head_dim,
             config.hidden_size,
             bias=o_bias,
+            input_partition=self.qkv_proj.q_heads_partition,
             prefix=_join(prefix, "o_proj"),
         )
         # Shared by every layer of the model: not registered as a child here.

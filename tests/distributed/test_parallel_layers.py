@@ -115,31 +115,40 @@ def _mlp(rank: int, qc: Any, gate_up: dict[str, Any], down: dict[str, Any]) -> f
     return _max_err(par_d(act(par_gu(x))), rep_d(act(rep_gu(x))))
 
 
-def _qkv(rank: int, qc: Any, kv_heads: int, tensors: dict[str, Any]) -> float:
-    """The rank's q/k/v output is its heads' slice of the full one (KV heads replicated when
-    fewer than ranks)."""
-    from llmhal.layers.linear import QKVLinear, QKVParallelLinear
+def _qkv(rank: int, qc: Any, heads: int, kv_heads: int, tensors: dict[str, Any]) -> float:
+    """The rank's q/k/v output is its heads' slice of the full one: whole KV groups per rank (6
+    heads over 3 KV heads: 4 + 2 query heads), or a KV head replicated on both ranks."""
+    from llmhal.layers.linear import QKVLinear, QKVParallelLinear, head_partition
     from llmhal.testing.quant_layers import quant_context
 
-    head, heads = 16, 4
+    head = 16
     p = "model.layers.0.self_attn.qkv_proj"
     with quant_context(qc):
         rep = _load(QKVLinear(H, head, heads, kv_heads, bias=True, prefix=p), tensors)
         par = _load(QKVParallelLinear(H, head, heads, kv_heads, bias=True, prefix=p), tensors)
     x = _x(H)
     q, k, v = rep(x).split([heads * head, kv_heads * head, kv_heads * head], dim=-1)
-    kv_rank = rank if kv_heads >= 2 else 0
-    kv_w = max(kv_heads // 2, 1) * head
-    want = torch.cat(
-        [
-            q[:, rank * heads * head // 2 : (rank + 1) * heads * head // 2],
-            k[:, kv_rank * kv_w : (kv_rank + 1) * kv_w],
-            v[:, kv_rank * kv_w : (kv_rank + 1) * kv_w],
-        ],
-        dim=-1,
-    )
-    assert par.num_heads == 2 and par.num_kv_heads == max(kv_heads // 2, 1)
+    q0, nq, kv0, nkv = head_partition(heads, kv_heads, 2, rank)
+    assert (par.num_heads, par.num_kv_heads) == (nq, nkv)
+    kv = slice(kv0 * head, (kv0 + nkv) * head)
+    want = torch.cat([q[:, q0 * head : (q0 + nq) * head], k[:, kv], v[:, kv]], dim=-1)
     return _max_err(par(x), want)
+
+
+def _o_proj(rank: int, qc: Any, heads: int, kv_heads: int, tensors: dict[str, Any]) -> float:
+    """The output projection takes the inputs of the rank's query heads (uneven: 4 + 2)."""
+    from llmhal.layers.linear import ReplicatedLinear, RowParallelLinear, head_partition
+    from llmhal.testing.quant_layers import quant_context
+
+    head, p = 32, "model.layers.0.self_attn.o_proj"
+    q0, nq, _, _ = head_partition(heads, kv_heads, 2, rank)
+    with quant_context(qc):
+        rep = _load(ReplicatedLinear(heads * head, H, prefix=p), tensors)
+        par = _load(
+            RowParallelLinear(heads * head, H, input_partition=(q0, nq, heads), prefix=p), tensors
+        )
+    x = _x(heads * head)
+    return _max_err(par(x[:, q0 * head : (q0 + nq) * head]), rep(x))
 
 
 def _qkv_layer(heads: int, kv_heads: int) -> Any:
@@ -191,6 +200,8 @@ def _all_checks(rank: int) -> dict[str, Any]:
     qkv2["bias"] = {"q": rnd(64), "k": rnd(32), "v": rnd(32)}
     qkv1 = {"weight": {"q": rnd(64, H), "k": rnd(16, H), "v": rnd(16, H)}}
     qkv1["bias"] = {"q": rnd(64), "k": rnd(16), "v": rnd(16)}
+    qkv3 = {"weight": {"q": rnd(96, H), "k": rnd(48, H), "v": rnd(48, H)}}
+    qkv3["bias"] = {"q": rnd(96), "k": rnd(48), "v": rnd(48)}
     table = rnd(V, H)
 
     gptq = GPTQConfig.from_config({"bits": 4, "group_size": 32, "desc_act": False})
@@ -201,6 +212,7 @@ def _all_checks(rank: int) -> dict[str, Any]:
     down_name = "model.layers.0.mlp.down_proj"
     gguf = GGUFConfig({down_name: "Q8_0", "model.embed_tokens": "Q8_0"})
     gguf_k = GGUFConfig({down_name: "Q4_K"})
+    gguf_o_cfg = GGUFConfig({"model.layers.0.self_attn.o_proj": "Q8_0"})
     gguf_rows = quantized_rows("Q8_0", N, K, seed=3)
     gguf_big = quantized_rows("Q8_0", N, 512, seed=4)
     gguf_table = quantized_rows("Q8_0", 256, H, seed=5)
@@ -214,8 +226,12 @@ def _all_checks(rank: int) -> dict[str, Any]:
         out["column"] = _column(rank, None, dense_col, bias=True)
         out["row"] = _row(rank, None, {"weight": rnd(N, K), "bias": rnd(N)}, bias=True)
         out["mlp"] = _mlp(rank, None, gate_up, down)
-        out["qkv_split_kv"] = _qkv(rank, None, 2, qkv2)
-        out["qkv_replicated_kv"] = _qkv(rank, None, 1, qkv1)
+        out["qkv_split_kv"] = _qkv(rank, None, 4, 2, qkv2)
+        out["qkv_replicated_kv"] = _qkv(rank, None, 4, 1, qkv1)
+        out["qkv_uneven"] = _qkv(rank, None, 6, 3, qkv3)
+        out["o_proj_uneven"] = _o_proj(rank, None, 6, 3, {"weight": rnd(H, 6 * 32)})
+        gguf_o = {"weight": quantized_rows("Q8_0", H, 6 * 32, seed=6)}
+        out["gguf_o_proj_uneven"] = _o_proj(rank, gguf_o_cfg, 6, 3, gguf_o)
         out["vocab"] = _vocab(rank, None, table, table, "model.embed_tokens")
         out["gptq_column"] = _column(rank, gptq, _gptq_tensors(K, N, 32, 1), bias=False)
         out["gptq_row"] = _row(rank, gptq, _gptq_tensors(K, N, 32, 2), bias=True)
@@ -240,7 +256,7 @@ def _all_checks(rank: int) -> dict[str, Any]:
                 rank, gguf_k, {"weight": quantized_rows("Q4_K", N, 256, seed=1)}, False, 256
             )
         )
-        out["err_heads"] = _error(lambda: _qkv_layer(heads=4, kv_heads=3))
+        out["err_heads"] = _error(lambda: _qkv_layer(heads=3, kv_heads=1))
     return out
 
 
@@ -249,9 +265,20 @@ def results() -> list[dict[str, Any]]:
     return run_ranks(_all_checks, 2, 1)
 
 
-EXACT = ["column", "qkv_split_kv", "qkv_replicated_kv", "vocab", "gptq_column", "awq_column"]
+EXACT = ["column", "qkv_split_kv", "qkv_replicated_kv", "qkv_uneven", "vocab", "gptq_column"]
+EXACT += ["awq_column"]
 EXACT += ["fp8_column", "gguf_column", "gguf_vocab"]
-SUMMED = ["row", "mlp", "gptq_row", "gptq_row_whole_group", "awq_row", "fp8_row", "gguf_row"]
+SUMMED = [
+    "row",
+    "o_proj_uneven",
+    "gguf_o_proj_uneven",
+    "mlp",
+    "gptq_row",
+    "gptq_row_whole_group",
+    "awq_row",
+    "fp8_row",
+    "gguf_row",
+]
 
 
 @pytest.mark.parametrize("check", EXACT + SUMMED)

@@ -95,9 +95,11 @@ def _assert_same(parallel: list[dict[int, torch.Tensor]], single: list[dict[int,
             torch.testing.assert_close(p[rid], s[rid], atol=2e-4, rtol=1e-4)
 
 
-# qwen2: q/k/v biases (split with the heads); qwen3: per-head q/k norms; llama_untied with one KV
+# qwen2 with 6 heads over 3 KV heads (as the default model's 9 over 3): q/k/v biases, and an
+# uneven split by KV group (4 + 2 query heads); qwen3: per-head q/k norms; llama_untied with one KV
 # head: the head replicated on both ranks, and an untied LM head.
-TP_MODELS = [("qwen2", {}), ("qwen3", {}), ("llama_untied", {"num_key_value_heads": 1})]
+UNEVEN = {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}
+TP_MODELS = [("qwen2", UNEVEN), ("qwen3", {}), ("llama_untied", {"num_key_value_heads": 1})]
 # llama: tied embeddings, so the last stage's LM head loads the first stage's embedding table.
 PP_MODELS = [("llama", {}), ("qwen3", {})]
 
@@ -119,7 +121,7 @@ def pp2(tiny_models):
 
 
 @pytest.mark.parametrize(
-    "index", range(len(TP_MODELS)), ids=[f"{a}{o or ''}" for a, o in TP_MODELS]
+    "index", range(len(TP_MODELS)), ids=["qwen2_uneven_heads", "qwen3", "llama_untied_one_kv_head"]
 )
 def test_tensor_parallel_two_ranks_equal_one_process(tp2, index):
     ranks, single = tp2
