@@ -135,7 +135,18 @@ class MultiprocExecutor(Executor):
             self._locks.append(threading.Lock())
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns)
         for rank in range(1, par.world_size):
-            self._recv(rank, "joining")  # past imports and config: joining cannot hang on them
+            try:
+                self._recv(rank, "joining")  # past imports and config: joining cannot hang
+            except EngineDeadError as e:
+                if "raised" in e.cause:
+                    raise
+                # It died before running any of llmhal's code: most often 'spawn' re-running
+                # an unguarded script, which then failed to start a process of its own.
+                raise EngineDeadError(
+                    e.rank,
+                    f"{e.cause} while starting (a worker process imports the main script: "
+                    "guard the code that creates the LLM with `if __name__ == '__main__':`)",
+                ) from None
         join_process_group(self.config, 0, init)
         self.runner = build_shard()
         self._blocks = [self._recv(rank, "ready") for rank in range(1, par.world_size)]

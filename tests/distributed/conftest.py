@@ -1,0 +1,1 @@
+from llmhal.testing.fixtures import install_dists  # noqa: F401

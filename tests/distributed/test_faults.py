@@ -1,0 +1,184 @@
+"""Faults in a multi-process engine (issue 24): a rank that dies or raises fails the engine with an
+error naming the rank and the cause, every other process exits, nothing hangs and nothing is
+orphaned; the engine's own death (even SIGKILL) and Ctrl-C take its workers with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from llmhal import LLM, SamplingParams
+from llmhal.executor.base import EngineDeadError
+from llmhal.testing.distributions import FakeDistribution
+
+LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+BOUND_S = 15.0  # how long the survivors may take to go
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie has exited
+            return f.read().rsplit(")", 1)[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _wait_gone(pids: list[int], bound: float = BOUND_S) -> float:
+    t0 = time.monotonic()
+    while not all(map(_gone, pids)):
+        assert time.monotonic() - t0 < bound, f"still running after {bound} s: {pids}"
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def _kill_mid_generation(llm: LLM, rank: int) -> EngineDeadError:
+    """Start a long request, let it run a few steps, SIGKILL ``rank``; the error the engine
+    raises (within the bound)."""
+    engine = llm.engine
+    engine.add_request("The quick brown fox", LONG)
+    for _ in range(3):
+        engine.step()
+    os.kill(llm.engine.executor.worker_pids[rank - 1], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(EngineDeadError) as caught:
+        while time.monotonic() - t0 < 60:
+            engine.step()
+    assert time.monotonic() - t0 < BOUND_S
+    return caught.value
+
+
+def test_killed_worker_fails_the_engine_naming_rank_and_signal(tiny_models):
+    folder, _ = tiny_models("llama")
+    llm = LLM(folder, kv_cache_memory_bytes=4 << 20, tensor_parallel_size=2)
+    try:
+        err = _kill_mid_generation(llm, rank=1)
+        assert err.rank == 1 and "SIGKILL" in str(err), err
+        with pytest.raises(EngineDeadError, match="rank 1"):  # dead for good, at once
+            llm.generate(["again"], use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+RAISER = FakeDistribution(
+    "fault-injector",
+    entry_points={"vllm.general_plugins": {"fault_injector": "fault_injector:register"}},
+    modules={
+        "fault_injector.py": """
+        import multiprocessing
+
+
+        def register():
+            # Only in rank 1's process: its 4th step raises.
+            if multiprocessing.current_process().name != "llmhal-rank1":
+                return
+            from llmhal.engine.model_runner import ModelRunner
+
+            original, calls = ModelRunner.run, [0]
+
+            def run(self, step):
+                calls[0] += 1
+                if calls[0] == 4:
+                    raise RuntimeError("injected fault")
+                return original(self, step)
+
+            ModelRunner.run = run
+        """
+    },
+)
+
+
+def test_worker_that_raises_fails_the_engine_with_its_error(request, tiny_models):
+    request.getfixturevalue("install_dists")(RAISER)
+    folder, _ = tiny_models("llama")
+    llm = LLM(folder, kv_cache_memory_bytes=4 << 20, tensor_parallel_size=2)
+    try:
+        pid = llm.engine.executor.worker_pids[0]
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError) as caught:
+            llm.generate(["The quick brown fox"], LONG, use_tqdm=False)
+        assert time.monotonic() - t0 < BOUND_S
+        assert caught.value.rank == 1
+        assert "raised RuntimeError: injected fault" in str(caught.value)
+        _wait_gone([pid])
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+def test_killed_worker_takes_down_every_other_rank(tiny_models):
+    """TP=2 x PP=2: rank 1 killed mid-generation; ranks 2 and 3 exit too."""
+    folder, _ = tiny_models("llama")
+    llm = LLM(
+        folder, kv_cache_memory_bytes=4 << 20, tensor_parallel_size=2, pipeline_parallel_size=2
+    )
+    try:
+        pids = llm.engine.executor.worker_pids
+        err = _kill_mid_generation(llm, rank=1)
+        assert err.rank == 1 and "SIGKILL" in str(err), err
+        _wait_gone(pids)
+    finally:
+        llm.shutdown()
+
+
+_ENGINE_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from llmhal import LLM, SamplingParams
+
+    if __name__ == "__main__":  # spawned workers import this script: they must not run it
+        llm = LLM(sys.argv[1], kv_cache_memory_bytes=4 << 20, tensor_parallel_size=2)
+        print("PIDS", *llm.engine.executor.worker_pids, flush=True)
+        while True:
+            llm.generate(["The quick brown fox"], SamplingParams(max_tokens=400, ignore_eos=True),
+                         use_tqdm=False)
+    """
+)
+
+
+def _start_engine(folder: str, tmp_path) -> tuple[subprocess.Popen, list[int]]:
+    script = tmp_path / "engine.py"
+    script.write_text(_ENGINE_SCRIPT)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), folder],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's job would be
+    )
+    line = proc.stdout.readline()
+    assert line.startswith("PIDS"), proc.stderr.read()[-3000:]
+    time.sleep(1.0)  # generating
+    return proc, [int(p) for p in line.split()[1:]]
+
+
+@pytest.mark.slow
+def test_engine_killed_leaves_no_orphaned_worker(tiny_models, tmp_path):
+    folder, _ = tiny_models("llama")
+    proc, workers = _start_engine(folder, tmp_path)
+    proc.kill()  # SIGKILL: no clean-up code of the engine's runs
+    proc.wait(10)
+    _wait_gone(workers)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_engine_and_its_workers(tiny_models, tmp_path):
+    folder, _ = tiny_models("llama")
+    proc, workers = _start_engine(folder, tmp_path)
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the terminal's whole process group
+    try:
+        proc.wait(BOUND_S)
+    finally:
+        proc.kill()
+    _, err = proc.communicate()
+    assert "KeyboardInterrupt" in err
+    _wait_gone(workers)
