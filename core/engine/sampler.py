@@ -39,6 +39,7 @@ def _filter_logits(
         # keep the smallest prefix whose mass reaches top_p (always at least the top token)
         before = probs.cumsum(-1) - probs
         drop |= before >= top_p.unsqueeze(1)
+        drop[:, 0] = False  # a top_p that is 0 in float32 (5e-324) would drop every token: NaNs
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
     if bool((min_p > 0).any()):

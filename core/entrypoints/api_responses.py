@@ -240,6 +240,8 @@ def add_responses_routes(app: FastAPI, state: Any) -> None:
             return Response(status_code=499)
         except EngineStopped as e:
             raise srv.ApiError(503, f"{e}; the request was ended unfinished") from None
+        except Exception as e:  # an engine step failed: still OpenAI's error shape
+            raise srv.ApiError(500, f"generation failed: {e}") from None
         finally:
             gone.cancel()
             state.in_flight -= 1

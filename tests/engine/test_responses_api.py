@@ -171,6 +171,12 @@ def test_background_then_cancel(served, client):
         client.responses.cancel(synchronous.id)
 
 
+def test_a_top_p_that_rounds_to_zero_keeps_the_top_token(served):
+    base, _ = served  # found by schemathesis: every token was dropped, and sampling failed
+    status, resp = post_json(base + "/v1/responses", {"input": "", "top_p": 5e-324, "max_output_tokens": 2})  # fmt: skip
+    assert status == 200 and resp["usage"]["output_tokens"] == 2, resp
+
+
 def test_refusals_name_the_remedy(served):
     base, _ = served
     cases = [
@@ -186,3 +192,35 @@ def test_refusals_name_the_remedy(served):
     for body, words in cases:
         status, resp = post_json(base + "/v1/responses", body)
         assert status == 400 and words in resp["error"]["message"], (body, resp)
+
+
+def test_a_client_that_hangs_up_mid_stream_stops_its_request(served):
+    import http.client
+    import urllib.parse
+    import urllib.request
+
+    base, llm = served
+
+    def aborted() -> float:
+        text = urllib.request.urlopen(base + "/metrics").read().decode()
+        return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith("vllm:request_success_total") and 'reason="abort"' in x)  # fmt: skip
+
+    before = aborted()
+    url = urllib.parse.urlsplit(base)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    body = {"input": "go", "stream": True, "max_output_tokens": 200, "ignore_eos": True}
+    conn.request("POST", "/v1/responses", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    deltas = 0
+    for line in resp:
+        # (all reasoning: this model's text has no </think> tag unless forced)
+        deltas += line.startswith(b"event: response.") and line.rstrip().endswith(b".delta")
+        if deltas == 3:
+            break
+    conn.close()
+    deadline = time.time() + 30
+    while llm.engine.has_unfinished_requests() and time.time() < deadline:
+        time.sleep(0.05)
+    assert not llm.engine.has_unfinished_requests()
+    assert aborted() == before + 1  # ended by the hang-up, not by its 200 tokens
