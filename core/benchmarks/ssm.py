@@ -59,8 +59,11 @@ def _configs(shape: SsmShape) -> dict[str, Any]:
             f"heads x head_dim ({shape.heads} x {shape.head_dim}) must be a multiple of hidden "
             f"({shape.hidden}): the mixers' inner width is expand x hidden"
         )
+    # max_position_embeddings: Mamba-2 has no position limit, but the engine caps a config
+    # without one at 2048; the context rows need 4096 and more.
     common = dict(vocab_size=TINY_VOCAB, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
-                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=0, pad_token_id=0)  # fmt: skip
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=0, pad_token_id=0,
+                  max_position_embeddings=16384)  # fmt: skip
     attn = list(range(shape.attn_every - 1, shape.layers, shape.attn_every))
     return {
         "mamba2": transformers.Mamba2Config(
@@ -72,7 +75,7 @@ def _configs(shape: SsmShape) -> dict[str, Any]:
             mamba_d_state=shape.state, mamba_n_groups=shape.groups, mamba_d_conv=shape.conv,
             mamba_chunk_size=shape.chunk, attn_layer_indices=attn,
             num_attention_heads=shape.attn_heads, num_key_value_heads=shape.attn_kv_heads,
-            intermediate_size=shape.mlp, max_position_embeddings=16384, **common,
+            intermediate_size=shape.mlp, **common,
         ),
     }  # fmt: skip
 
@@ -207,11 +210,15 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         spec = WorkerSpec(str(ckpt[name]), a.dtype, None, tuple(a.batch_sizes), a.new_tokens,
                           a.prompt_len, a.prefill_len, a.repeat)  # fmt: skip
-        results[name] = run_worker("llmhal", spec)
+        jobs = {name: lambda s=spec: run_worker("llmhal", s)}
         if not a.no_hf:
-            results[f"hf_{name}"] = run_worker("hf", spec)
+            jobs[f"hf_{name}"] = lambda s=spec: run_worker("hf", s)
         if not a.no_contexts:
-            results[f"ctx_{name}"] = run_context_worker(ckpt[name], a)
+            jobs[f"ctx_{name}"] = lambda m=ckpt[name]: run_context_worker(m, a)
+        for key, job in jobs.items():
+            results[key] = job()
+            # Each figure as it comes: a long run that fails later keeps what it measured.
+            print(f"{key}: {json.dumps(results[key])}", file=sys.stderr, flush=True)
     print(f"shape: {shape}  dtype: {a.dtype}  new tokens: {a.new_tokens}  prompt: {a.prompt_len}")
     print(report(results, a.batch_sizes, [] if a.no_contexts else contexts))
     if a.json_path:
