@@ -374,6 +374,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     # uvicorn catches SIGTERM and Ctrl-C, stops, then raises the signal again: as KeyboardInterrupt.
     signal.signal(signal.SIGTERM, _interrupt)
+    failed: list[bool] = []
+
+    def stop_on_failure() -> None:
+        # A rank of a multi-process engine failed: the engine cannot run another step. The loop
+        # ends the requests in flight with its error; stop serving, as SIGTERM does.
+        failed.append(True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    llm.engine.executor.register_failure_callback(stop_on_failure)
     try:
         server.serve_forever(end_requests_on_stop=True)
     except KeyboardInterrupt:
@@ -384,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
             f"llmhal serve: stopped; {ended} request(s) in flight were ended unfinished",
             file=sys.stderr,
         )
+    if failed:
+        print(f"llmhal serve: {llm.engine.executor.failure}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -16,6 +16,9 @@ Members, in the order the engine calls them:
     Raise :class:`EngineDeadError` if a rank has failed.
 ``shutdown()``
     Stop every other rank; idempotent, and safe after a failure.
+``register_failure_callback(callback)``
+    ``callback()`` runs once, on any thread, when a rank fails (vLLM's hook; ``llmhal serve``
+    stops on it).
 """
 
 from __future__ import annotations
@@ -46,6 +49,21 @@ class Executor(ABC):
         self.config = config
         self.args = args
         self.runner: Any = None
+        self._failure_callbacks: list[Callable[[], None]] = []
+        self._failure: EngineDeadError | None = None
+
+    @property
+    def failure(self) -> EngineDeadError | None:
+        """The error of the rank that failed (None while every rank is well)."""
+        return self._failure
+
+    def register_failure_callback(self, callback: Callable[[], None]) -> None:
+        self._failure_callbacks.append(callback)
+
+    def _run_failure_callbacks(self) -> None:
+        callbacks, self._failure_callbacks = self._failure_callbacks, []
+        for callback in callbacks:
+            callback()
 
     @abstractmethod
     def initialize(self, build_shard: Callable[[], Any]) -> None: ...
@@ -60,7 +78,8 @@ class Executor(ABC):
     def execute_model(self, batch: Any) -> Any: ...
 
     def check_health(self) -> None:
-        return None
+        if self._failure is not None:
+            raise self._failure
 
     def shutdown(self) -> None:
         return None

@@ -117,7 +117,6 @@ class MultiprocExecutor(Executor):
         self._procs: list[Any] = []
         self._conns: list[Any] = []
         self._locks: list[threading.Lock] = []
-        self._failure: EngineDeadError | None = None
         self._closing = False
         self._blocks: list[int] = []
         for rank in range(1, par.world_size):
@@ -167,6 +166,7 @@ class MultiprocExecutor(Executor):
             if detail:
                 logger.error("rank %d failed:\n%s", rank, detail)
             self._failure = EngineDeadError(rank, cause)
+            self._run_failure_callbacks()
         return self._failure
 
     def _recv(self, rank: int, kind: str) -> Any:
@@ -234,10 +234,6 @@ class MultiprocExecutor(Executor):
         return failure
 
     # ------------------------------------------------------------------------- contract
-    def check_health(self) -> None:
-        if self._failure is not None:
-            raise self._failure
-
     def determine_num_blocks(self) -> int:
         from llmhal.engine.builder import kv_blocks_fitting
         from llmhal.platforms import get_current_platform

@@ -80,7 +80,6 @@ class RayExecutor(Executor):
         self.runner = build_shard()
         self._blocks = self._get(loads)
         self._output_rank = (par.pipeline_parallel_size - 1) * par.tensor_parallel_size
-        self._failure: EngineDeadError | None = None
 
     @property
     def worker_pids(self) -> list[int]:
@@ -103,15 +102,12 @@ class RayExecutor(Executor):
         return out
 
     def _fail(self, rank: int, cause: str) -> EngineDeadError:
-        if getattr(self, "_failure", None) is None:
+        if self._failure is None:
             self._failure = EngineDeadError(rank, cause)
             logger.error("%s", self._failure)
+            self._run_failure_callbacks()
         self._kill_actors()
-        return self._failure  # type: ignore[return-value]
-
-    def check_health(self) -> None:
-        if self._failure is not None:
-            raise self._failure
+        return self._failure
 
     def determine_num_blocks(self) -> int:
         from llmhal.engine.builder import kv_blocks_fitting
