@@ -449,7 +449,8 @@ def _warn_slow_paths(runner: Any, platform: Any) -> None:
     """Say so when attention or an op runs core's pure-torch reference (no silent slow path)."""
     from llmhal.engine.slow_paths import slow_path_notes
 
-    for note in slow_path_notes([layer.selection for layer in runner.layers], platform):
+    layers = [*runner.layers, *getattr(runner, "state_layers", ())]
+    for note in slow_path_notes([layer.selection for layer in layers], platform):
         logger.warning("Slow path: %s", note)
 
 

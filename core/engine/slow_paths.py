@@ -67,11 +67,15 @@ def attention_notes(selections: Iterable[Any], platform: Any) -> list[str]:
     return out
 
 
-def ops_notes(platform: Any) -> list[str]:
-    """One note listing the ops that run core's pure-torch implementation, or none."""
-    from llmhal.ops.registry import op_implementations
+def ops_notes(platform: Any, kinds: set[str] | None = None) -> list[str]:
+    """One note listing the ops that run core's pure-torch implementation, or none. With
+    ``kinds`` (the model's layer kinds), ops that only other kinds' layers call are left out."""
+    from llmhal.ops.registry import OP_LAYER_KINDS, op_implementations
 
-    native = [impl.name for impl in op_implementations() if impl.source == "core"]
+    def used(op: str) -> bool:
+        return kinds is None or op not in OP_LAYER_KINDS or bool(kinds & set(OP_LAYER_KINDS[op]))
+
+    native = [i.name for i in op_implementations() if i.source == "core" and used(i.name)]
     if not native:
         return []
     cost = QUANT_LINEAR_COST if "quant_linear" in native else OPS_COST
@@ -82,4 +86,8 @@ def ops_notes(platform: Any) -> list[str]:
 
 
 def slow_path_notes(selections: Iterable[Any], platform: Any) -> list[str]:
-    return attention_notes(selections, platform) + ops_notes(platform)
+    """``selections``: the model's layers' backend selections (their kinds decide which
+    layer-specific ops count)."""
+    selections = list(selections)
+    kinds = {s.requirements.kind for s in selections} if selections else None
+    return attention_notes(selections, platform) + ops_notes(platform, kinds)

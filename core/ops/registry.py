@@ -46,6 +46,18 @@ CORE_OPS: dict[str, str] = {
     "lightning_attn_decode": "llmhal.ops.linear_attn_ops:lightning_attn_decode",
 }
 
+# Ops that only layers of these kinds call (llmhal.attention.state's recurrent layers): a model
+# without such layers never runs them, so a platform lacking them is no slow path for that model.
+OP_LAYER_KINDS: dict[str, tuple[str, ...]] = {
+    "causal_conv1d_fn": ("mamba1", "mamba2", "short_conv"),
+    "causal_conv1d_update": ("mamba1", "mamba2", "short_conv"),
+    "selective_scan_varlen": ("mamba1",),
+    "selective_state_update": ("mamba1", "mamba2"),
+    "ssd_chunk_scan_varlen": ("mamba2",),
+    "lightning_attn_prefill": ("linear",),
+    "lightning_attn_decode": ("linear",),
+}
+
 
 @dataclass(frozen=True)
 class OpImplementation:
