@@ -114,7 +114,8 @@ class StateModelParity:
     :func:`llmhal.testing.tiny_models.make_tiny_model`; needs the session ``tiny_models`` fixture
     of llmhal's tests/conftest.py): ``steps`` greedy steps of :data:`PROMPTS` equal transformers',
     once with 8-token prefill chunks beside decodes, once unchunked with so few KV blocks that
-    requests are preempted and recomputed. ``chunked_llm`` is left for the class's own tests."""
+    requests are preempted and recomputed; ``llmhal generate`` on the checkpoint. ``chunked_llm``
+    is left for the class's own tests."""
 
     arch: ClassVar[str]
     steps: ClassVar[int] = 64
@@ -160,3 +161,14 @@ class StateModelParity:
         refs = hf_references(hf, PROMPTS, 16, use_cache=self.variant_hf_cache)
         kw = dict(max_num_seqs=4, max_num_batched_tokens=8, enforce_eager=True)
         assert compare_with_references(LLM(folder, dtype="float32", **kw), refs) == []
+
+    def test_generate_cli(self, checkpoint: Any, capsys: Any):
+        import json
+
+        from llmhal.entrypoints import generate
+
+        args = ["--model", checkpoint[0], "--json", "--max-tokens", "5", "--no-chat",
+                "--dtype", "float32", "--prompt", "Paris is"]  # fmt: skip
+        assert generate.main(args) == 0
+        lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert len(lines[0]["token_ids"]) == 5

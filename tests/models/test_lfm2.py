@@ -5,8 +5,6 @@ chunked across steps and not, and across preemptions; its conv layers served by 
 
 from __future__ import annotations
 
-import json
-
 from llmhal.testing.engine_parity import StateModelParity
 
 
@@ -25,15 +23,6 @@ class TestLfm2(StateModelParity):
         assert "short_conv_attn" in runner.attention_backends
         (spec,) = runner.state_layers[0].state_specs()
         assert spec.shape == (2, 64)  # kernel 3 -> the last 2 inputs of 64 channels
-
-    def test_generate_cli(self, checkpoint, capsys):
-        from llmhal.entrypoints import generate
-
-        args = ["--model", checkpoint[0], "--json", "--max-tokens", "5", "--no-chat",
-                "--dtype", "float32", "--prompt", "Paris is"]  # fmt: skip
-        assert generate.main(args) == 0
-        lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-        assert len(lines[0]["token_ids"]) == 5
 
     def test_serve_answers_like_the_offline_api(self, checkpoint, chunked_llm):
         from llmhal import SamplingParams
