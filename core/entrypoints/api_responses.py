@@ -171,6 +171,7 @@ def add_responses_routes(app: FastAPI, state: Any) -> None:
 
     store = ResponseStore()
     state.responses = store
+    running: set[asyncio.Task[Any]] = set()  # background responses in progress
 
     def start(body: dict[str, Any], sink: Any, rid: str) -> tuple[Any, list[dict[str, Any]]]:
         """(the chat plan, submitted; the conversation so far) for a request, on a worker."""
@@ -230,6 +231,10 @@ def add_responses_routes(app: FastAPI, state: Any) -> None:
             stored.rids = list(plan.rids)
             store.put(rid, stored)
             stored.task = asyncio.ensure_future(background(body, plan, rid, created, stored))
+            # The loop keeps only a weak reference to a task: held here until it ends, even if
+            # the store forgets the response meanwhile.
+            running.add(stored.task)
+            stored.task.add_done_callback(running.discard)
             return JSONResponse(queued)
         gone = asyncio.ensure_future(gen.wait_disconnect(request.receive))
         state.in_flight += 1

@@ -81,7 +81,7 @@ def test_routes_are_in_the_openapi_document(served):
 
     with urllib.request.urlopen(served[0] + "/openapi.json") as r:
         paths = json.load(r)["paths"]
-    for path in ("/v1/embeddings", "/pooling", "/score", "/v1/score"):
+    for path in ("/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify", "/v1/responses"):  # fmt: skip
         body = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert "properties" in body and "400" in paths[path]["post"]["responses"], path
 
