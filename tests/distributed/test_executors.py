@@ -202,3 +202,21 @@ def _free_port() -> int:
     from llmhal.distributed.launch import free_port
 
     return free_port()
+
+
+@pytest.mark.slow
+def test_generate_cli_takes_vllms_parallel_flags(tiny_models):
+    """``llmhal generate -tp 2 --pipeline-parallel-size 1 --distributed-executor-backend mp``."""
+    import json
+
+    folder, _ = tiny_models("llama")
+    cmd = [sys.executable, "-m", "llmhal.entrypoints.cli", "generate", "--model", folder,
+           "-tp", "2", "--pipeline-parallel-size", "1", "--distributed-executor-backend", "mp",
+           "--no-chat", "--max-tokens", "8", "--json", "--prompt", PROMPTS[0],
+           "--kv-cache-memory-bytes", str(KV)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first = json.loads(done.stdout.splitlines()[0])
+    llm = LLM(folder, kv_cache_memory_bytes=KV)
+    want = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8))
+    assert first["text"] == want[0].outputs[0].text
