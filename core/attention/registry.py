@@ -3,8 +3,8 @@
 Sources, later ones overriding earlier ones of the same name:
 
 1. core's hardware-neutral backends (``flex_attention``, ``triton_attn``, ``tree_attn``, ``reference``,
-   the MLA ones ``torch_mla`` and ``reference_mla``, and the recurrent kinds' ``mamba1_attn``,
-   ``mamba2_attn``, ...);
+   the MLA ones ``torch_mla``, ``reference_mla`` and ``triton_mla``, and the recurrent kinds'
+   ``mamba1_attn``, ``mamba2_attn``, ...);
 2. every installed platform's declared backends (the active platform's are usable; an inactive one's
    are listed so errors and ``llmhal doctor`` can say which platform provides them);
 3. :func:`register_attention_backend`, for out-of-tree code.
@@ -32,6 +32,7 @@ CORE_BACKENDS: dict[str, tuple[str, str]] = {
     # MLA (DeepSeek), latent KV cache: the batched one first, the one an unranked platform picks.
     "torch_mla": ("llmhal.attention.mla.torch_mla:TorchMLABackend", "mla"),
     "reference_mla": ("llmhal.attention.mla.reference:ReferenceMLABackend", "mla"),
+    "triton_mla": ("llmhal.attention.mla.triton_mla:TritonMLABackend", "mla"),
     # Recurrent kinds (see llmhal.attention.state): metadata builders for state-keeping layers.
     "mamba1_attn": ("llmhal.attention.mamba1_attn:Mamba1AttentionBackend", "mamba1"),
     "mamba2_attn": ("llmhal.attention.mamba2_attn:Mamba2AttentionBackend", "mamba2"),

@@ -123,7 +123,8 @@ def _preferred_half(platform: Any) -> torch.dtype | None:
 
 
 def derive_max_model_len(hf_config: Any, requested: int | None) -> int:
-    """The context length: ``requested``, or the model's ``max_position_embeddings``.
+    """The context length: ``requested``, or the model's ``max_position_embeddings`` (2048 when
+    the config has none, which then sets no upper limit).
 
     RoPE scaling that extends the context (``linear``, ``dynamic``, ``yarn``: the factor times the
     original length, as vLLM counts it) raises the limit a request may ask for, not the default:
@@ -132,7 +133,8 @@ def derive_max_model_len(hf_config: Any, requested: int | None) -> int:
     """
     from llmhal.layers.rotary_embedding import rope_parameters
 
-    native = getattr(hf_config, "max_position_embeddings", None) or 2048
+    declared = getattr(hf_config, "max_position_embeddings", None)
+    native = declared or 2048
     limit, why = native, f"the model's max_position_embeddings ({native})"
     rope = rope_parameters(hf_config)
     factor = rope.get("factor")
@@ -142,7 +144,8 @@ def derive_max_model_len(hf_config: Any, requested: int | None) -> int:
         why = f"{rope['rope_type']} RoPE scaling's limit ({original} x {factor:g} = {limit})"
     if requested is None:
         return int(native)
-    if requested > limit:
+    # A config that declares no limit (state-space models: no positions at all) takes any length.
+    if requested > limit and declared:
         raise ValueError(f"max_model_len={requested} exceeds {why}; use at most {limit}")
     if requested < 2:
         raise ValueError(f"max_model_len must be at least 2, got {requested}")

@@ -176,3 +176,56 @@ def test_explicit_mha_backend_is_refused_for_mla(monkeypatch):
     assert "torch_mla" in str(e.value) and "reference_mla" in str(e.value)
     monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "REFERENCE_MLA")
     assert select_attention_backend(_mla_requirements(block_size=8)).name == "reference_mla"
+
+
+# triton_mla's kernel runs in Triton's CPU interpreter, which triton reads from TRITON_INTERPRET when
+# the kernel is first decorated: a subprocess, so this process's Triton kernels stay compiled ones.
+_TRITON_RUNNER = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import test_mla as t
+from llmhal.attention.mla.triton_mla import TritonMLABackend
+from llmhal.attention.mla import triton_mla_kernel as k
+from triton.runtime.interpreter import InterpretedFunction
+assert isinstance(k._mla_decode_kernel, InterpretedFunction), "TRITON_INTERPRET=1 not honoured"
+out = {}
+for cache in ("auto", "fp8_e4m3"):
+    got, want = t.run_steps(TritonMLABackend, t.StubLayer(t.DIMS), cache_dtype=cache)
+    out[cache] = float((got.double() - want).abs().max() / want.abs().max())
+print("RESULTS" + json.dumps(out))
+"""
+
+
+def test_triton_mla_kernel_in_the_interpreter():
+    """The Triton decode kernel (two decodes beside a prefill chunk and a fresh prefill) against
+    the float64 dense computation; the fp8 latent cache within its storage error."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    here = str(Path(__file__).parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRITON_RUNNER, here],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULTS"))
+    errors = json.loads(line.removeprefix("RESULTS"))
+    assert errors["auto"] < 2e-5
+    assert 0 < errors["fp8_e4m3"] < 0.08
+
+
+def test_triton_mla_is_unavailable_without_a_triton_platform(monkeypatch):
+    from llmhal.attention.mla.triton_mla import TritonMLABackend
+    from llmhal.platforms import get_current_platform
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    platform = get_current_platform()
+    if platform.capabilities.triton:
+        pytest.skip("this platform runs Triton kernels")
+    reasons = TritonMLABackend.availability(platform)
+    assert reasons and "TRITON_INTERPRET=1" in reasons[0]

@@ -123,3 +123,12 @@ def test_speculative_decoding_is_refused_naming_why(mamba2):
     spec = {"method": "ngram", "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="Speculative decoding is not supported.*mamba2"):
         LLM(mamba2[0], dtype="float32", speculative_config=spec)
+
+
+def test_a_config_without_positions_sets_no_context_limit():
+    from transformers import Mamba2Config
+
+    from llmhal.engine.builder import derive_max_model_len
+
+    assert derive_max_model_len(Mamba2Config(), None) == 2048  # the default when none is asked
+    assert derive_max_model_len(Mamba2Config(), 100_000) == 100_000

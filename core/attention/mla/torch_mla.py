@@ -51,13 +51,17 @@ class TorchMLAMetadata:
 
 
 class TorchMLAMetadataBuilder(AttentionMetadataBuilder[TorchMLAMetadata]):
+    # Whether decodes read a gathered [B, S_max] slot table (a kernel reading the block table
+    # itself sets this False and gets an empty one).
+    gathers_decodes = True
+
     def build(self, common: CommonAttentionMetadata) -> TorchMLAMetadata:
         check_step(common, "torch_mla attention")
         bs = self.requirements.block_size
         seq = common.seq_lens_cpu.long()
         qsl = [int(x) for x in common.query_start_loc_cpu]
         nd = common.num_decodes
-        width = int(seq[:nd].max()) if nd else 0
+        width = int(seq[:nd].max()) if nd and self.gathers_decodes else 0
         pos = torch.arange(width, device=self.device)
         valid = pos[None, :] < seq[:nd, None].to(self.device)
         # Padding positions read position 0's slot (a real, written slot) and are masked out.
