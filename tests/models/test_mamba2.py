@@ -132,3 +132,11 @@ def test_a_config_without_positions_sets_no_context_limit():
 
     assert derive_max_model_len(Mamba2Config(), None) == 2048  # the default when none is asked
     assert derive_max_model_len(Mamba2Config(), 100_000) == 100_000
+
+
+def test_untied_head_projection_biases_and_one_group_match_transformers(tiny_models):
+    variant = dict(tie_word_embeddings=False, use_bias=True, n_groups=1, use_conv_bias=False)
+    folder, model = tiny_models("mamba2", **variant)
+    refs = hf_references(model, PROMPTS, 16)
+    llm = LLM(folder, dtype="float32", max_num_seqs=4, max_num_batched_tokens=8)
+    assert compare_with_references(llm, refs) == []
