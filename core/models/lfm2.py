@@ -22,6 +22,7 @@ from llmhal.layers.linear import MergedLinear, ReplicatedLinear
 from llmhal.layers.rotary_embedding import RotaryEmbedding
 from llmhal.layers.short_conv import ShortConv
 from llmhal.models.hybrid import HybridForCausalLM, SoftmaxAttention, join
+from llmhal.models.moe import SparseMoeBlock
 from llmhal.models.utils import LLAMA_STACKED, StackedParam
 
 
@@ -65,7 +66,9 @@ class Lfm2MLP(nn.Module):
 
 
 class Lfm2DecoderLayer(nn.Module):
-    def __init__(self, config: Any, rotary: RotaryEmbedding, layer_type: str, prefix: str) -> None:
+    def __init__(
+        self, config: Any, rotary: RotaryEmbedding, layer_type: str, ffn: nn.Module, prefix: str
+    ) -> None:
         super().__init__()
         eps = config.norm_eps
         if layer_type == "conv":
@@ -85,9 +88,7 @@ class Lfm2DecoderLayer(nn.Module):
         self.is_attention = layer_type == "full_attention"
         self.operator_norm = RMSNorm(config.hidden_size, eps=eps)
         self.ffn_norm = RMSNorm(config.hidden_size, eps=eps)
-        self.feed_forward = Lfm2MLP(
-            config.hidden_size, lfm2_intermediate_size(config), join(prefix, "feed_forward")
-        )
+        self.feed_forward = ffn
 
     def forward(
         self, positions: Tensor, hidden: Tensor, residual: Tensor | None
@@ -112,7 +113,11 @@ class Lfm2ForCausalLM(HybridForCausalLM):
 
     def build_layer(self, config: Any, layer_idx: int, prefix: str) -> nn.Module:
         layer_type = lfm2_layer_types(config)[layer_idx]
-        return Lfm2DecoderLayer(config, self.rotary_emb, layer_type, prefix)
+        ffn = self.build_feed_forward(config, layer_idx, join(prefix, "feed_forward"))
+        return Lfm2DecoderLayer(config, self.rotary_emb, layer_type, ffn, prefix)
+
+    def build_feed_forward(self, config: Any, layer_idx: int, prefix: str) -> nn.Module:
+        return Lfm2MLP(config.hidden_size, lfm2_intermediate_size(config), prefix)
 
     def load_weights(self, weights: Any) -> set[str]:
         # nn.Conv1d's weight is [hidden, 1, kernel]; accept a squeezed [hidden, kernel] too (some
@@ -123,3 +128,26 @@ class Lfm2ForCausalLM(HybridForCausalLM):
             return name, t
 
         return super().load_weights(shaped(n, t) for n, t in weights)
+
+
+class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
+    """LFM2-MoE (e.g. LFM2-8B-A1B): LFM2 whose MLPs after the first ``num_dense_layers`` are
+    sparse: a sigmoid router whose top-k choice adds a per-expert bias (``expert_bias``: it picks
+    experts, it does not weigh them), weights renormalized (``norm_topk_prob``) and scaled by
+    ``routed_scaling_factor``, experts of ``moe_intermediate_size``
+    (``feed_forward.experts.N.w1/w3/w2``) on FusedMoE."""
+
+    def build_feed_forward(self, config: Any, layer_idx: int, prefix: str) -> nn.Module:
+        if layer_idx < config.num_dense_layers:
+            return Lfm2MLP(config.hidden_size, int(config.intermediate_size), prefix)
+        return SparseMoeBlock(
+            config.hidden_size, config.num_experts, prefix,
+            top_k=config.num_experts_per_tok, intermediate_size=config.moe_intermediate_size,
+            renormalize=bool(config.norm_topk_prob), scoring_func="sigmoid",
+            e_score_correction_bias=bool(config.use_expert_bias),
+            routed_scaling_factor=float(config.routed_scaling_factor),
+        )  # fmt: skip
+
+    def rename_checkpoint_tensor(self, name: str) -> str | None:
+        bias = ".feed_forward.expert_bias"
+        return name.replace(bias, ".feed_forward.experts.e_score_correction_bias")

@@ -29,6 +29,7 @@ _BUILTIN: dict[str, str] = {
     "FalconMambaForCausalLM": "llmhal.models.mamba:FalconMambaForCausalLM",
     "Mamba2ForCausalLM": "llmhal.models.mamba2:Mamba2ForCausalLM",
     "Lfm2ForCausalLM": "llmhal.models.lfm2:Lfm2ForCausalLM",
+    "Lfm2MoeForCausalLM": "llmhal.models.lfm2:Lfm2MoeForCausalLM",
     "MiniMaxForCausalLM": "llmhal.models.minimax:MiniMaxForCausalLM",
     "BambaForCausalLM": "llmhal.models.bamba:BambaForCausalLM",
 }

@@ -25,7 +25,7 @@ _CORPUS = [
 
 ARCHS = ("llama", "llama_untied", "mistral", "qwen2", "qwen3")
 # Models with recurrent layers (state cache): their configs differ from the Llama family's.
-STATE_ARCHS = ("lfm2", "minimax", "bamba")
+STATE_ARCHS = ("lfm2", "lfm2_moe", "minimax", "bamba")
 # Pure state-space models (no attention layer at all).
 MAMBA_ARCHS = ("mamba", "falcon_mamba", "mamba2")
 
@@ -104,6 +104,11 @@ def _state_arch_config(arch: str) -> tuple[Any, dict[str, Any]]:
     if arch == "lfm2":  # intermediate_size used as given (no 2/3 adjustment)
         extra = dict(full_attn_idxs=[1], block_auto_adjust_ff_dim=False, conv_L_cache=3)
         return transformers.Lfm2Config, dict(num_hidden_layers=3, **extra)
+    if arch == "lfm2_moe":  # a dense first layer, then 4 experts of 32 (top 2, sigmoid)
+        types = ["conv", "full_attention", "conv"]
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+        extra = dict(num_dense_layers=1, layer_types=types, **moe)
+        return transformers.Lfm2MoeConfig, dict(num_hidden_layers=3, **extra)
     if arch == "minimax":  # 16-token lightning blocks: a prompt of 17+ crosses a block boundary
         types = ["linear_attention", "full_attention", "linear_attention"]
         moe = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64)

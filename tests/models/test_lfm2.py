@@ -5,7 +5,11 @@ chunked across steps and not, and across preemptions; its conv layers served by 
 
 from __future__ import annotations
 
-from llmhal.testing.engine_parity import StateModelParity
+import pytest
+import torch
+
+from llmhal.testing.engine_parity import PROMPTS, StateModelParity, hf_references
+from llmhal.testing.tiny_models import make_tiny_model
 
 
 class TestLfm2(StateModelParity):
@@ -35,3 +39,29 @@ class TestLfm2(StateModelParity):
             status, answer = post_json(f"{url}/v1/completions", body)
         assert status == 200, answer
         assert answer["choices"][0]["text"] == offline.outputs[0].text
+
+
+class TestLfm2Moe(StateModelParity):
+    """LFM2-MoE: a dense first layer, then sigmoid-routed experts with a per-expert choice bias
+    (random here: transformers initializes it to zero, which would leave it untested)."""
+
+    arch = "lfm2_moe"
+    variant = dict(routed_scaling_factor=1.7, norm_topk_prob=False)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def checkpoint(cls, tmp_path_factory):
+        folder = tmp_path_factory.mktemp("lfm2_moe")
+        hf = make_tiny_model(folder, "lfm2_moe")
+        torch.manual_seed(1)
+        for layer in hf.model.layers[1:]:
+            layer.feed_forward.expert_bias.uniform_(-0.5, 0.5)
+        hf.save_pretrained(folder)
+        return str(folder), hf_references(hf, PROMPTS, cls.steps)
+
+    def test_sparse_layers_route_with_the_expert_bias(self, chunked_llm):
+        layers = chunked_llm.engine.runner.model.model.layers
+        experts = layers[2].feed_forward.experts
+        assert experts.routing["scoring_func"] == "sigmoid"
+        assert experts.e_score_correction_bias.abs().sum() > 0  # loaded, not the zero default
+        assert not hasattr(layers[0].feed_forward, "experts")  # num_dense_layers=1
