@@ -106,6 +106,10 @@ def expert_param(shape: tuple[int, ...], dtype: torch.dtype, loader: Callable[..
 class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
     """Experts in the model dtype."""
 
+    # Under tensor parallelism each rank holds a slice of every expert's intermediate dimension
+    # (FusedMoE cuts the checkpoint tensors before this method's loader sees them).
+    tp_shardable = True
+
     def create_weights(  # type: ignore[override]
         self,
         layer: nn.Module,
@@ -181,10 +185,41 @@ class FusedMoE(nn.Module):
         else:
             self.e_score_correction_bias = None
         self.quant_method = self._method(quant_config, prefix)
-        self.quant_method.create_weights(
-            self, num_experts, hidden_size, intermediate_size, params_dtype
-        )
+        # Tensor parallelism: every rank holds every expert, with intermediate_size / tp of its
+        # width (gate/up rows and down columns); the ranks' partial outputs are summed by one
+        # all-reduce. A method whose stored form cannot be cut so (GGUF blocks, int8 scales
+        # computed per row at load) keeps whole experts on every rank: correct, not split.
+        from llmhal.layers.linear import divide, tp_rank_and_size
+
+        self.tp_rank, tp = tp_rank_and_size()
+        self.tp_size = tp if getattr(self.quant_method, "tp_shardable", False) else 1
+        self.full_intermediate_size = intermediate_size
+        local = divide(intermediate_size, self.tp_size, f"{prefix}: expert intermediate size")
+        self.intermediate_size = local
+        self.quant_method.create_weights(self, num_experts, hidden_size, local, params_dtype)
+        if self.tp_size > 1:
+            for name in ("w13_weight", "w2_weight"):
+                param = getattr(self, name)
+                param.weight_loader = self._rank_part(param.weight_loader)
         self._op: Callable[..., torch.Tensor] | None = None
+
+    def _rank_part(self, inner: Callable[..., None]) -> Callable[..., None]:
+        """Cut an expert checkpoint tensor to this rank's slice of the intermediate dimension."""
+        full, local, r = self.full_intermediate_size, self.intermediate_size, self.tp_rank
+
+        def load(param: torch.Tensor, loaded: torch.Tensor, shard: ShardId) -> None:
+            _expert, part = shard
+            if part in ("w1", "w3"):  # [I, H]
+                loaded = loaded.narrow(0, r * local, local)
+            elif part == "w2":  # [H, I] (or [E, H, I] for every expert at once)
+                loaded = loaded.narrow(loaded.dim() - 1, r * local, local)
+            elif part == "w13":  # [E, 2I, H]: the rank's gate rows, then its up rows
+                gate = loaded.narrow(1, r * local, local)
+                up = loaded.narrow(1, full + r * local, local)
+                loaded = torch.cat([gate, up], dim=1)
+            inner(param, loaded, shard)
+
+        return load
 
     def _method(self, quant_config: QuantizationConfig | None, prefix: str) -> FusedMoEMethodBase:
         method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
@@ -225,7 +260,12 @@ class FusedMoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, router_logits)
+        out = self.quant_method.apply(self, x, router_logits)
+        if self.tp_size > 1:
+            from llmhal.distributed.parallel_state import get_tp_group
+
+            out = get_tp_group().all_reduce(out)
+        return out
 
     def extra_repr(self) -> str:
         return (

@@ -69,8 +69,9 @@ class MoeForCausalLM(LlamaForCausalLM):
         return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        ignored = ("lm_head.",) if self.tie_word_embeddings else ()
-        renamed = ((self.rename_checkpoint_tensor(n), t) for n, t in weights)
+        ignored = ("lm_head.",) if self.lm_head is self.model.embed_tokens else ()
+        # (only this pipeline stage's tensors, as in LlamaForCausalLM.load_weights)
+        renamed = self._stage_weights((self.rename_checkpoint_tensor(n), t) for n, t in weights)
         experts = _ExpertLoader(self)
         loaded = load_weights_by_name(
             self, experts.split(renamed), stacked=LLAMA_STACKED, ignored_prefixes=ignored

@@ -104,24 +104,42 @@ TP_MODELS = [("qwen2", UNEVEN), ("qwen3", {}), ("llama_untied", {"num_key_value_
 PP_MODELS = [("llama", {}), ("qwen3", {})]
 
 
+# MoE: Qwen2-MoE's experts split along their intermediate size (plus its shared expert, a dense
+# MLP) under TP; Mixtral's three layers over two stages under PP.
+MOE_INIT = {"initializer_range": 0.1}  # the router, not rounding, decides the experts
+MOE_TP = ("Qwen2MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
+          "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, **MOE_INIT})  # fmt: skip
+MOE_PP = ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, **MOE_INIT})
+
+
 def _folders(tiny_models, models) -> list[str]:
     return [tiny_models(arch, **over)[0] for arch, over in models]
 
 
+def _moe_folder(tmp_path_factory, arch: str, overrides: dict[str, Any]) -> str:
+    from llmhal.testing.model_parity import save_tiny_model, tiny_config
+
+    folder = tmp_path_factory.mktemp(arch)
+    save_tiny_model(tiny_config(arch, **overrides), folder)
+    return str(folder)
+
+
 @pytest.fixture(scope="module")
-def tp2(tiny_models):
-    folders = _folders(tiny_models, TP_MODELS)
+def tp2(tiny_models, tmp_path_factory):
+    folders = _folders(tiny_models, TP_MODELS) + [_moe_folder(tmp_path_factory, *MOE_TP)]
     return run_ranks(_rank_run, 2, 1, folders), _single_process(folders)
 
 
 @pytest.fixture(scope="module")
-def pp2(tiny_models):
-    folders = _folders(tiny_models, PP_MODELS)
+def pp2(tiny_models, tmp_path_factory):
+    folders = _folders(tiny_models, PP_MODELS) + [_moe_folder(tmp_path_factory, *MOE_PP)]
     return run_ranks(_rank_run, 1, 2, folders), _single_process(folders)
 
 
 @pytest.mark.parametrize(
-    "index", range(len(TP_MODELS)), ids=["qwen2_uneven_heads", "qwen3", "llama_untied_one_kv_head"]
+    "index",
+    range(len(TP_MODELS) + 1),
+    ids=["qwen2_uneven_heads", "qwen3", "llama_untied_one_kv_head", "qwen2_moe"],
 )
 def test_tensor_parallel_two_ranks_equal_one_process(tp2, index):
     ranks, single = tp2
@@ -129,7 +147,9 @@ def test_tensor_parallel_two_ranks_equal_one_process(tp2, index):
         _assert_same(rank[index], single[index])
 
 
-@pytest.mark.parametrize("index", range(len(PP_MODELS)), ids=[a for a, _ in PP_MODELS])
+@pytest.mark.parametrize(
+    "index", range(len(PP_MODELS) + 1), ids=[*(a for a, _ in PP_MODELS), "mixtral"]
+)
 def test_pipeline_parallel_two_stages_equal_one_process(pp2, index):
     ranks, single = pp2
     assert ranks[0][index] is None  # the first stage hands its output on
