@@ -258,3 +258,26 @@ def test_triton_mla_in_the_interpreter_matches_hf(checkpoints):
         env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_experts_int8(engine_checkpoint):
+    """quantization="experts_int8" quantizes the routed experts only (the float32 router, its
+    bias, the shared experts and MLA stay unquantized); greedy output follows the float model."""
+    from llmhal import LLM, SamplingParams
+    from llmhal.layers.fused_moe import FusedMoE
+
+    _, folder = engine_checkpoint
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
+    runs = {}
+    for quant in (None, "experts_int8"):
+        llm = LLM(str(folder), dtype="float32", quantization=quant, kv_cache_memory_bytes=1 << 20)
+        runs[quant] = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    model = llm.engine.runner.model
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert experts and all(m.w13_weight.dtype == torch.int8 for m in experts)
+    assert model.model.layers[1].mlp.gate.weight.dtype == torch.float32
+    for exact, int8 in zip(runs[None], runs["experts_int8"], strict=True):
+        a, b = exact.outputs[0], int8.outputs[0]
+        tok = a.token_ids[0]
+        assert b.token_ids[0] == tok
+        assert abs(a.logprobs[0][tok].logprob - b.logprobs[0][tok].logprob) < 0.05
