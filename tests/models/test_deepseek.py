@@ -281,3 +281,23 @@ def test_experts_int8(engine_checkpoint):
         tok = a.token_ids[0]
         assert b.token_ids[0] == tok
         assert abs(a.logprobs[0][tok].logprob - b.logprobs[0][tok].logprob) < 0.05
+
+
+def test_prefix_caching_and_ngram_drafts_keep_the_output(engine_checkpoint):
+    """The latent cache under prefix caching (a second run reads the prompts' cached blocks) and
+    under ngram speculative decoding (multi-token verification steps: prefill-like spans after
+    cached tokens): greedy tokens identical to the plain engine's."""
+    from llmhal import LLM, SamplingParams
+
+    _, folder = engine_checkpoint
+    prompts = [[5, 17, 42, 5, 17, 42, 5, 17], [7, 100, 23, 9, 7, 100, 23, 9, 7], PROMPTS[3]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    plain = LLM(str(folder), dtype="float32", kv_cache_memory_bytes=1 << 20)
+    want = [o.outputs[0].token_ids for o in plain.generate(batch, params)]
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+             "prompt_lookup_max": 3}  # fmt: skip
+    for kw in ({"enable_prefix_caching": True}, {"speculative_config": ngram}):
+        llm = LLM(str(folder), dtype="float32", kv_cache_memory_bytes=1 << 20, **kw)
+        for _ in range(2):
+            assert [o.outputs[0].token_ids for o in llm.generate(batch, params)] == want, kw
