@@ -72,6 +72,9 @@ class LoadReport:
     kv_cache_bytes: int
     num_blocks: int
     load_seconds: float
+    # Sequences of max_model_len tokens that fit at once (KV blocks, state slots, max_num_seqs).
+    max_concurrency: int | None = None
+    num_state_slots: int = 0  # recurrent layers' state cache (0: none)
 
 
 def resolve_dtype(
@@ -378,7 +381,7 @@ def _build(
             config.cache.enable_prefix_caching, runner.reset_state_slot,
         )  # fmt: skip
         runner.state_cache = kv  # the runner asks it for each request's state slot
-        _log_concurrency(config, runner)
+        concurrency = _log_concurrency(config, runner)
         engine = LLMEngine(config, model, tokenizer, platform, executor, kv, speculator)
         progress.stage("warming up")
         engine.warmup()
@@ -388,6 +391,7 @@ def _build(
     report = LoadReport(
         str(source.path), config.model.architecture, config.model.dtype, config.model.quantization,
         runner.attention_backends, weight_bytes, kv_bytes, num_blocks, time.perf_counter() - t0,
+        concurrency, runner.num_state_slots,
     )  # fmt: skip
     return engine, report
 
@@ -430,7 +434,7 @@ def _check_prefix_caching(config: EngineConfig, runner: Any) -> None:
         )
 
 
-def _log_concurrency(config: EngineConfig, runner: Any) -> None:
+def _log_concurrency(config: EngineConfig, runner: Any) -> int:
     """How many sequences fit at once: the state slots (recurrent layers) and the KV blocks
     (attention layers) at the full context length, whichever is fewer; at most max_num_seqs."""
     limits = [config.scheduler.max_num_seqs]
@@ -446,6 +450,7 @@ def _log_concurrency(config: EngineConfig, runner: Any) -> None:
         "Maximum concurrency for %d-token requests: %d sequences (%s)",
         config.model.max_model_len, min(limits), ", ".join(why),
     )  # fmt: skip
+    return min(limits)
 
 
 def _warn_slow_paths(runner: Any, platform: Any) -> None:

@@ -67,6 +67,8 @@ def test_few_state_slots_limit_concurrency_not_results(mamba2):
     per_slot = probe.engine.runner.state_bytes_per_slot()
     llm = LLM(folder, dtype="float32", max_num_seqs=4, kv_cache_memory_bytes=2 * per_slot + 1)
     assert llm.engine.kv.num_slots == 2  # four prompts, two at a time
+    assert llm.load_report.max_concurrency == 2 and llm.load_report.num_state_slots == 2
+    assert llm.load_report.kv_cache_bytes == 2 * per_slot  # states only: no KV memory
     assert compare_with_references(llm, refs) == []
 
 
