@@ -1,16 +1,19 @@
 """CPU kernels of the state-space ops (signatures in :mod:`llmhal.ops.mamba_ops`).
 
-Float32 calls whose tensors the native kernels read (``kernels/mamba_ops.cpp``: any strides, but
-each state row and each B/C row contiguous along its last dimension) run there: one call per op,
-states updated in place, no host read of the slot indices or ``query_start_loc``, so a decode step
-made of these calls can be recorded and replayed by :mod:`llmhal_cpu.step_graph`. Anything else
-(16-bit activations or states, a layout the kernel does not read, a host without a compiler,
-``LLMHAL_CPU_MAMBA_KERNEL=0``) runs core's reference, which also raises the errors (a slot index
-out of range makes the kernel return before writing, and the reference then says which).
+Calls whose tensors the native kernels read (``kernels/mamba_ops.cpp``) run there: activations
+(x, dt, B, C, z; for the conv also its weights and state) all float32 or all bfloat16, the SSM
+state and A float32, D and dt_bias either; any strides, but each state row and each B/C row
+contiguous along its last dimension. One call per op, states updated in place, no host read of the
+slot indices or ``query_start_loc``, so a decode step made of these calls can be recorded and
+replayed by :mod:`llmhal_cpu.step_graph`. Anything else (float16, a layout the kernel does not
+read, a host without a compiler, ``LLMHAL_CPU_MAMBA_KERNEL=0``) runs core's reference, which also
+raises the errors (a slot index out of range makes the kernel return before writing, and the
+reference then says which).
 
-Numerics: float32 throughout, like the reference. The kernels run the recurrence token by token,
-which is what the reference's chunked SSD computes up to rounding; Mamba-1's per-element decay
-uses a 1-ulp vector exp (``simd_math.h``).
+Numerics: float32 arithmetic whatever the activation dtype, like the reference; bfloat16 results
+round to nearest even as torch's cast does. The kernels run the recurrence token by token, which
+is what the reference's chunked SSD computes up to rounding; the decay of Mamba-1 and the SiLUs
+use a 1-ulp vector exp (``simd_math.h``).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ class ConvArgs(ctypes.Structure):  # mirrors kernels/mamba_ops.cpp
         ("x", _p), ("x_s", _i64), ("out", _p), ("states", _p), ("st_slot", _i64),
         ("st_row", _i64), ("w", _p), ("w_sd", _i64), ("w_sk", _i64), ("bias", _p), ("qsl", _p),
         ("idx", _p), ("has_init", _p), ("nseq", _i64), ("tokens", _i64), ("dim", _i64),
-        ("width", _i64), ("slots", _i64), ("silu", _i32), ("threads", _i32),
+        ("width", _i64), ("slots", _i64), ("silu", _i32), ("bf16", _i32), ("threads", _i32),
     ]  # fmt: skip
 
 
@@ -49,7 +52,8 @@ class SsmUpdateArgs(ctypes.Structure):
         ("D", _p), ("D_h", _i64), ("D_p", _i64), ("z", _p), ("z_b", _i64), ("z_h", _i64),
         ("z_p", _i64), ("dt_bias", _p), ("db_h", _i64), ("db_p", _i64), ("idx", _p),
         ("out", _p), ("nb", _i64), ("H", _i64), ("P", _i64), ("N", _i64), ("G", _i64),
-        ("slots", _i64), ("softplus", _i32), ("threads", _i32),
+        ("slots", _i64), ("softplus", _i32), ("bf16", _i32), ("D_bf16", _i32),
+        ("db_bf16", _i32), ("threads", _i32),
     ]  # fmt: skip
 
 
@@ -61,7 +65,7 @@ class ScanArgs(ctypes.Structure):
         ("dt_bias", _p), ("db_s", _i64), ("states", _p), ("st_slot", _i64), ("st_d", _i64),
         ("qsl", _p), ("idx", _p), ("has_init", _p), ("out", _p), ("nseq", _i64),
         ("tokens", _i64), ("d", _i64), ("n", _i64), ("slots", _i64), ("softplus", _i32),
-        ("threads", _i32),
+        ("bf16", _i32), ("D_bf16", _i32), ("db_bf16", _i32), ("threads", _i32),
     ]  # fmt: skip
 
 
@@ -73,7 +77,8 @@ class SsdArgs(ctypes.Structure):
         ("db_s", _i64), ("states", _p), ("st_slot", _i64), ("st_h", _i64), ("st_p", _i64),
         ("qsl", _p), ("idx", _p), ("has_init", _p), ("out", _p), ("nseq", _i64),
         ("tokens", _i64), ("H", _i64), ("P", _i64), ("N", _i64), ("G", _i64), ("slots", _i64),
-        ("dt_lo", _f), ("dt_hi", _f), ("softplus", _i32), ("threads", _i32),
+        ("dt_lo", _f), ("dt_hi", _f), ("softplus", _i32), ("bf16", _i32), ("D_bf16", _i32),
+        ("db_bf16", _i32), ("threads", _i32),
     ]  # fmt: skip
 
 
@@ -105,15 +110,33 @@ def status() -> str:
         return "torch reference (LLMHAL_CPU_MAMBA_KERNEL=0)"
     lib = LIBRARY.get()
     return (
-        "native mamba_ops (float32; core's reference for other dtypes)"
+        "native mamba_ops (float32 and bfloat16; core's reference for other dtypes)"
         if lib
         else f"torch reference ({LIBRARY.status})"
     )
 
 
-def _f32(*ts: torch.Tensor | None) -> bool:
-    """Every given tensor float32 host memory (None: an absent optional argument)."""
-    return all(t is None or (t.dtype == _F32 and t.is_cpu) for t in ts)
+_ACT_DTYPES = (torch.float32, torch.bfloat16)
+MAX_STATE_SIZE = 1024  # the kernels convert a B/C row of up to this many elements on the stack
+
+
+def _same(dtype: torch.dtype, *ts: torch.Tensor | None) -> bool:
+    """Every given tensor of ``dtype``, in host memory (None: an absent optional argument)."""
+    return all(t is None or (t.dtype == dtype and t.is_cpu) for t in ts)
+
+
+def _acts(x: torch.Tensor, *ts: torch.Tensor | None) -> bool:
+    """``x`` float32 or bfloat16 and the other activations of its dtype."""
+    return x.dtype in _ACT_DTYPES and _same(x.dtype, x, *ts)
+
+
+def _param_ok(*ts: torch.Tensor | None) -> bool:
+    """Per-channel parameters (D, dt_bias): float32 or bfloat16 each, in host memory."""
+    return all(t is None or (t.dtype in _ACT_DTYPES and t.is_cpu) for t in ts)
+
+
+def _bf16(t: torch.Tensor | None) -> int:
+    return int(t is not None and t.dtype == torch.bfloat16)
 
 
 def _rows(*ts: torch.Tensor) -> bool:
@@ -140,7 +163,7 @@ def _run(fn_name: str, args: ctypes.Structure) -> bool:
 
 
 def _conv_ok(x, weight, bias, conv_states, activation) -> bool:
-    if _lib() is None or not _f32(x, weight, bias, conv_states):
+    if _lib() is None or not _acts(x, weight, bias, conv_states):
         return False
     if activation not in (None, *ref.CONV_ACTIVATIONS):
         return False  # the reference names the remedy
@@ -163,7 +186,7 @@ def _conv_args(x, weight, bias, conv_states, out, qsl, idx, has_init, nseq, acti
         w_sd=weight.stride(0), w_sk=weight.stride(1), bias=_ptr(bias), qsl=_ptr(qsl),
         idx=idx.data_ptr(), has_init=_ptr(has_init), nseq=nseq, tokens=x.shape[0],
         dim=x.shape[1], width=weight.shape[1], slots=conv_states.shape[0],
-        silu=int(activation is not None), threads=torch.get_num_threads(),
+        silu=int(activation is not None), bf16=_bf16(x), threads=torch.get_num_threads(),
     )  # fmt: skip
 
 
@@ -177,7 +200,7 @@ def causal_conv1d_fn(
         and _index(cache_indices, nseq)
         and _index(has_initial_state, nseq, torch.bool)
     ):
-        out = torch.empty(x.shape, dtype=_F32, device="cpu")
+        out = torch.empty(x.shape, dtype=x.dtype, device="cpu")
         args = _conv_args(
             x, weight, bias, conv_states, out, query_start_loc, cache_indices,
             has_initial_state, nseq, activation,
@@ -192,7 +215,7 @@ def causal_conv1d_fn(
 def causal_conv1d_update(x, conv_states, weight, bias, activation, cache_indices):
     nseq = x.shape[0] if x.dim() == 2 else -1
     if _conv_ok(x, weight, bias, conv_states, activation) and _index(cache_indices, nseq):
-        out = torch.empty(x.shape, dtype=_F32, device="cpu")
+        out = torch.empty(x.shape, dtype=x.dtype, device="cpu")
         args = _conv_args(
             x, weight, bias, conv_states, out, None, cache_indices, None, nseq, activation
         )
@@ -206,7 +229,9 @@ def selective_state_update(
 ):  # fmt: skip
     usable = (
         _lib() is not None
-        and _f32(ssm_states, x, dt, A, B, C, D, z, dt_bias)
+        and _acts(x, dt, B, C, z)
+        and _same(_F32, ssm_states, A)
+        and _param_ok(D, dt_bias)
         and x.dim() == 3
         and ssm_states.dim() == 4
         and B.dim() == 3
@@ -223,11 +248,12 @@ def selective_state_update(
             and all(t is None or tuple(t.shape) == (heads, hp) for t in (D, dt_bias))
             and groups > 0
             and heads % groups == 0
+            and n <= MAX_STATE_SIZE
             and _rows(ssm_states, B, C)
             and _index(state_indices, nb)
         )
     if usable:
-        out = torch.empty(x.shape, dtype=_F32, device="cpu")
+        out = torch.empty(x.shape, dtype=x.dtype, device="cpu")
         args = SsmUpdateArgs(
             ssm_states.data_ptr(), *ssm_states.stride()[:3],
             x.data_ptr(), *x.stride(), dt.data_ptr(), *dt.stride(), A.data_ptr(), *A.stride(),
@@ -235,7 +261,7 @@ def selective_state_update(
             _ptr(D), _st(D, 0), _st(D, 1), _ptr(z), _st(z, 0), _st(z, 1), _st(z, 2),
             _ptr(dt_bias), _st(dt_bias, 0), _st(dt_bias, 1), state_indices.data_ptr(),
             out.data_ptr(), nb, heads, hp, n, groups, ssm_states.shape[0], int(dt_softplus),
-            torch.get_num_threads(),
+            _bf16(x), _bf16(D), _bf16(dt_bias), torch.get_num_threads(),
         )  # fmt: skip
         if _run("llmhal_ssm_update_call", args):
             return out
@@ -259,7 +285,9 @@ def selective_scan_varlen(
 ):  # fmt: skip
     usable = (
         _lib() is not None
-        and _f32(x, dt, A, B, C, D, z, dt_bias, ssm_states)
+        and _acts(x, dt, B, C, z)
+        and _same(_F32, ssm_states, A)
+        and _param_ok(D, dt_bias)
         and x.dim() == 2
         and ssm_states.dim() == 3
         and _varlen_ok(query_start_loc, cache_indices, has_initial_state)
@@ -274,18 +302,19 @@ def selective_scan_varlen(
             and tuple(A.shape) == (d, n)
             and tuple(B.shape) == (t, n) == tuple(C.shape)
             and all(v is None or tuple(v.shape) == (d,) for v in (D, dt_bias))
+            and n <= MAX_STATE_SIZE
             and _rows(ssm_states, B, C)
         )
     if usable:
-        out = torch.empty(x.shape, dtype=_F32, device="cpu")
+        out = torch.empty(x.shape, dtype=x.dtype, device="cpu")
         args = ScanArgs(
             x.data_ptr(), *x.stride(), dt.data_ptr(), *dt.stride(), A.data_ptr(), *A.stride(),
             B.data_ptr(), B.stride(0), C.data_ptr(), C.stride(0), _ptr(D), _st(D, 0), _ptr(z),
             _st(z, 0), _st(z, 1), _ptr(dt_bias), _st(dt_bias, 0), ssm_states.data_ptr(),
             ssm_states.stride(0), ssm_states.stride(1), query_start_loc.data_ptr(),
             cache_indices.data_ptr(), has_initial_state.data_ptr(), out.data_ptr(),
-            cache_indices.numel(), t, d, n, ssm_states.shape[0], int(dt_softplus),
-            torch.get_num_threads(),
+            cache_indices.numel(), t, d, n, ssm_states.shape[0], int(dt_softplus), _bf16(x),
+            _bf16(D), _bf16(dt_bias), torch.get_num_threads(),
         )  # fmt: skip
         if _run("llmhal_scan_call", args):
             return out
@@ -302,7 +331,9 @@ def ssd_chunk_scan_varlen(
     usable = (
         _lib() is not None
         and chunk_size >= 1
-        and _f32(x, dt, A, B, C, D, dt_bias, ssm_states)
+        and _acts(x, dt, B, C)
+        and _same(_F32, ssm_states, A)
+        and _param_ok(D, dt_bias)
         and x.dim() == 3
         and B.dim() == 3
         and ssm_states.dim() == 4
@@ -319,10 +350,11 @@ def ssd_chunk_scan_varlen(
             and all(v is None or tuple(v.shape) == (heads,) for v in (D, dt_bias))
             and groups > 0
             and heads % groups == 0
+            and n <= MAX_STATE_SIZE
             and _rows(ssm_states, B, C)
         )
     if usable:
-        out = torch.empty(x.shape, dtype=_F32, device="cpu")
+        out = torch.empty(x.shape, dtype=x.dtype, device="cpu")
         lo, hi = (float("-inf"), float("inf")) if dt_limit is None else dt_limit
         args = SsdArgs(
             x.data_ptr(), *x.stride(), dt.data_ptr(), *dt.stride(), A.data_ptr(), A.stride(0),
@@ -330,7 +362,8 @@ def ssd_chunk_scan_varlen(
             _ptr(D), _st(D, 0), _ptr(dt_bias), _st(dt_bias, 0), ssm_states.data_ptr(),
             *ssm_states.stride()[:3], query_start_loc.data_ptr(), cache_indices.data_ptr(),
             has_initial_state.data_ptr(), out.data_ptr(), cache_indices.numel(), t, heads, hp,
-            n, groups, ssm_states.shape[0], lo, hi, int(dt_softplus), torch.get_num_threads(),
+            n, groups, ssm_states.shape[0], lo, hi, int(dt_softplus), _bf16(x), _bf16(D),
+            _bf16(dt_bias), torch.get_num_threads(),
         )  # fmt: skip
         if _run("llmhal_ssd_call", args):
             return out

@@ -1,6 +1,7 @@
 """The CPU platform's state-space kernels (``llmhal_cpu.mamba_kernels``, ``kernels/mamba_ops.cpp``)
 against core's references: random shapes, odd and empty requests, scattered slots, state carried
-in and out, strided and stride-0 views, the fallbacks, and replay in a decode-step graph."""
+in and out, strided and stride-0 views, bfloat16 activations, the fallbacks, and replay in a
+decode-step graph."""
 
 from __future__ import annotations
 
@@ -255,3 +256,61 @@ def test_full_width_mamba2_layer_matches_reference(threads, no_fallback):
         torch.testing.assert_close(mine, theirs, atol=2e-4, rtol=2e-4)
     finally:
         torch.set_num_threads(prev)
+
+
+@needs_kernel
+def test_bfloat16_activations_match_reference(no_fallback):
+    """A bf16 model: activations, conv weights and conv state in bf16, SSM state and A float32,
+    D and dt_bias bf16. Both sides compute in float32 and round the outputs once."""
+    g = torch.Generator().manual_seed(30)
+    bf = torch.bfloat16
+    t, qsl, slots, carried, n_slots = _batch(g, 3, 9)
+    dim, width = 70, 4
+    x = torch.randn(t, dim, generator=g).to(bf)
+    weight, bias = torch.randn(dim, width, generator=g).to(bf), torch.randn(dim, generator=g).to(bf)
+    mine, theirs = _pair(torch.randn(n_slots, width - 1, dim, generator=g).to(bf))
+    out = K.causal_conv1d_fn(x, weight, bias, mine, qsl, slots, carried, "silu")
+    want = no_fallback["causal_conv1d_fn"](x, weight, bias, theirs, qsl, slots, carried, "silu")
+    assert out.dtype == bf
+    torch.testing.assert_close(out, want, atol=1e-2, rtol=1e-2)
+    assert torch.equal(mine, theirs)
+    xu = torch.randn(len(slots), dim, generator=g).to(bf)
+    out = K.causal_conv1d_update(xu, mine, weight, bias, "silu", slots)
+    want = no_fallback["causal_conv1d_update"](xu, theirs, weight, bias, "silu", slots)
+    torch.testing.assert_close(out, want, atol=1e-2, rtol=1e-2)
+    assert torch.equal(mine, theirs)
+    # Mamba-2: prefill then decode
+    heads, hp, n, groups = 4, 8, 16, 2
+    xs = torch.randn(t, heads, hp, generator=g).to(bf)
+    dt = torch.randn(t, heads, generator=g).to(bf)
+    B, C = (torch.randn(t, groups, n, generator=g).to(bf) for _ in range(2))
+    A = -torch.rand(heads, generator=g) * 3
+    D, db = torch.randn(heads, generator=g).to(bf), torch.randn(heads, generator=g).to(bf)
+    s1, s2 = _pair(torch.randn(n_slots, heads, hp, n, generator=g))
+    lim = (0.0, float("inf"))
+    y = K.ssd_chunk_scan_varlen(xs, dt, A, B, C, 4, D, db, True, lim, s1, qsl, slots, carried)
+    want = no_fallback["ssd_chunk_scan_varlen"](
+        xs, dt, A, B, C, 4, D, db, True, lim, s2, qsl, slots, carried
+    )
+    assert y.dtype == bf
+    torch.testing.assert_close(y, want, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(s1, s2, **TOL)
+    args = _mamba2_decode_args(g, s1, len(slots), heads, hp, n, groups, A, D, db)
+    args = (args[0], *(a.to(bf) if i in (1, 2, 4, 5) else a for i, a in enumerate(args) if i))
+    out = K.selective_state_update(*args, slots)
+    want = no_fallback["selective_state_update"](s2, *args[1:], slots)
+    assert out.dtype == bf
+    torch.testing.assert_close(out, want, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(s1, s2, **TOL)
+    # Mamba-1 prefill with its gate
+    d = 24
+    xm, zm, dtm = (torch.randn(t, d, generator=g).to(bf) for _ in range(3))
+    Bm, Cm = (torch.randn(t, n, generator=g).to(bf) for _ in range(2))
+    Am = -torch.rand(d, n, generator=g) * 4
+    m1, m2 = _pair(torch.randn(n_slots, d, n, generator=g))
+    Dm, dbm = torch.randn(d, generator=g), torch.randn(d, generator=g).to(bf)  # mixed params
+    tail = (qsl, slots, carried)
+    y = K.selective_scan_varlen(xm, dtm, Am, Bm, Cm, Dm, zm, dbm, True, m1, *tail)
+    want = no_fallback["selective_scan_varlen"](xm, dtm, Am, Bm, Cm, Dm, zm, dbm, True, m2, *tail)
+    torch.testing.assert_close(y, want, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(m1, m2, **TOL)

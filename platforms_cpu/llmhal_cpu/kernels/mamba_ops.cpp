@@ -1,8 +1,12 @@
-// Float32 kernels of the state-space ops (llmhal/ops/mamba_ops.py has the definitions and
-// signatures), compiled at run time for the host by native_build.py. The caller
-// (llmhal_cpu/mamba_kernels.py) checks dtypes and shapes; these read strides as given, so the
-// views the layers pass (a slice of a projection's output, Mamba-2's stride-0 expanded A/dt/D)
-// need no copy. Every state row's last dimension (N, or dim for the conv) is contiguous.
+// Kernels of the state-space ops (llmhal/ops/mamba_ops.py has the definitions and signatures),
+// compiled at run time for the host by native_build.py. The caller (llmhal_cpu/mamba_kernels.py)
+// checks dtypes and shapes; these read strides as given, so the views the layers pass (a slice of
+// a projection's output, Mamba-2's stride-0 expanded A/dt/D) need no copy. Every state row's last
+// dimension (N, or dim for the conv) is contiguous.
+//
+// Dtypes: the activations (x, dt, B, C, z, the output; for the conv also its weights and state)
+// are float32 or bfloat16 (`bf16` set), the SSM state and A float32, D and dt_bias either (their
+// own flags). Arithmetic is float32 and bf16 results round to nearest even, as torch casts.
 //
 // Why a kernel: a decode step through torch is ~10 tensor calls per op (gather the slots, exp,
 // two products, a sum, the scatter back), each ~1-5 us of dispatch plus a temporary; here it is
@@ -49,8 +53,43 @@ inline int team(int threads) { return threads > 1 ? threads : 1; }
 inline float softplus(float v) { return v > 20.f ? v : std::log1p(std::exp(v)); }
 inline float silu(float v) { return v / (1.f + exp_approx(-v)); }
 
-inline float delta(float dt, const float* bias, int64_t at, int sp, float lo, float hi) {
-  if (bias) dt += bias[at];
+// Loads and stores of float32 or bfloat16 (the upper half of a float32) elements.
+inline float ld(const float* p) { return *p; }
+inline float ld(const uint16_t* p) {
+  const uint32_t u = static_cast<uint32_t>(*p) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline void put(float* p, float v) { *p = v; }
+inline void put(uint16_t* p, float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    *p = static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN stays a (quiet) NaN
+    return;
+  }
+  *p = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+// A parameter element (D, dt_bias) of either dtype: read once per channel, not in inner loops.
+inline float ld_param(const void* p, int64_t at, int bf16) {
+  return bf16 ? ld(static_cast<const uint16_t*>(p) + at) : static_cast<const float*>(p)[at];
+}
+// n elements of a B or C row into float32 (the inner loops read float32 rows).
+template <typename T>
+inline const float* as_f32(const T* src, float* buf, int64_t n) {
+  if constexpr (sizeof(T) == sizeof(float)) {
+    return src;
+  } else {
+    for (int64_t i = 0; i < n; ++i) buf[i] = ld(src + i);
+    return buf;
+  }
+}
+constexpr int64_t kMaxN = 1024;  // the longest B/C row converted on the stack (caller checks)
+
+inline float delta(float dt, const void* bias, int64_t at, int bias_bf16, int sp, float lo,
+                   float hi) {
+  if (bias) dt += ld_param(bias, at, bias_bf16);
   if (sp) dt = softplus(dt);
   return dt < lo ? lo : (dt > hi ? hi : dt);
 }
@@ -110,105 +149,140 @@ inline float ssm_row(float* s, const float* b, const float* c, int64_t n, float 
 extern "C" {
 
 struct ConvArgs {
-  const float* x;  // [T, dim], row stride x_s
+  const void* x;  // [T, dim], row stride x_s
   int64_t x_s;
-  float* out;  // [T, dim] contiguous
-  float* states;  // [slots, width - 1, dim], strides st_slot, st_row, 1
+  void* out;  // [T, dim] contiguous
+  void* states;  // [slots, width - 1, dim], strides st_slot, st_row, 1
   int64_t st_slot, st_row;
-  const float* w;  // [dim, width], strides w_sd, w_sk
+  const void* w;  // [dim, width], strides w_sd, w_sk
   int64_t w_sd, w_sk;
-  const float* bias;  // [dim] contiguous, or null
+  const void* bias;  // [dim] contiguous, or null
   const int32_t* qsl;  // [nseq + 1], or null for the update (one token per request)
   const int32_t* idx;  // [nseq]
   const uint8_t* has_init;  // [nseq] bools, or null (update: always carried)
   int64_t nseq, tokens, dim, width, slots;
-  int32_t silu, threads;
+  int32_t silu, bf16, threads;
 };
 
+}  // extern "C"
+
+namespace {
+
 // Both conv forms: the update is the varlen form with request i owning token i and its state.
-int llmhal_conv_call(const void* p) {
-  const auto& a = *static_cast<const ConvArgs*>(p);
-  if (!slots_ok(a.idx, a.nseq, a.slots)) return -1;
-  if (a.qsl && !starts_ok(a.qsl, a.nseq, a.tokens)) return -1;
+// T is the dtype of x, the output, the weights and the state.
+template <typename T>
+void conv(const ConvArgs& a) {
+  const T* x = static_cast<const T*>(a.x);
+  const T* w = static_cast<const T*>(a.w);
+  const T* bias = static_cast<const T*>(a.bias);
+  T* out = static_cast<T*>(a.out);
+  T* states = static_cast<T*>(a.states);
   const int64_t k1 = a.width - 1;
-  const int64_t blocks = (a.dim + 63) / 64;  // channels per task: a cache line of 16 floats x 4
+  const int64_t blocks = (a.dim + 63) / 64;
   // Channel blocks are the parallel unit, each loading its taps once for every request: at
   // decode (one token per request) the taps would otherwise cost as much as the convolution.
 #pragma omp parallel for num_threads(team(a.threads)) \
     if (parallel(a.tokens * a.dim * a.width, a.threads)) schedule(dynamic)
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const int64_t d0 = blk * 64, d1 = d0 + 64 < a.dim ? d0 + 64 : a.dim, nd = d1 - d0;
-    // The block's taps as a [width][64] tile: the inner loops run over contiguous channels.
+    // The block's taps as a [width][64] float32 tile: inner loops over contiguous channels.
     float prev[8 * 64], taps[9 * 64], acc[64];
     for (int64_t k = 0; k < a.width; ++k)
-      for (int64_t c = 0; c < nd; ++c) taps[k * 64 + c] = a.w[(d0 + c) * a.w_sd + k * a.w_sk];
+      for (int64_t c = 0; c < nd; ++c) taps[k * 64 + c] = ld(w + (d0 + c) * a.w_sd + k * a.w_sk);
     for (int64_t r = 0; r < a.nseq; ++r) {
       const int64_t s = a.qsl ? a.qsl[r] : r, e = a.qsl ? a.qsl[r + 1] : r + 1, len = e - s;
-      float* st = a.states + a.idx[r] * a.st_slot + d0;
+      T* st = states + a.idx[r] * a.st_slot + d0;
       const bool carried = a.has_init == nullptr || a.has_init[r] != 0;
-      // Window rows: k1 of state, then the request's inputs.
+      // Window rows: k1 of state (copied, as float32), then the request's inputs.
       for (int64_t j = 0; j < k1; ++j)
-        for (int64_t c = 0; c < nd; ++c) prev[j * 64 + c] = carried ? st[j * a.st_row + c] : 0.f;
-      auto row = [&](int64_t j) -> const float* {
-        return j < k1 ? prev + j * 64 : a.x + (s + j - k1) * a.x_s + d0;
-      };
+        for (int64_t c = 0; c < nd; ++c)
+          prev[j * 64 + c] = carried ? ld(st + j * a.st_row + c) : 0.f;
+      auto input = [&](int64_t j) { return x + (s + j - k1) * a.x_s + d0; };
       for (int64_t t = 0; t < len; ++t) {
-        for (int64_t c = 0; c < nd; ++c) acc[c] = a.bias ? a.bias[d0 + c] : 0.f;
+        for (int64_t c = 0; c < nd; ++c) acc[c] = bias ? ld(bias + d0 + c) : 0.f;
         for (int64_t k = 0; k < a.width; ++k) {
-          const float* in = row(t + k);
           const float* wk = taps + k * 64;
-          for (int64_t c = 0; c < nd; ++c) acc[c] += wk[c] * in[c];
+          if (t + k < k1) {
+            const float* in = prev + (t + k) * 64;
+            for (int64_t c = 0; c < nd; ++c) acc[c] += wk[c] * in[c];
+          } else {
+            const T* in = input(t + k);
+            for (int64_t c = 0; c < nd; ++c) acc[c] += wk[c] * ld(in + c);
+          }
         }
-        float* o = a.out + (s + t) * a.dim + d0;
         int64_t c = 0;
         if (a.silu) {
           for (; c + W <= nd; c += W) {
             const vf v = vload(acc + c);
-            vstore(o + c, v / (1.f + exp_approx(-v)));
+            vstore(acc + c, v / (1.f + exp_approx(-v)));
           }
-          for (; c < nd; ++c) o[c] = acc[c] / (1.f + exp_approx(-acc[c]));
-        } else {
-          for (; c < nd; ++c) o[c] = acc[c];
+          for (; c < nd; ++c) acc[c] = acc[c] / (1.f + exp_approx(-acc[c]));
         }
+        T* o = out + (s + t) * a.dim + d0;
+        for (c = 0; c < nd; ++c) put(o + c, acc[c]);
       }
       // New state: the last k1 window rows (the state's own rows move up when len < k1).
       for (int64_t j = 0; j < k1; ++j) {
-        const float* src = row(len + j);
-        for (int64_t c = 0; c < nd; ++c) st[j * a.st_row + c] = src[c];
+        T* dst = st + j * a.st_row;
+        if (len + j < k1) {
+          for (int64_t c = 0; c < nd; ++c) put(dst + c, prev[(len + j) * 64 + c]);
+        } else {
+          const T* src = input(len + j);
+          for (int64_t c = 0; c < nd; ++c) dst[c] = src[c];
+        }
       }
     }
   }
+}
+
+}  // namespace
+
+extern "C" {
+
+int llmhal_conv_call(const void* p) {
+  const auto& a = *static_cast<const ConvArgs*>(p);
+  if (!slots_ok(a.idx, a.nseq, a.slots)) return -1;
+  if (a.qsl && !starts_ok(a.qsl, a.nseq, a.tokens)) return -1;
+  if (a.width < 2 || a.width > 9) return -1;
+  a.bf16 ? conv<uint16_t>(a) : conv<float>(a);
   return 0;
 }
 
 struct SsmUpdateArgs {
   float* states;  // [slots, H, P, N]: strides st_slot, st_h, st_p, 1
   int64_t st_slot, st_h, st_p;
-  const float* x;  // [B, H, P]
+  const void* x;  // [B, H, P]
   int64_t x_b, x_h, x_p;
-  const float* dt;
+  const void* dt;
   int64_t dt_b, dt_h, dt_p;
   const float* A;  // [H, P, N]
   int64_t A_h, A_p, A_n;
-  const float* Bm;  // [B, G, N], n stride 1
+  const void* Bm;  // [B, G, N], n stride 1
   int64_t B_b, B_g;
-  const float* Cm;
+  const void* Cm;
   int64_t C_b, C_g;
-  const float* D;  // [H, P] or null
+  const void* D;  // [H, P] or null
   int64_t D_h, D_p;
-  const float* z;  // [B, H, P] or null
+  const void* z;  // [B, H, P] or null
   int64_t z_b, z_h, z_p;
-  const float* dt_bias;  // [H, P] or null
+  const void* dt_bias;  // [H, P] or null
   int64_t db_h, db_p;
   const int32_t* idx;  // [B]
-  float* out;  // [B, H, P] contiguous
+  void* out;  // [B, H, P] contiguous
   int64_t nb, H, P, N, G, slots;
-  int32_t softplus, threads;
+  int32_t softplus, bf16, D_bf16, db_bf16, threads;
 };
 
-int llmhal_ssm_update_call(const void* p) {
-  const auto& a = *static_cast<const SsmUpdateArgs*>(p);
-  if (!slots_ok(a.idx, a.nb, a.slots)) return -1;
+}  // extern "C"
+
+namespace {
+
+template <typename T>
+void ssm_update(const SsmUpdateArgs& a) {
+  const T* x = static_cast<const T*>(a.x);
+  const T* dtp = static_cast<const T*>(a.dt);
+  const T* z = static_cast<const T*>(a.z);
+  T* out = static_cast<T*>(a.out);
   const int64_t per_group = a.H / a.G;
   const float inf = INFINITY;
 #pragma omp parallel for collapse(2) num_threads(team(a.threads)) \
@@ -216,8 +290,9 @@ int llmhal_ssm_update_call(const void* p) {
   for (int64_t b = 0; b < a.nb; ++b) {
     for (int64_t h = 0; h < a.H; ++h) {
       const int64_t g = h / per_group;
-      const float* bv = a.Bm + b * a.B_b + g * a.B_g;
-      const float* cv = a.Cm + b * a.C_b + g * a.C_g;
+      float bbuf[kMaxN], cbuf[kMaxN];
+      const float* bv = as_f32(static_cast<const T*>(a.Bm) + b * a.B_b + g * a.B_g, bbuf, a.N);
+      const float* cv = as_f32(static_cast<const T*>(a.Cm) + b * a.C_b + g * a.C_g, cbuf, a.N);
       float* st = a.states + a.idx[b] * a.st_slot + h * a.st_h;
       // Mamba-2 passes dt, dt_bias and A expanded along p (stride 0): then dt and the decay are
       // one softplus and one exp per head instead of per channel (~1536 of each per token).
@@ -226,112 +301,149 @@ int llmhal_ssm_update_call(const void* p) {
       float dt = 0.f, decay = 0.f;
       for (int64_t q = 0; q < a.P; ++q) {
         if (q == 0 || !head_dt)
-          dt = delta(a.dt[b * a.dt_b + h * a.dt_h + q * a.dt_p], a.dt_bias,
-                     h * a.db_h + q * a.db_p, a.softplus, -inf, inf);
-        const float xv = a.x[b * a.x_b + h * a.x_h + q * a.x_p];
+          dt = delta(ld(dtp + b * a.dt_b + h * a.dt_h + q * a.dt_p), a.dt_bias,
+                     h * a.db_h + q * a.db_p, a.db_bf16, a.softplus, -inf, inf);
+        const float xv = ld(x + b * a.x_b + h * a.x_h + q * a.x_p);
         const float* arow = a.A + h * a.A_h + q * a.A_p;
         // A constant along n (Mamba-2's expanded per-head scalar): one exp for the row.
         const bool scalar_a = a.A_n == 0;
         if (scalar_a && (q == 0 || !head_decay)) decay = std::exp(arow[0] * dt);
         float y = ssm_row(st + q * a.st_p, bv, cv, a.N, dt * xv, dt, scalar_a ? nullptr : arow,
                           a.A_n, decay);
-        if (a.D) y += xv * a.D[h * a.D_h + q * a.D_p];
-        if (a.z) y *= silu(a.z[b * a.z_b + h * a.z_h + q * a.z_p]);
-        a.out[(b * a.H + h) * a.P + q] = y;
+        if (a.D) y += xv * ld_param(a.D, h * a.D_h + q * a.D_p, a.D_bf16);
+        if (z) y *= silu(ld(z + b * a.z_b + h * a.z_h + q * a.z_p));
+        put(out + (b * a.H + h) * a.P + q, y);
       }
     }
   }
+}
+
+}  // namespace
+
+extern "C" {
+
+int llmhal_ssm_update_call(const void* p) {
+  const auto& a = *static_cast<const SsmUpdateArgs*>(p);
+  if (!slots_ok(a.idx, a.nb, a.slots) || a.N > kMaxN) return -1;
+  a.bf16 ? ssm_update<uint16_t>(a) : ssm_update<float>(a);
   return 0;
 }
 
 struct ScanArgs {  // Mamba-1 prefill
-  const float* x;  // [T, d]
+  const void* x;  // [T, d]
   int64_t x_t, x_d;
-  const float* dt;
+  const void* dt;
   int64_t dt_t, dt_d;
   const float* A;  // [d, n]
   int64_t A_d, A_n;
-  const float* Bm;  // [T, n], n stride 1
+  const void* Bm;  // [T, n], n stride 1
   int64_t B_t;
-  const float* Cm;
+  const void* Cm;
   int64_t C_t;
-  const float* D;  // [d] (stride D_s) or null
+  const void* D;  // [d] (stride D_s) or null
   int64_t D_s;
-  const float* z;  // [T, d] or null
+  const void* z;  // [T, d] or null
   int64_t z_t, z_d;
-  const float* dt_bias;  // [d] or null
+  const void* dt_bias;  // [d] or null
   int64_t db_s;
   float* states;  // [slots, d, n]: strides st_slot, st_d, 1
   int64_t st_slot, st_d;
   const int32_t* qsl;
   const int32_t* idx;
   const uint8_t* has_init;
-  float* out;  // [T, d] contiguous
+  void* out;  // [T, d] contiguous
   int64_t nseq, tokens, d, n, slots;
-  int32_t softplus, threads;
+  int32_t softplus, bf16, D_bf16, db_bf16, threads;
 };
 
-int llmhal_scan_call(const void* p) {
-  const auto& a = *static_cast<const ScanArgs*>(p);
-  if (!slots_ok(a.idx, a.nseq, a.slots) || !starts_ok(a.qsl, a.nseq, a.tokens)) return -1;
+}  // extern "C"
+
+namespace {
+
+template <typename T>
+void scan(const ScanArgs& a) {
+  const T* x = static_cast<const T*>(a.x);
+  const T* dtp = static_cast<const T*>(a.dt);
+  const T* z = static_cast<const T*>(a.z);
+  T* out = static_cast<T*>(a.out);
   const float inf = INFINITY;
-  const int64_t blocks = (a.d + 15) / 16;
+  constexpr int64_t kBlock = 16;  // channels per task; B/C rows are converted once per block
+  const int64_t blocks = (a.d + kBlock - 1) / kBlock;
 #pragma omp parallel for collapse(2) num_threads(team(a.threads)) \
     if (parallel(a.tokens * a.d * a.n, a.threads)) schedule(dynamic)
   for (int64_t r = 0; r < a.nseq; ++r) {
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const int64_t s = a.qsl[r], e = a.qsl[r + 1];
-      const bool carried = a.has_init[r] != 0;
-      for (int64_t ch = blk * 16; ch < (blk + 1) * 16 && ch < a.d; ++ch) {
-        float* st = a.states + a.idx[r] * a.st_slot + ch * a.st_d;
-        if (!carried) std::memset(st, 0, sizeof(float) * a.n);
-        const float* arow = a.A + ch * a.A_d;
-        const float bias_d = a.D ? a.D[ch * a.D_s] : 0.f;
-        for (int64_t t = s; t < e; ++t) {
-          const float dt =
-              delta(a.dt[t * a.dt_t + ch * a.dt_d], a.dt_bias, ch * a.db_s, a.softplus, -inf, inf);
-          const float xv = a.x[t * a.x_t + ch * a.x_d];
-          float y = ssm_row(st, a.Bm + t * a.B_t, a.Cm + t * a.C_t, a.n, dt * xv, dt, arow,
+      const int64_t c0 = blk * kBlock, c1 = c0 + kBlock < a.d ? c0 + kBlock : a.d;
+      float* st0 = a.states + a.idx[r] * a.st_slot;
+      if (a.has_init[r] == 0)
+        for (int64_t ch = c0; ch < c1; ++ch) std::memset(st0 + ch * a.st_d, 0, sizeof(float) * a.n);
+      float bbuf[kMaxN], cbuf[kMaxN];
+      for (int64_t t = s; t < e; ++t) {
+        const float* bv = as_f32(static_cast<const T*>(a.Bm) + t * a.B_t, bbuf, a.n);
+        const float* cv = as_f32(static_cast<const T*>(a.Cm) + t * a.C_t, cbuf, a.n);
+        for (int64_t ch = c0; ch < c1; ++ch) {
+          const float dt = delta(ld(dtp + t * a.dt_t + ch * a.dt_d), a.dt_bias, ch * a.db_s,
+                                 a.db_bf16, a.softplus, -inf, inf);
+          const float xv = ld(x + t * a.x_t + ch * a.x_d);
+          float y = ssm_row(st0 + ch * a.st_d, bv, cv, a.n, dt * xv, dt, a.A + ch * a.A_d,
                             a.A_n, 0.f);
-          y += xv * bias_d;
-          if (a.z) y *= silu(a.z[t * a.z_t + ch * a.z_d]);
-          a.out[t * a.d + ch] = y;
+          if (a.D) y += xv * ld_param(a.D, ch * a.D_s, a.D_bf16);
+          if (z) y *= silu(ld(z + t * a.z_t + ch * a.z_d));
+          put(out + t * a.d + ch, y);
         }
       }
     }
   }
+}
+
+}  // namespace
+
+extern "C" {
+
+int llmhal_scan_call(const void* p) {
+  const auto& a = *static_cast<const ScanArgs*>(p);
+  if (!slots_ok(a.idx, a.nseq, a.slots) || !starts_ok(a.qsl, a.nseq, a.tokens)) return -1;
+  if (a.n > kMaxN) return -1;
+  a.bf16 ? scan<uint16_t>(a) : scan<float>(a);
   return 0;
 }
 
 struct SsdArgs {  // Mamba-2 prefill
-  const float* x;  // [T, H, P]
+  const void* x;  // [T, H, P]
   int64_t x_t, x_h, x_p;
-  const float* dt;  // [T, H]
+  const void* dt;  // [T, H]
   int64_t dt_t, dt_h;
   const float* A;  // [H]
   int64_t A_s;
-  const float* Bm;  // [T, G, N], n stride 1
+  const void* Bm;  // [T, G, N], n stride 1
   int64_t B_t, B_g;
-  const float* Cm;
+  const void* Cm;
   int64_t C_t, C_g;
-  const float* D;  // [H] or null
+  const void* D;  // [H] or null
   int64_t D_s;
-  const float* dt_bias;  // [H] or null
+  const void* dt_bias;  // [H] or null
   int64_t db_s;
   float* states;  // [slots, H, P, N]: strides st_slot, st_h, st_p, 1
   int64_t st_slot, st_h, st_p;
   const int32_t* qsl;
   const int32_t* idx;
   const uint8_t* has_init;
-  float* out;  // [T, H, P] contiguous
+  void* out;  // [T, H, P] contiguous
   int64_t nseq, tokens, H, P, N, G, slots;
   float dt_lo, dt_hi;
-  int32_t softplus, threads;
+  int32_t softplus, bf16, D_bf16, db_bf16, threads;
 };
 
-int llmhal_ssd_call(const void* p) {
-  const auto& a = *static_cast<const SsdArgs*>(p);
-  if (!slots_ok(a.idx, a.nseq, a.slots) || !starts_ok(a.qsl, a.nseq, a.tokens)) return -1;
+}  // extern "C"
+
+namespace {
+
+template <typename T>
+void ssd(const SsdArgs& a) {
+  const T* x = static_cast<const T*>(a.x);
+  const T* dtp = static_cast<const T*>(a.dt);
+  T* out = static_cast<T*>(a.out);
   const int64_t per_group = a.H / a.G;
 #pragma omp parallel for collapse(2) num_threads(team(a.threads)) \
     if (parallel(a.tokens * a.H * a.P * a.N, a.threads)) schedule(dynamic)
@@ -341,23 +453,35 @@ int llmhal_ssd_call(const void* p) {
       float* st = a.states + a.idx[r] * a.st_slot + h * a.st_h;
       if (a.has_init[r] == 0)
         for (int64_t q = 0; q < a.P; ++q) std::memset(st + q * a.st_p, 0, sizeof(float) * a.N);
-      const float ah = a.A[h * a.A_s], dh = a.D ? a.D[h * a.D_s] : 0.f;
+      const float ah = a.A[h * a.A_s], dh = a.D ? ld_param(a.D, h * a.D_s, a.D_bf16) : 0.f;
+      float bbuf[kMaxN], cbuf[kMaxN];
       for (int64_t t = s; t < e; ++t) {
-        const float dt =
-            delta(a.dt[t * a.dt_t + h * a.dt_h], a.dt_bias, h * a.db_s, a.softplus, a.dt_lo,
-                  a.dt_hi);
+        const float dt = delta(ld(dtp + t * a.dt_t + h * a.dt_h), a.dt_bias, h * a.db_s,
+                               a.db_bf16, a.softplus, a.dt_lo, a.dt_hi);
         const float decay = std::exp(dt * ah);
-        const float* bv = a.Bm + t * a.B_t + g * a.B_g;
-        const float* cv = a.Cm + t * a.C_t + g * a.C_g;
-        const float* xr = a.x + t * a.x_t + h * a.x_h;
-        float* o = a.out + (t * a.H + h) * a.P;
+        const float* bv = as_f32(static_cast<const T*>(a.Bm) + t * a.B_t + g * a.B_g, bbuf, a.N);
+        const float* cv = as_f32(static_cast<const T*>(a.Cm) + t * a.C_t + g * a.C_g, cbuf, a.N);
+        const T* xr = x + t * a.x_t + h * a.x_h;
+        T* o = out + (t * a.H + h) * a.P;
         for (int64_t q = 0; q < a.P; ++q) {
-          const float xv = xr[q * a.x_p];
-          o[q] = ssm_row(st + q * a.st_p, bv, cv, a.N, dt * xv, dt, nullptr, 0, decay) + dh * xv;
+          const float xv = ld(xr + q * a.x_p);
+          put(o + q,
+              ssm_row(st + q * a.st_p, bv, cv, a.N, dt * xv, dt, nullptr, 0, decay) + dh * xv);
         }
       }
     }
   }
+}
+
+}  // namespace
+
+extern "C" {
+
+int llmhal_ssd_call(const void* p) {
+  const auto& a = *static_cast<const SsdArgs*>(p);
+  if (!slots_ok(a.idx, a.nseq, a.slots) || !starts_ok(a.qsl, a.nseq, a.tokens)) return -1;
+  if (a.N > kMaxN) return -1;
+  a.bf16 ? ssd<uint16_t>(a) : ssd<float>(a);
   return 0;
 }
 
