@@ -32,7 +32,7 @@ def greedy_ids(model: str | None, prompts=PROMPTS, params=GREEDY, **kwargs) -> l
 def test_default_model_tp2_mp_equals_one_process():
     """The issue's headline: the default model on two gloo ranks answers as one process does."""
     ray_before = "ray" in sys.modules
-    two = LLM(None, kv_cache_memory_bytes=KV, tensor_parallel_size=3, max_model_len=256)
+    two = LLM(None, kv_cache_memory_bytes=KV, tensor_parallel_size=2, max_model_len=256)
     try:
         assert two.engine.config.parallel.distributed_executor_backend == "mp"  # the default
         assert two.engine.runner.decode_graphs is None  # no recorded steps across ranks
