@@ -52,7 +52,7 @@ def test_plain_reasoning_and_retrieve(client):
         model="tiny", input="capital of France?", instructions="Be brief.", max_output_tokens=40,
         temperature=0, extra_body=forced("Let me see[.]</think>It is Paris[.]"),
     )  # fmt: skip
-    Response.model_validate(resp.model_dump())
+    Response.model_validate(resp.to_dict())
     assert resp.status == "completed" and resp.object == "response"
     kinds = [i.type for i in resp.output]
     assert kinds == ["reasoning", "message"]
@@ -99,7 +99,7 @@ def test_function_calls_through_the_tool_parser(client):
     kw = {"model": "tiny", "input": "weather?", "tools": [WEATHER], "max_output_tokens": 120,
           "extra_body": forced("</think>" + call)}  # fmt: skip
     resp = client.responses.create(**kw)
-    Response.model_validate(resp.model_dump())
+    Response.model_validate(resp.to_dict())
     assert resp.status == "completed", resp.output
     (fc,) = [i for i in resp.output if i.type == "function_call"]
     assert (fc.name, json.loads(fc.arguments)) == ("get_weather", {"city": "Rome"})
@@ -130,13 +130,23 @@ def test_named_tool_choice_and_structured_output(client):
               "required": ["n"], "additionalProperties": False}  # fmt: skip
     text = {"format": {"type": "json_schema", "name": "num", "schema": schema, "strict": True}}
     out = client.responses.create(model="tiny", input="a digit", text=text, max_output_tokens=60)
+    Response.model_validate(out.to_dict())
     assert set(json.loads(out.output_text)) == {"n"}
+    # The SDK's own structured output: a pydantic class as text_format, the answer parsed into it.
+    from pydantic import BaseModel, Field
+
+    class Digit(BaseModel):
+        n: int = Field(ge=0, le=9)
+
+    parsed = client.responses.parse(model="tiny", input="a digit", text_format=Digit, max_output_tokens=60)  # fmt: skip
+    assert isinstance(parsed.output_parsed, Digit)
 
 
 def test_two_turns_with_previous_response_id(served, client):
     base, llm = served
     first = client.responses.create(model="tiny", input="Say A.", max_output_tokens=20, extra_body=forced("</think>A[.]"))  # fmt: skip
     second = client.responses.create(model="tiny", input="Again.", previous_response_id=first.id, max_output_tokens=8, temperature=0)  # fmt: skip
+    Response.model_validate(second.to_dict())
     # The second turn's prompt is the whole conversation: its user turn, the answer, the new turn.
     msgs = [{"role": "user", "content": "Say A."}, {"role": "assistant", "content": "A."}, {"role": "user", "content": "Again."}]  # fmt: skip
     prompt = llm.apply_chat_template(msgs, True)
