@@ -378,7 +378,7 @@ def _build(
         kv_bytes = executor.allocate(num_blocks)
         kv = make_cache_manager(
             num_blocks, config.cache.block_size, runner.num_state_slots,
-            config.cache.enable_prefix_caching, runner.reset_state_slot,
+            config.cache.enable_prefix_caching,
         )  # fmt: skip
         runner.state_cache = kv  # the runner asks it for each request's state slot
         concurrency = _log_concurrency(config, runner)

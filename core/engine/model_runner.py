@@ -68,8 +68,11 @@ class StepInput:
     sample_rows: list[int]
     prompt_spans: list[tuple[int, int, int, int, list[int]]]
     pool_spans: list[tuple[int, int]]
-    # Each request's slot in the recurrent layers' state cache (empty without such layers).
+    # Each request's slot in the recurrent layers' state cache (empty without such layers), and
+    # the slots to zero before the step: requests starting with a one-token step, which runs as a
+    # decode, and decode kernels continue whatever state the slot holds.
     state_slots: list[int] = field(default_factory=list)
+    fresh_slots: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -250,7 +253,10 @@ class ModelRunner:
             step.computed.append(start)
             step.block_tables.append(req.block_ids)
             if self.state_layers:
-                step.state_slots.append(self.state_cache.slot_of(req))
+                slot = self.state_cache.slot_of(req)
+                step.state_slots.append(slot)
+                if start == 0 and n == 1:
+                    step.fresh_slots.append(slot)
             if req.prompt_logprobs is not None:
                 # Prompt positions whose next token's log-probability is still missing (after a
                 # preemption, recomputed ones are not).
@@ -292,6 +298,8 @@ class ModelRunner:
         common = build_common_metadata(
             step.query_lens, step.computed, step.block_tables, self.block_size, self.device
         )
+        for slot in step.fresh_slots:
+            self.reset_state_slot(slot)
         if step.state_slots:
             common.state_indices = torch.tensor(
                 step.state_slots, dtype=torch.int32, device=self.device

@@ -5,9 +5,10 @@ Every running request holds one *slot*: the same index into every recurrent laye
 together with KV blocks, so the scheduler needs no change: admission fails (the request waits)
 when no slot is free, exactly as when blocks are short, and freeing a request (finished, aborted,
 preempted) releases its slot with its blocks. A preempted request is recomputed from its first
-token, so its next slot starts from a zero state and no state is ever copied or rolled back. A slot
-is zeroed when it is handed out (``reset_slot``): a one-token prompt runs as a decode, and decode
-kernels always continue the state they find.
+token, so its next slot starts from a zero state and no state is ever copied or rolled back: a
+prefill ignores what the slot holds (``has_initial_state`` False), and the runner zeroes the slot of
+a request whose first step is a single token (it runs as a decode, and decode kernels continue the
+state they find), on every rank of a parallel engine.
 
 :func:`plan_caches` splits one memory budget between KV blocks and state slots. A model with only
 recurrent layers needs no KV memory: its block pool is bookkeeping only (the runner builds block
@@ -16,7 +17,6 @@ tables that no layer reads), sized so that blocks never limit it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmhal.engine.kv_cache_manager import KVCacheManager
@@ -90,7 +90,6 @@ class StateCacheManager(KVCacheManager):
         block_size: int,
         num_slots: int,
         enable_prefix_caching: bool = False,
-        reset_slot: Callable[[int], None] | None = None,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"the state cache needs at least one slot, got {num_slots}")
@@ -102,7 +101,6 @@ class StateCacheManager(KVCacheManager):
         # Lowest slot handed out first (a stack, like the block pool): few slots stay warm.
         self._free_slots: list[int] = list(range(num_slots - 1, -1, -1))
         self._slot_of: dict[Request, int] = {}
-        self.reset_slot = reset_slot  # zeroes a slot's states in every recurrent layer
 
     @property
     def num_free_slots(self) -> int:
@@ -127,8 +125,6 @@ class StateCacheManager(KVCacheManager):
                 return False
             self._slot_of[request] = self._free_slots.pop()
         if super().allocate(request, num_new_tokens, prefix):
-            if taken and self.reset_slot is not None:
-                self.reset_slot(self._slot_of[request])
             return True
         if taken:
             self._free_slots.append(self._slot_of.pop(request))
@@ -146,9 +142,8 @@ def make_cache_manager(
     block_size: int,
     num_slots: int,
     enable_prefix_caching: bool,
-    reset_slot: Callable[[int], None] | None = None,
 ) -> KVCacheManager:
     """The engine's cache manager: KV blocks only, or blocks and state slots."""
     if num_slots:
-        return StateCacheManager(num_blocks, block_size, num_slots, reset_slot=reset_slot)
+        return StateCacheManager(num_blocks, block_size, num_slots)
     return KVCacheManager(num_blocks, block_size, enable_prefix_caching)

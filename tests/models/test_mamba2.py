@@ -22,9 +22,7 @@ def force_preemption(llm, num_blocks):
 
     eng = llm.engine
     old = eng.kv
-    kv = StateCacheManager(
-        num_blocks, old.block_size, old.num_slots, reset_slot=eng.runner.reset_state_slot
-    )
+    kv = StateCacheManager(num_blocks, old.block_size, old.num_slots)
     eng.kv = eng.scheduler.kv = eng.runner.state_cache = kv
     return kv
 
