@@ -32,13 +32,14 @@ _DERIVED = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
 
 
 def minimax_layer_types(config: Any) -> list[str]:
-    types = getattr(config, "layer_types", None)
-    if types:
-        return list(types)
-    # MiniMax-Text-01's remote-code configs: attn_type_list, 1 = softmax, 0 = lightning.
+    # MiniMax-Text-01's own config: attn_type_list, 1 = softmax, 0 = lightning. It wins over
+    # layer_types, which transformers fills with its default pattern when the file has none.
     flags = getattr(config, "attn_type_list", None)
     if flags:
         return ["full_attention" if f else "linear_attention" for f in flags]
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)
     raise ValueError("the MiniMax config has neither layer_types nor attn_type_list")
 
 

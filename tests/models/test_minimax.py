@@ -30,3 +30,18 @@ class TestMiniMax(StateModelParity):
         # The decay rates follow the depth (the last layer nearly none), as the checkpoint's buffers.
         first, last = (m.decay for m in runner.state_layers)
         assert torch.all(last < first * 1e-3)
+
+    def test_published_config_keys(self, tiny_models):
+        """MiniMax-Text-01's own config.json: ``rotary_dim`` (RoPE on part of each head, as its
+        code and vLLM apply it) and ``attn_type_list`` (1 = softmax) instead of ``layer_types``."""
+        from llmhal import LLM, SamplingParams
+
+        folder, _ = tiny_models("minimax", rotary_dim=8, attn_type_list=[1, 0, 1], layer_types=None)
+        llm = LLM(folder, dtype="float32", enforce_eager=True)
+        runner = llm.engine.runner
+        assert runner.model.rotary_emb.rotary_dim == 8
+        # (transformers builds its default pattern, which this attn_type_list spells out)
+        assert [m.layer_name for m in runner.state_layers] == ["model.layers.1.self_attn"]
+        assert len(runner.layers) == 2
+        out = llm.generate(["Paris is"], SamplingParams(temperature=0, max_tokens=4))[0]
+        assert len(out.outputs[0].token_ids) == 4
