@@ -37,7 +37,9 @@ How to write a new recurrent layer (e.g. a short convolution)::
 
 Rules: a layer reads and writes only the slots the metadata names; it writes the state after the
 last token of every request it was given (the next chunk or decode continues from it); it must
-not depend on what a slot held before when ``has_initial_state`` is False. Register the backend of a
+not depend on what a slot held before when ``has_initial_state`` is False. Decodes always continue
+their slot: a request whose first step is one token runs as a decode, and the engine zeroes its
+slot (every state tensor) before that step. Register the backend of a
 new kind in :data:`llmhal.attention.registry.CORE_BACKENDS` with its kind (or with
 ``register_attention_backend(name, path, kind=...)``); a model may mix recurrent layers with
 :class:`llmhal.attention.layer.Attention` layers (a hybrid), which use the paged KV cache.
