@@ -43,7 +43,7 @@ class StubLayer:
         self.k_scale = torch.tensor(1.0)
         self.v_scale = torch.tensor(1.0)
 
-    def mla_weights(self, dtype):
+    def mla_weights(self, dtype, device):
         return self.w_uk.to(dtype), self.w_uv.to(dtype)
 
 

@@ -301,3 +301,23 @@ def test_prefix_caching_and_ngram_drafts_keep_the_output(engine_checkpoint):
         llm = LLM(str(folder), dtype="float32", kv_cache_memory_bytes=1 << 20, **kw)
         for _ in range(2):
             assert [o.outputs[0].token_ids for o in llm.generate(batch, params)] == want, kw
+
+
+def test_quantized_kv_b_proj_is_absorbed_through_the_layer(engine_checkpoint):
+    """With quantization="fp8" (online) kv_b_proj keeps no float weight parameter; the MLA layer
+    reads W_UK/W_UV through the layer itself, equal to what the quantized layer computes."""
+    from llmhal import LLM, SamplingParams
+
+    _, folder = engine_checkpoint
+    llm = LLM(str(folder), dtype="float32", quantization="fp8", kv_cache_memory_bytes=1 << 20)
+    out = llm.generate([{"prompt_token_ids": PROMPTS[1]}], SamplingParams(max_tokens=3))[0]
+    assert len(out.outputs[0].token_ids) == 3
+    attn = llm.engine.runner.model.model.layers[0].self_attn
+    w_uk, w_uv = attn.attn.mla_weights(torch.float32, torch.device("cpu"))
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        got = attn.kv_b_proj(x).view(5, 4, 16 + 12)
+    want = torch.cat(
+        [torch.einsum("tl,hnl->thn", x, w_uk), torch.einsum("tl,hvl->thv", x, w_uv)], -1
+    )
+    assert float((got - want).abs().max() / got.abs().max()) < 1e-5

@@ -146,7 +146,7 @@ class MLAImpl(AttentionImpl[Any]):
 
     The generic constructor arguments describe the cache (one head of ``latent_size``); the MLA
     sizes and weights come from the layer passed to :meth:`forward` (``layer.dims``,
-    ``layer.mla_weights(dtype)``), so one impl class serves every DeepSeek shape.
+    ``layer.mla_weights(dtype, device)``), so one impl class serves every DeepSeek shape.
     """
 
 
@@ -180,28 +180,35 @@ class MLAAttention(Attention):
         self._weights: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self._weights_key: tuple[Any, ...] | None = None
 
-    def _source_key(self) -> tuple[Any, ...]:
-        params = list(self._kv_b_proj[0].parameters())
-        return tuple((p.data_ptr(), p._version, p.shape) for p in params)
+    def _source_key(self, device: torch.device) -> tuple[Any, ...]:
+        proj = self._kv_b_proj[0]
+        params = tuple((p.data_ptr(), p._version, p.shape) for p in proj.parameters())
+        # A quantization method may move the weight into kernel objects and free the parameter.
+        kernels = tuple(id(k) for k in getattr(proj, "quant_kernels", None) or ())
+        return (device, params, kernels)
 
-    def mla_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(``W_UK`` [H, nope, L], ``W_UV`` [H, v, L]) in ``dtype``, read from ``kv_b_proj``."""
-        key = self._source_key()
+    def mla_weights(
+        self, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``W_UK`` [H, nope, L], ``W_UV`` [H, v, L]) in ``dtype`` on ``device``, read from
+        ``kv_b_proj`` (and read again when its weights change)."""
+        key = self._source_key(device)
         if key != self._weights_key:
             self._weights.clear()
             self._weights_key = key
         got = self._weights.get(dtype)
         if got is None:
-            got = self._split_kv_b(dtype)
+            got = self._split_kv_b(dtype, device)
             self._weights[dtype] = got
         return got
 
-    def _split_kv_b(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _split_kv_b(
+        self, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.dims
         proj = self._kv_b_proj[0]
         if getattr(proj, "bias", None) is not None:
             raise ValueError("MLA's kv_b_proj must have no bias (its weight is split per head)")
-        device = next(proj.parameters()).device
         compute = getattr(proj, "params_dtype", None) or torch.float32
         eye = torch.eye(d.kv_lora_rank, dtype=compute, device=device)
         # The layer's output on the identity is its weight's transpose, whatever its storage

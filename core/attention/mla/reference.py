@@ -66,7 +66,7 @@ def absorbed_attention(
     """One request's attention in the absorbed form, float32: ``q`` [t, H, nope + rope], cached
     ``latent`` [S, L + R], ``mask`` bool [t, S] -> [t, H, v]."""
     d = layer.dims
-    w_uk, w_uv = layer.mla_weights(torch.float32)
+    w_uk, w_uv = layer.mla_weights(torch.float32, q.device)
     q_nope, q_pe = q.float().split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
     q_lat = torch.cat([absorb_query(q_nope, w_uk), q_pe], dim=-1)  # [t, H, L + R]
     scores = torch.einsum("thl,sl->hts", q_lat, latent) * scale
@@ -84,7 +84,7 @@ def decompressed_attention(
     scale: float,
 ) -> torch.Tensor:
     """The same attention with keys and values expanded per head (float32, [t, H, v])."""
-    w_uk, w_uv = layer.mla_weights(torch.float32)
+    w_uk, w_uv = layer.mla_weights(torch.float32, q.device)
     k, v = decompress(latent, layer.dims, w_uk, w_uv)
     return attend(q.float(), k, v, mask, scale)
 

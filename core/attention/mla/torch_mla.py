@@ -97,7 +97,7 @@ class TorchMLAImpl(MLAImpl):
         d = layer.dims
         write_latent(kv_cache, kv_c, k_pe, m.common.slot_mapping, layer.k_scale)
         out = query.new_zeros(query.shape[0], d.num_heads, d.v_head_dim)
-        w_uk, w_uv = layer.mla_weights(query.dtype)
+        w_uk, w_uv = layer.mla_weights(query.dtype, query.device)
         if m.num_decodes:
             out[: m.num_decodes] = self._decode(
                 layer, query[: m.num_decodes], kv_cache, m, w_uk, w_uv
