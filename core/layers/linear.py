@@ -12,12 +12,12 @@ column -> row (q/k/v -> o, gate/up -> down) therefore costs one all-reduce of th
 The quantization method creates the rank's parameters at the rank's sizes; the layer then wraps
 every parameter's ``weight_loader`` so that a checkpoint tensor is cut to the rank's slice before
 it is copied (:func:`_rank_slice`). The cut follows the loading protocol's attributes
-(``output_dim``/``input_dim``, see :mod:`llmhal.layers.weights`) and is proportional: the stored
-extent along that dimension is split into equal parts, which is exact for plain rows, packed
-words, per-group scales and ggml blocks alike provided each part holds whole units (a parameter's
-``shard_unit`` attribute: stored entries that must stay together, e.g. one ggml block's bytes). A
-split that would cut a quantization group, a packed word or a block is an error naming the layer
-and the tensor-parallel sizes that work. An extent of 1 (a per-tensor scale) is replicated.
+(``output_dim``/``input_dim``, see :mod:`llmhal.layers.weights`) and is proportional: a stored
+entry stands for ``weights / entries`` weights, which is exact for plain rows, packed words,
+per-group scales and ggml blocks alike (a parameter's ``shard_unit`` attribute: stored entries
+that must stay together, e.g. one ggml block's bytes) provided the rank's range begins and ends on
+their boundaries. A split that would cut a quantization group, a packed word or a block is an
+error naming the layer and the remedy. An extent of 1 (a per-tensor scale) is replicated.
 """
 
 from __future__ import annotations
@@ -90,10 +90,11 @@ def _rank_slice(
             extent = loaded.shape[dim]
             if pad:
                 unit = -(-extent // total)
+                start, per = min(first * unit, extent), count * unit
             else:
-                _check_whole_units(layer, name, p, dim_attr, shard_id, extent, count, total)
-                unit = extent // total
-            start, per = min(first * unit, extent), count * unit
+                start, per = _stored_range(
+                    layer, name, p, dim_attr, shard_id, extent, first, count, total
+                )
             loaded = loaded.narrow(dim, start, min(per, extent - start))
             if loaded.shape[dim] < per:
                 shape = list(loaded.shape)
@@ -104,38 +105,45 @@ def _rank_slice(
     return load
 
 
-def _check_whole_units(
+def _stored_range(
     layer: nn.Module,
     name: str,
     p: torch.Tensor,
     dim_attr: str,
     shard_id: Any,
     extent: int,
+    first: int,
     count: int,
     total: int,
-) -> None:
-    """Raise unless each of ``total`` equal units of ``extent`` stored entries is whole: a stored
-    entry stands for ``weights / extent`` weights (a packed word, a group's scale, a block's
-    scale), or ``shard_unit`` entries make one indivisible unit (a ggml block's bytes)."""
+) -> tuple[int, int]:
+    """(start, length) in stored entries of this rank's units ``first .. first+count-1`` of
+    ``total`` along a dimension stored as ``extent`` entries. A stored entry stands for
+    ``weights / extent`` weights (a packed word, a group's scale, a block's scale), or
+    ``shard_unit`` entries make one indivisible block (a ggml block's bytes); the rank's range
+    must begin and end on those boundaries, else a group or block would be cut: an error."""
     if dim_attr == "input_dim":
         mine = layer.input_size
     else:
         ids = list(getattr(layer, "shard_names", [0]))
         mine = layer.output_sizes[ids.index(shard_id) if shard_id in ids else 0]
-    weights = mine // count * total
+    per_unit = mine // count
+    weights = per_unit * total
     unit = getattr(p, "shard_unit", None) if dim_attr == "input_dim" else None
-    if unit is not None:
-        ok = extent % (total * unit) == 0
-    else:  # (a ragged last block, weights % extent != 0: where units fall in it is unknown)
-        ok = weights % extent == 0 and extent % total == 0
-    if not ok:
+    block_e = unit or 1
+    blocks = extent // block_e
+    # (a ragged last block, weights % blocks != 0: where the rank's range falls in it is unknown)
+    ok = extent % block_e == 0 and blocks > 0 and weights % blocks == 0
+    block_w = weights // blocks if ok else 1
+    start_w, end_w = first * per_unit, (first + count) * per_unit
+    if not ok or start_w % block_w or end_w % block_w:
         raise WeightLoadError(
-            f"{getattr(layer, 'prefix', '') or type(layer).__name__}.{name}: {weights} "
-            f"{'inputs' if dim_attr == 'input_dim' else 'outputs'} stored as {extent} entries "
-            f"cannot be split into {total} tensor-parallel units without cutting a quantization "
-            f"group, packed word or block; use a tensor_parallel_size whose parts hold whole "
+            f"{getattr(layer, 'prefix', '') or type(layer).__name__}.{name}: this rank's "
+            f"{'inputs' if dim_attr == 'input_dim' else 'outputs'} {start_w}..{end_w} of {weights}, "
+            f"stored as {extent} entries, do not fall on the boundaries of its quantization "
+            f"groups, packed words or blocks; use a tensor_parallel_size whose parts hold whole "
             f"groups (or tensor_parallel_size=1)"
         )
+    return start_w // block_w * block_e, (end_w - start_w) // block_w * block_e
 
 
 def shard_parameters(layer: nn.Module, dim_attr: str, split: SplitFn, *, pad: bool = False) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from llmhal.distributed.launch import run_ranks
 
-PROMPTS = [[5, 17, 42, 99, 7], [3, 250, 11], [8]]
+PROMPTS = [[5, 17, 42, 90, 7], [3, 50, 11], [8]]  # ids < 96, the tiny GGUF vocabulary
 STEPS = 4
 
 
@@ -68,22 +68,39 @@ def _greedy_run(model: Any, config: Any) -> list[dict[int, torch.Tensor]]:
     return steps
 
 
+def _build(path: str) -> tuple[Any, Any]:
+    """(model, engine config): a safetensors folder as the parity kit loads it, a GGUF file as
+    the engine does (this rank's shard either way)."""
+    if not path.endswith(".gguf"):
+        from llmhal.testing.model_parity import build_model
+
+        return build_model(path)
+    from llmhal.distributed import get_pp_group, get_tp_group
+    from llmhal.engine.builder import EngineArgs, load_model, resolve_engine_config
+    from llmhal.model_loader.source import resolve_source
+    from llmhal.platforms import get_current_platform
+
+    tp, pp = get_tp_group().world_size, get_pp_group().world_size
+    args = EngineArgs(model=path, dtype="float32", tensor_parallel_size=tp)
+    args.pipeline_parallel_size = pp
+    args.distributed_executor_backend = "mp" if tp * pp > 1 else None
+    config, ckpt, cls = resolve_engine_config(args, get_current_platform(), resolve_source(path))
+    return load_model(config, ckpt, cls).model, config
+
+
 def _rank_run(rank: int, folders: list[str]) -> list[Any]:
     from llmhal.distributed import get_pp_group
-    from llmhal.testing.model_parity import build_model
 
     out = []
     for folder in folders:
-        model, config = build_model(folder)
+        model, config = _build(folder)
         runs = _greedy_run(_Stage(model), config)
         out.append(runs if get_pp_group().is_last_rank else None)
     return out
 
 
 def _single_process(folders: list[str]) -> list[list[dict[int, torch.Tensor]]]:
-    from llmhal.testing.model_parity import build_model
-
-    return [_greedy_run(*build_model(f)) for f in folders]
+    return [_greedy_run(*_build(f)) for f in folders]
 
 
 def _assert_same(parallel: list[dict[int, torch.Tensor]], single: list[dict[int, torch.Tensor]]):
@@ -124,9 +141,20 @@ def _moe_folder(tmp_path_factory, arch: str, overrides: dict[str, Any]) -> str:
     return str(folder)
 
 
+def _gguf_file(tmp_path_factory) -> str:
+    """A tiny Llama in GGUF, Q8_0 weights (32-weight blocks: each rank's o_proj and down_proj
+    inputs are whole blocks) and a Q4_0 embedding table split by vocabulary rows."""
+    from llmhal.testing.gguf_files import write_tiny_gguf
+
+    path = tmp_path_factory.mktemp("gguf") / "tiny-q8.gguf"
+    write_tiny_gguf(path, weight_type="Q8_0", types={"token_embd": "Q4_0"}, seed=3)
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def tp2(tiny_models, tmp_path_factory):
     folders = _folders(tiny_models, TP_MODELS) + [_moe_folder(tmp_path_factory, *MOE_TP)]
+    folders.append(_gguf_file(tmp_path_factory))
     return run_ranks(_rank_run, 2, 1, folders), _single_process(folders)
 
 
@@ -138,8 +166,8 @@ def pp2(tiny_models, tmp_path_factory):
 
 @pytest.mark.parametrize(
     "index",
-    range(len(TP_MODELS) + 1),
-    ids=["qwen2_uneven_heads", "qwen3", "llama_untied_one_kv_head", "qwen2_moe"],
+    range(len(TP_MODELS) + 2),
+    ids=["qwen2_uneven_heads", "qwen3", "llama_untied_one_kv_head", "qwen2_moe", "llama_gguf_q8"],
 )
 def test_tensor_parallel_two_ranks_equal_one_process(tp2, index):
     ranks, single = tp2
