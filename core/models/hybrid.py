@@ -26,7 +26,12 @@ from llmhal.layers.linear import QKVLinear, ReplicatedLinear
 from llmhal.layers.rotary_embedding import RotaryEmbedding, get_rope_from_hf_config
 from llmhal.layers.vocab_embedding import ParallelLMHead, VocabEmbedding
 from llmhal.models.moe import _ExpertLoader as ExpertLoader
-from llmhal.models.utils import LLAMA_STACKED, StackedParam, load_weights_by_name
+from llmhal.models.utils import (
+    LLAMA_STACKED,
+    StackedParam,
+    load_weights_by_name,
+    packed_mapping,
+)
 
 
 def join(prefix: str, name: str) -> str:
@@ -98,6 +103,10 @@ class HybridForCausalLM(nn.Module):
     def __init__(self, hf_config: Any, prefix: str = "") -> None:
         super().__init__()
         self.config = hf_config
+        quant_config = get_current_config().quant_config
+        if quant_config is not None and not getattr(quant_config, "packed_modules_mapping", None):
+            # Quantization schemes name the checkpoint's modules; our merged ones stand for them.
+            quant_config.packed_modules_mapping = packed_mapping(self.stacked)
         model_prefix = join(prefix, "model")
         self.model = nn.Module()
         self.model.embed_tokens = VocabEmbedding(
