@@ -14,6 +14,7 @@ import textwrap
 import pytest
 
 from llmhal import LLM, SamplingParams
+from llmhal.testing.processes import process_gone
 
 PROMPTS = ["The capital of France is", "def add(a, b):", "1, 2, 3, 4,"]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -43,24 +44,12 @@ def test_default_model_tp2_mp_equals_one_process():
     assert got == greedy_ids(None, PROMPTS[:2], max_model_len=256)
     assert ray_before or "ray" not in sys.modules  # Ray is imported only when chosen
     for pid in pids:  # shutdown stops the worker
-        assert not _alive(pid)
+        assert process_gone(pid)
 
 
 def test_tiny_llama_tp2_mp_equals_one_process(tiny_models):
     folder, _ = tiny_models("llama")
     assert greedy_ids(folder, tensor_parallel_size=2) == greedy_ids(folder)
-
-
-def _alive(pid: int) -> bool:
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped) counts as gone.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] != "Z"
 
 
 @pytest.mark.parametrize(
@@ -165,6 +154,7 @@ _TORCHRUN_SCRIPT = textwrap.dedent(
     """
     import json, os, sys
     from llmhal import LLM, SamplingParams
+from llmhal.testing.processes import process_gone
 
     folder, tp, pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     llm = LLM(folder, kv_cache_memory_bytes=4 << 20, tensor_parallel_size=tp,

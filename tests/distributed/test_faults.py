@@ -16,29 +16,10 @@ import pytest
 from llmhal import LLM, SamplingParams
 from llmhal.executor.base import EngineDeadError
 from llmhal.testing.distributions import FakeDistribution
+from llmhal.testing.processes import wait_gone
 
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 BOUND_S = 15.0  # how long the survivors may take to go
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:  # a zombie has exited
-            return f.read().rsplit(")", 1)[-1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
-def _wait_gone(pids: list[int], bound: float = BOUND_S) -> float:
-    t0 = time.monotonic()
-    while not all(map(_gone, pids)):
-        assert time.monotonic() - t0 < bound, f"still running after {bound} s: {pids}"
-        time.sleep(0.05)
-    return time.monotonic() - t0
 
 
 def _kill_mid_generation(llm: LLM, rank: int) -> EngineDeadError:
@@ -109,7 +90,7 @@ def test_worker_that_raises_fails_the_engine_with_its_error(request, tiny_models
         assert time.monotonic() - t0 < BOUND_S
         assert caught.value.rank == 1
         assert "raised RuntimeError: injected fault" in str(caught.value)
-        _wait_gone([pid])
+        wait_gone([pid], BOUND_S)
     finally:
         llm.shutdown()
 
@@ -125,7 +106,7 @@ def test_killed_worker_takes_down_every_other_rank(tiny_models):
         pids = llm.engine.executor.worker_pids
         err = _kill_mid_generation(llm, rank=1)
         assert err.rank == 1 and "SIGKILL" in str(err), err
-        _wait_gone(pids)
+        wait_gone(pids, BOUND_S)
     finally:
         llm.shutdown()
 
@@ -167,7 +148,7 @@ def test_engine_killed_leaves_no_orphaned_worker(tiny_models, tmp_path):
     proc, workers = _start_engine(folder, tmp_path)
     proc.kill()  # SIGKILL: no clean-up code of the engine's runs
     proc.wait(10)
-    _wait_gone(workers)
+    wait_gone(workers, BOUND_S)
 
 
 @pytest.mark.slow
@@ -181,4 +162,4 @@ def test_ctrl_c_stops_the_engine_and_its_workers(tiny_models, tmp_path):
         proc.kill()
     _, err = proc.communicate()
     assert "KeyboardInterrupt" in err
-    _wait_gone(workers)
+    wait_gone(workers, BOUND_S)

@@ -17,20 +17,9 @@ import urllib.request
 import pytest
 
 from llmhal import LLM, SamplingParams
+from llmhal.testing.processes import process_gone
 
 BOUND_S = 20.0
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def _workers(pid: int) -> list[int]:
@@ -88,7 +77,7 @@ def test_tp2_serve_answers_as_one_process_and_stops_cleanly(tiny_models):
         ["The quick brown fox"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     )
     assert got["choices"][0]["text"] == want[0].outputs[0].text
-    assert workers and all(map(_gone, workers))
+    assert workers and all(map(process_gone, workers))
 
 
 @pytest.mark.slow
@@ -118,4 +107,4 @@ def test_a_rank_dying_mid_answer_errors_the_stream_and_stops_the_server(tiny_mod
     errors = [json.loads(e) for e in events if e != "[DONE]" and "error" in json.loads(e)]
     assert errors and "rank 1" in errors[0]["error"]["message"], events[-3:]
     assert "rank 1 of the engine failed" in "".join(proc.log)  # type: ignore[attr-defined]
-    assert all(map(_gone, workers))
+    assert all(map(process_gone, workers))
