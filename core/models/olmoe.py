@@ -25,6 +25,12 @@ from llmhal.models.moe import MoeForCausalLM, SparseMoeBlock, num_experts
 class OlmoeAttention(LlamaAttention):
     def __init__(self, config: Any, rotary_emb: RotaryEmbedding, prefix: str, **opts: Any) -> None:
         super().__init__(config, rotary_emb, prefix=prefix, **{**opts, "qk_norm": False})
+        if self.num_heads != config.num_attention_heads:
+            # Tensor parallelism gave this rank a share of the heads; the norms need all of them.
+            raise NotImplementedError(
+                "OLMoE's q/k norms span every attention head, which tensor parallelism splits "
+                "across ranks; run OlmoeForCausalLM with tensor_parallel_size=1"
+            )
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(self.q_size, eps=eps)
         self.k_norm = RMSNorm(self.kv_size, eps=eps)

@@ -59,3 +59,13 @@ def test_norms_span_every_head(checkpoints):
     assert attn.q_norm.weight.shape == (64,) and attn.k_norm.weight.shape == (32,)
     assert torch.equal(attn.q_norm.weight, hf.model.layers[0].self_attn.q_norm.weight)
     assert attn.clip_qkv == 0.5
+
+
+def test_tensor_parallelism_is_refused_by_name(checkpoints, monkeypatch):
+    """The whole-width q/k norms need every head on one rank: a TP rank's share is refused."""
+    import llmhal.layers.linear as linear
+
+    _, folder = checkpoints("renorm-clip-qkv")
+    monkeypatch.setattr(linear, "tp_rank_and_size", lambda: (0, 2))
+    with pytest.raises(NotImplementedError, match="tensor_parallel_size=1"):
+        build_model(folder)
