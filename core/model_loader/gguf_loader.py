@@ -13,8 +13,9 @@ up front; :meth:`GGUFFile.weights` yields zero-copy views:
   layout, and the inverse reorders whole rows, so it applies to quantized rows as well.
 
 Supported architectures: llama (also Mistral and SmolLM, which llama.cpp writes as llama), qwen2,
-qwen3, and the mixture-of-experts ones: llama with ``expert_count`` (Mixtral), qwen2moe (with its
-shared expert), qwen3moe. Their experts are 3-D tensors (``ffn_gate_exps`` [E, I, H], ...), yielded
+qwen3, the mixture-of-experts ones: llama with ``expert_count`` (Mixtral), qwen2moe (with its
+shared expert), qwen3moe; and lfm2 (short convolutions beside attention: KV heads per layer, 0 on
+convolution layers). The MoE files' experts are 3-D tensors (``ffn_gate_exps`` [E, I, H], ...), yielded
 per expert (``mlp.experts.<e>.gate_proj.weight``: one expert's raw rows) for the MoE layer
 (:mod:`llmhal.quantization.gguf_moe`). The tokenizer (with its chat template) is built by transformers from the file's vocabulary
 and merges; the HF config is built here from the metadata.
@@ -42,6 +43,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "lfm2": ("lfm2", "Lfm2ForCausalLM"),
 }
 _MIXTRAL = ("mixtral", "MixtralForCausalLM")  # a llama file with experts
 # MoE tensors by llama.cpp's fixed names (per block) -> HF module below ``model.layers.<i>.``.
@@ -85,6 +87,24 @@ _HF_BLOCK = (
     "mlp.gate_proj",
     "mlp.up_proj",
     "mlp.down_proj",
+)
+# LFM2's HF modules (llmhal.models.lfm2): short convolutions and attention with other names.
+_LFM2_TOP = ("model.embed_tokens", "model.embedding_norm", "lm_head")
+_LFM2_BLOCK = (
+    "operator_norm",
+    "ffn_norm",
+    "conv.conv",
+    "conv.in_proj",
+    "conv.out_proj",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.out_proj",
+    "self_attn.q_layernorm",
+    "self_attn.k_layernorm",
+    "feed_forward.w1",
+    "feed_forward.w2",
+    "feed_forward.w3",
 )
 _FIXED = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}  # fmt: skip
 _NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}  # fmt: skip
@@ -288,7 +308,23 @@ class GGUFFile:
             cfg["rope_scaling"] = scaling
         if self.is_moe:
             cfg.update(self._moe_config(model_type))
+        if model_type == "lfm2":
+            cfg.update(self._lfm2_config(cfg))
         return cfg
+
+    def _lfm2_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        """llama.cpp's LFM2 metadata: KV heads per layer (0 on convolution layers), the conv
+        window ``shortconv.l_cache``, and the MLP width already adjusted."""
+        kv = cfg.pop("num_key_value_heads")
+        kv = list(kv) if isinstance(kv, (list, tuple)) else [kv] * cfg["num_hidden_layers"]
+        return {
+            "num_key_value_heads": max(kv),
+            "full_attn_idxs": [i for i, n in enumerate(kv) if n],
+            "layer_types": ["full_attention" if n else "conv" for n in kv],
+            "conv_L_cache": int(self._meta("shortconv.l_cache", 3)),
+            "norm_eps": cfg.pop("rms_norm_eps", 1e-5),
+            "block_auto_adjust_ff_dim": False,
+        }
 
     def _moe_config(self, model_type: str) -> dict[str, Any]:
         experts, used = int(self._meta("expert_count")), int(self._meta("expert_used_count", 0))
@@ -378,7 +414,10 @@ class GGUFFile:
         arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == self.architecture)
         n_layers = int(self._meta("block_count", 0))
         gmap = gguf.get_tensor_name_map(arch, n_layers)
-        hf = [*_HF_TOP, *(f"model.layers.{i}.{m}" for i in range(n_layers) for m in _HF_BLOCK)]
+        top, block = (
+            (_LFM2_TOP, _LFM2_BLOCK) if self.architecture == "lfm2" else (_HF_TOP, _HF_BLOCK)
+        )
+        hf = [*top, *(f"model.layers.{i}.{m}" for i in range(n_layers) for m in block)]
         out = {}
         for name in hf:
             base = gmap.get_name(name)
@@ -395,6 +434,8 @@ class GGUFFile:
         hidden, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
         heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
         hd = c.get("head_dim", hidden // heads)
+        if self.architecture == "lfm2":
+            return self._lfm2_shapes(c, hd)
         out: dict[str, tuple[int, ...]] = {
             "model.embed_tokens.weight": (vocab, hidden),
             "model.norm.weight": (hidden,),
@@ -423,6 +464,42 @@ class GGUFFile:
                 for dense in ("gate_proj", "up_proj", "down_proj"):
                     del layer[f"mlp.{dense}.weight"]
                 layer.update(self._moe_shapes(c, hidden))
+            out.update({p + k: v for k, v in layer.items()})
+        return out
+
+    def _lfm2_shapes(self, c: dict[str, Any], hd: int) -> dict[str, tuple[int, ...]]:
+        hidden, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+        heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
+        out: dict[str, tuple[int, ...]] = {
+            "model.embed_tokens.weight": (vocab, hidden),
+            "model.embedding_norm.weight": (hidden,),
+        }
+        if not c["tie_word_embeddings"]:
+            out["lm_head.weight"] = (vocab, hidden)
+        for i, kind in enumerate(c["layer_types"]):
+            p = f"model.layers.{i}."
+            layer = {
+                "operator_norm.weight": (hidden,),
+                "ffn_norm.weight": (hidden,),
+                "feed_forward.w1.weight": (inter, hidden),
+                "feed_forward.w3.weight": (inter, hidden),
+                "feed_forward.w2.weight": (hidden, inter),
+            }
+            if kind == "conv":  # llama.cpp drops nn.Conv1d's unit axis: [hidden, L_cache]
+                layer.update({
+                    "conv.conv.weight": (hidden, c["conv_L_cache"]),
+                    "conv.in_proj.weight": (3 * hidden, hidden),
+                    "conv.out_proj.weight": (hidden, hidden),
+                })  # fmt: skip
+            else:
+                layer.update({
+                    "self_attn.q_proj.weight": (heads * hd, hidden),
+                    "self_attn.k_proj.weight": (kv * hd, hidden),
+                    "self_attn.v_proj.weight": (kv * hd, hidden),
+                    "self_attn.out_proj.weight": (hidden, heads * hd),
+                    "self_attn.q_layernorm.weight": (hd,),
+                    "self_attn.k_layernorm.weight": (hd,),
+                })  # fmt: skip
             out.update({p + k: v for k, v in layer.items()})
         return out
 

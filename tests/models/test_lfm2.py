@@ -1,14 +1,19 @@
 """LFM2 (gated short convolutions + attention) through the engine against transformers on a tiny
 random checkpoint (fp32): 64 greedy steps of a batch of prompts of different lengths, with prefill
 chunked across steps and not, and across preemptions; its conv layers served by short_conv_attn;
-``llmhal generate`` and ``llmhal serve`` on it."""
+``llmhal generate`` and ``llmhal serve`` on it; the same weights as a llama.cpp-style GGUF file."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from llmhal.testing.engine_parity import PROMPTS, StateModelParity, hf_references
+from llmhal.testing.engine_parity import (
+    PROMPTS,
+    StateModelParity,
+    compare_with_references,
+    hf_references,
+)
 from llmhal.testing.tiny_models import make_tiny_model
 
 
@@ -39,6 +44,58 @@ class TestLfm2(StateModelParity):
             status, answer = post_json(f"{url}/v1/completions", body)
         assert status == 200, answer
         assert answer["choices"][0]["text"] == offline.outputs[0].text
+
+
+def write_lfm2_gguf(hf, path, weight_type: str) -> None:
+    """The HF model as llama.cpp's converter writes an LFM2 GGUF: gguf's tensor names, KV heads per
+    layer (0 on conv layers), the conv weight without its unit axis; 2-D weights of ``weight_type``
+    (norms and the 3-tap conv stay F32)."""
+    import gguf
+
+    c = hf.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, c.num_hidden_layers)
+    w = gguf.GGUFWriter(str(path), "lfm2")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv([0 if t == "conv" else c.num_key_value_heads for t in c.layer_types])
+    w.add_layer_norm_rms_eps(c.norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_vocab_size(c.vocab_size)
+    w.add_shortconv_l_cache(c.conv_L_cache)
+    qtype = gguf.GGMLQuantizationType[weight_type]
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        base, _, suffix = name.rpartition(".")
+        arr = (t.squeeze(1) if name.endswith("conv.conv.weight") else t).float().numpy()
+        gname = f"{names.get_name(base)}.{suffix}"
+        if arr.ndim == 2 and weight_type != "F32" and arr.shape[1] % 32 == 0:
+            w.add_tensor(gname, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_file_matches_transformers(tiny_models, tmp_path):
+    from llmhal import LLM
+
+    folder, hf = tiny_models("lfm2")
+    refs = hf_references(hf, PROMPTS, 16)
+    kw = dict(tokenizer=folder, dtype="float32", max_num_seqs=4, max_num_batched_tokens=8)
+    write_lfm2_gguf(hf, tmp_path / "f32.gguf", "F32")
+    llm = LLM(str(tmp_path / "f32.gguf"), **kw)
+    assert llm.engine.runner.model.config.layer_types == ["conv", "full_attention", "conv"]
+    assert compare_with_references(llm, refs) == []
+    # Q8_0 weights (through the GGUF linear kernels): the first step within quantization error.
+    write_lfm2_gguf(hf, tmp_path / "q8.gguf", "Q8_0")
+    first = [type(r)(r.prompt, r.tokens[:1], r.logprobs[:1]) for r in refs]
+    assert compare_with_references(LLM(str(tmp_path / "q8.gguf"), **kw), first, atol=0.15) == []
 
 
 class TestLfm2Moe(StateModelParity):
