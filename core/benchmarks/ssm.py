@@ -104,8 +104,10 @@ def make_checkpoints(folder: Path, shape: SsmShape, names: list[str], seed: int 
 
 
 def _context_worker(a: argparse.Namespace) -> dict[str, Any]:
-    """llmhal's decode ms per token after a prompt of each context length (one request)."""
+    """llmhal's decode ms per token after a prompt of each context length (one request): wall
+    time by the engine's decode clock, and the process's CPU time over the same decode steps."""
     import random
+    import time
 
     from llmhal import LLM, SamplingParams
 
@@ -115,15 +117,35 @@ def _context_worker(a: argparse.Namespace) -> dict[str, Any]:
     engine, rng = llm.engine, random.Random(0)
     vocab = engine.config.model.hf_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=a.new_tokens, ignore_eos=True)
+    # CPU time as well as wall time: on a shared host other work stretches wall time, not this
+    # process's CPU time (one thread, so it is the compute time).
+    step, decode_cpu = engine.step, [0.0]
 
-    def ms_per_token(length: int) -> float:
+    def timed_step(*args: Any, **kwargs: Any) -> Any:
+        stats = engine.stats
+        c0, d0, p0 = time.process_time(), stats.decode_tokens, stats.prefill_tokens
+        out = step(*args, **kwargs)
+        if stats.decode_tokens > d0 and stats.prefill_tokens == p0:
+            decode_cpu[0] += time.process_time() - c0
+        return out
+
+    engine.step = timed_step  # type: ignore[method-assign]
+
+    def ms_per_token(length: int) -> tuple[float, float]:
         prompt = [rng.randrange(10, vocab - 10) for _ in range(length)]
         engine.stats.__init__()
+        decode_cpu[0] = 0.0
         llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-        return 1000.0 / engine.stats.decode_tps
+        tokens = engine.stats.decode_tokens
+        return 1000.0 / engine.stats.decode_tps, 1000.0 * decode_cpu[0] / tokens
 
     ms_per_token(min(contexts))  # untimed: first-use costs
-    return {str(c): min(ms_per_token(c) for _ in range(max(1, a.repeat))) for c in contexts}
+    out: dict[str, Any] = {}
+    for c in contexts:
+        runs = [ms_per_token(c) for _ in range(max(1, a.repeat))]
+        out[str(c)] = min(r[0] for r in runs)
+        out[f"cpu_{c}"] = min(r[1] for r in runs)
+    return out
 
 
 def run_context_worker(model: Path, a: argparse.Namespace) -> dict[str, float]:
@@ -163,9 +185,12 @@ def report(results: dict[str, dict[str, Any]], batch_sizes: list[int], contexts:
     lines += ["", _row("llmhal decode ms/token", [f"ctx {c}" for c in contexts] + ["last/first"])]
     for model in ("mamba2", "hybrid"):
         ctx = results.get(f"ctx_{model}")
-        if ctx is not None:
-            ms = [float(ctx[str(c)]) for c in contexts]
-            lines.append(_row(model, [_fmt(v) for v in ms] + [_fmt(ms[-1] / ms[0], "x")]))
+        for kind, prefix in (("wall", ""), ("CPU", "cpu_")):
+            if ctx is None or f"{prefix}{contexts[0]}" not in ctx:
+                continue
+            ms = [float(ctx[f"{prefix}{c}"]) for c in contexts]
+            label = f"{model} ({kind})"
+            lines.append(_row(label, [_fmt(v) for v in ms] + [_fmt(ms[-1] / ms[0], "x")]))
     return "\n".join(lines)
 
 

@@ -23,7 +23,8 @@ def test_checkpoints_and_table(tmp_path, monkeypatch, capsys):
         seen.append((system, spec.model))
         return canned[system][len([s for s in seen if s[0] == system]) - 1]
 
-    contexts = iter([{"32": 4.0, "64": 4.4}, {"32": 5.0, "64": 7.5}])
+    contexts = iter([{"32": 4.0, "64": 4.4, "cpu_32": 2.0, "cpu_64": 2.1},
+                     {"32": 5.0, "64": 7.5}])  # fmt: skip
     monkeypatch.setattr(bench, "run_worker", run_worker)
     monkeypatch.setattr(bench, "run_context_worker", lambda model, a: next(contexts))
     out = tmp_path / "r.json"
@@ -37,8 +38,9 @@ def test_checkpoints_and_table(tmp_path, monkeypatch, capsys):
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
     ratios = [r[-2:] for r in rows if r[:1] == ["llmhal"] and r[1:2] == ["/"]]
     assert ratios == [["3.00x", "4.00x"], ["2.00x", "5.00x"]]
-    ctx = {r[0]: r[1:] for r in rows if r[:1] in (["mamba2"], ["hybrid"])}
-    assert ctx == {"mamba2": ["4.00", "4.40", "1.10x"], "hybrid": ["5.00", "7.50", "1.50x"]}
+    ctx = {" ".join(r[:2]): r[2:] for r in rows if r[:1] in (["mamba2"], ["hybrid"])}
+    assert ctx == {"mamba2 (wall)": ["4.00", "4.40", "1.10x"], "mamba2 (CPU)": ["2.00", "2.10", "1.05x"],
+                   "hybrid (wall)": ["5.00", "7.50", "1.50x"]}  # fmt: skip
     assert json.loads(out.read_text())["results"]["ctx_hybrid"]["64"] == 7.5
 
 
