@@ -4,8 +4,8 @@ A model split into ``pp`` stages builds only its stage's decoder layers (a conti
 :func:`stage_layers`) and puts a :class:`PPMissingLayer` where each of the others would be, so
 module names and layer indices stay those of the checkpoint. The first stage embeds the tokens;
 the last normalises and computes the logits. Between stages travels an
-:class:`IntermediateTensors` (the hidden state and the residual stream of every token of the
-step), sent with ``get_pp_group().send_tensor_dict(it.tensors)`` and received with
+:class:`IntermediateTensors` (for the Llama family, ``hidden_states``: the residual stream of every
+token of the step, the last layer's output already added to it), sent with ``get_pp_group().send_tensor_dict(it.tensors)`` and received with
 ``IntermediateTensors(get_pp_group().recv_tensor_dict())``.
 
 The model contract: ``forward(input_ids, positions, inputs_embeds=None,
@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclass
 class IntermediateTensors:
-    """Named tensors one pipeline stage hands to the next (``hidden_states``, ``residual``)."""
+    """Named tensors one pipeline stage hands to the next (e.g. ``hidden_states``)."""
 
     tensors: dict[str, torch.Tensor]
 

@@ -224,14 +224,15 @@ class LlamaModel(nn.Module):
                 raise ValueError(
                     "pipeline stage after the first needs the previous stage's intermediate_tensors"
                 )
-            hidden, residual = (
-                intermediate_tensors["hidden_states"],
-                intermediate_tensors["residual"],
-            )
+            # The residual stream so far; the stage's first norm starts from it as the first
+            # layer does from the embeddings.
+            hidden, residual = intermediate_tensors["hidden_states"], None
         for layer in self.layers[self.start_layer : self.end_layer]:
             hidden, residual = layer(positions, hidden, residual)
         if not self.is_last_stage:
-            return IntermediateTensors({"hidden_states": hidden, "residual": residual})
+            # Sent as one sum (what the next norm adds anyway): half the bytes of sending the
+            # layer output and the residual apart.
+            return IntermediateTensors({"hidden_states": hidden + residual})
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
