@@ -69,6 +69,23 @@ def test_bad_parallel_settings_are_refused_before_loading(kwargs, message):
         LLM("/nonexistent/model", **kwargs)
 
 
+def test_ray_is_imported_only_by_the_ray_backend():
+    """Every other executor, the engine and the CLI's engine options leave Ray out (importing it
+    is slow and has side effects; with amdsmi installed it even raises here)."""
+    code = (
+        "import sys\n"
+        "import llmhal.engine.llm, llmhal.entrypoints.engine_args, llmhal.executor.worker\n"
+        "from llmhal.executor import executor_class\n"
+        "for name in ('uni', 'mp', 'external_launcher'):\n"
+        "    executor_class(name)\n"
+        "assert 'ray' not in sys.modules, sorted(m for m in sys.modules if m.startswith('ray'))\n"
+        "executor_class('ray')\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
 # ------------------------------------------------------------------------------------ slow tier
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama_untied"])
@@ -78,21 +95,35 @@ def test_tiny_models_tp2_equal_one_process(tiny_models, arch):
 
 
 @pytest.mark.slow
-def test_tiny_llama_fp8_tp2_equals_one_process(tiny_models):
-    """Online fp8 (per-tensor weight scales, each shard its own)."""
-    folder, _ = tiny_models("llama")
-    want = greedy_ids(folder, quantization="fp8")
-    assert greedy_ids(folder, quantization="fp8", tensor_parallel_size=2) == want
+def test_fp8_checkpoint_tp2_equals_one_process(tmp_path):
+    """An fp8 checkpoint (per-tensor weight scales, as fp8 checkpoints ship): every shard keeps
+    its tensor's scale."""
+    import torch
+
+    from llmhal.testing.quant_models import PROMPTS as IDS
+    from llmhal.testing.quant_models import write_pair
+
+    def per_tensor(name, w):
+        scale = (w.abs().amax() / 448.0).float()
+        w8 = (w / scale).to(torch.float8_e4m3fn)
+        return {"weight": w8, "weight_scale": scale.reshape(1)}, w8.float() * scale
+
+    quant, _ = write_pair(tmp_path, per_tensor, {"quant_method": "fp8", "activation_scheme": "dynamic"})  # fmt: skip
+    prompts = [{"prompt_token_ids": p} for p in IDS]
+    want = greedy_ids(str(quant), prompts)
+    assert greedy_ids(str(quant), prompts, tensor_parallel_size=2) == want
 
 
 @pytest.mark.slow
-def test_tiny_gguf_q8_tp2_equals_one_process(tmp_path):
+def test_tiny_gguf_q8_tp2_equals_one_process(tmp_path, tiny_models):
     from llmhal.testing.gguf_files import write_tiny_gguf
+    from llmhal.testing.tiny_models import TINY_VOCAB
 
-    path = write_tiny_gguf(tmp_path / "tiny.gguf", weight_type="Q8_0").path
+    folder, _ = tiny_models("llama")  # its tokenizer (the GGUF file carries none)
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", weight_type="Q8_0", vocab=TINY_VOCAB).path
     prompts = [{"prompt_token_ids": [5, 17, 42]}, {"prompt_token_ids": [7, 60, 23, 9]}]
-    want = greedy_ids(str(path), prompts)
-    assert greedy_ids(str(path), prompts, tensor_parallel_size=2) == want
+    want = greedy_ids(str(path), prompts, tokenizer=folder)
+    assert greedy_ids(str(path), prompts, tokenizer=folder, tensor_parallel_size=2) == want
 
 
 @pytest.mark.slow
