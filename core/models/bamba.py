@@ -20,7 +20,12 @@ from torch import Tensor, nn
 from llmhal.layers.layernorm import RMSNorm
 from llmhal.layers.mamba2_mixer import Mamba2Mixer
 from llmhal.layers.rotary_embedding import RotaryEmbedding
-from llmhal.models.hybrid import HybridForCausalLM, SoftmaxAttention, join
+from llmhal.models.hybrid import (
+    HybridForCausalLM,
+    PreNormDecoderLayer,
+    SoftmaxAttention,
+    join,
+)
 from llmhal.models.llama import LlamaMLP
 
 
@@ -48,7 +53,9 @@ def bamba_mixer(config: Any, prefix: str) -> Mamba2Mixer:
     )
 
 
-class BambaDecoderLayer(nn.Module):
+class BambaDecoderLayer(PreNormDecoderLayer):
+    names = ("input_layernorm", "pre_ff_layernorm", "feed_forward")
+
     def __init__(self, config: Any, rotary: RotaryEmbedding, attention: bool, prefix: str) -> None:
         super().__init__()
         self.is_attention = attention
@@ -67,16 +74,8 @@ class BambaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(
-        self, positions: Tensor, hidden: Tensor, residual: Tensor | None
-    ) -> tuple[Tensor, Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden) if self.is_attention else self.mamba(hidden)
-        hidden, residual = self.pre_ff_layernorm(hidden, residual)
-        return self.feed_forward(hidden), residual
+    def mix(self, positions: Tensor, hidden: Tensor) -> Tensor:
+        return self.self_attn(positions, hidden) if self.is_attention else self.mamba(hidden)
 
 
 class BambaForCausalLM(HybridForCausalLM):

@@ -93,6 +93,28 @@ class SoftmaxAttention(nn.Module):
         return getattr(self, self.out_name)(self.attn(q, k, v))
 
 
+class PreNormDecoderLayer(nn.Module):
+    """``x + mixer(norm(x))``, then ``x + mlp(norm(x))``, with the residual add fused into the next
+    norm as in the Llama layers. Subclasses register their modules under the checkpoint's names,
+    list (first norm, second norm, MLP) in ``names`` and implement :meth:`mix`."""
+
+    names: ClassVar[tuple[str, str, str]]
+
+    def mix(self, positions: Tensor, hidden: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def forward(
+        self, positions: Tensor, hidden: Tensor, residual: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        first, second, mlp = (getattr(self, n) for n in self.names)
+        if residual is None:
+            residual, hidden = hidden, first(hidden)
+        else:
+            hidden, residual = first(hidden, residual)
+        hidden, residual = second(self.mix(positions, hidden), residual)
+        return mlp(hidden), residual
+
+
 class HybridForCausalLM(nn.Module):
     """Base of the models with recurrent layers; subclasses implement :meth:`build_layer`."""
 

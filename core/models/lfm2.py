@@ -21,7 +21,12 @@ from llmhal.layers.layernorm import RMSNorm
 from llmhal.layers.linear import MergedLinear, ReplicatedLinear
 from llmhal.layers.rotary_embedding import RotaryEmbedding
 from llmhal.layers.short_conv import ShortConv
-from llmhal.models.hybrid import HybridForCausalLM, SoftmaxAttention, join
+from llmhal.models.hybrid import (
+    HybridForCausalLM,
+    PreNormDecoderLayer,
+    SoftmaxAttention,
+    join,
+)
 from llmhal.models.moe import SparseMoeBlock
 from llmhal.models.utils import LLAMA_STACKED, StackedParam
 
@@ -65,7 +70,9 @@ class Lfm2MLP(nn.Module):
         return self.w2(self.act(self.w13(x)))
 
 
-class Lfm2DecoderLayer(nn.Module):
+class Lfm2DecoderLayer(PreNormDecoderLayer):
+    names = ("operator_norm", "ffn_norm", "feed_forward")
+
     def __init__(
         self, config: Any, rotary: RotaryEmbedding, layer_type: str, ffn: nn.Module, prefix: str
     ) -> None:
@@ -90,16 +97,8 @@ class Lfm2DecoderLayer(nn.Module):
         self.ffn_norm = RMSNorm(config.hidden_size, eps=eps)
         self.feed_forward = ffn
 
-    def forward(
-        self, positions: Tensor, hidden: Tensor, residual: Tensor | None
-    ) -> tuple[Tensor, Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.operator_norm(hidden)
-        else:
-            hidden, residual = self.operator_norm(hidden, residual)
-        hidden = self.self_attn(positions, hidden) if self.is_attention else self.conv(hidden)
-        hidden, residual = self.ffn_norm(hidden, residual)
-        return self.feed_forward(hidden), residual
+    def mix(self, positions: Tensor, hidden: Tensor) -> Tensor:
+        return self.self_attn(positions, hidden) if self.is_attention else self.conv(hidden)
 
 
 class Lfm2ForCausalLM(HybridForCausalLM):
