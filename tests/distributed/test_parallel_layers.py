@@ -60,6 +60,13 @@ def _fp8_tensors(k: int, n: int, seed: int) -> dict[str, Any]:
     return {"weight": w, "weight_scale": torch.rand(n, generator=gen) * 0.01 + 0.001}
 
 
+def _fp8_block_tensors(k: int, n: int, block: int, seed: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=gen) * 0.5).to(torch.float8_e4m3fn)
+    scale = torch.rand(-(-n // block), -(-k // block), generator=gen) * 0.01 + 0.001
+    return {"weight": w, "weight_scale_inv": scale}
+
+
 def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max())
 
@@ -209,6 +216,10 @@ def _all_checks(rank: int) -> dict[str, Any]:
     gptq_act = GPTQConfig.from_config({"bits": 4, "group_size": 32, "desc_act": True})
     awq = AWQConfig.from_config({"w_bit": 4, "q_group_size": 32, "zero_point": True})
     fp8 = Fp8Config.from_config({"quant_method": "fp8", "activation_scheme": "dynamic"})
+    fp8_block = Fp8Config.from_config(
+        {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32]}
+    )
+    gptq_one_group = GPTQConfig.from_config({"bits": 4, "group_size": -1, "desc_act": False})
     down_name = "model.layers.0.mlp.down_proj"
     gguf = GGUFConfig({down_name: "Q8_0", "model.embed_tokens": "Q8_0"})
     gguf_k = GGUFConfig({down_name: "Q4_K"})
@@ -242,6 +253,9 @@ def _all_checks(rank: int) -> dict[str, Any]:
         out["awq_row"] = _row(rank, awq, _awq_tensors(K, N, 32, 5), bias=False)
         out["fp8_column"] = _column(rank, fp8, _fp8_tensors(K, N, 6), bias=False)
         out["fp8_row"] = _row(rank, fp8, _fp8_tensors(K, N, 7), bias=False)
+        out["fp8_block_column"] = _column(rank, fp8_block, _fp8_block_tensors(K, N, 32, 10), False)
+        out["fp8_block_row"] = _row(rank, fp8_block, _fp8_block_tensors(K, N, 32, 11), False)
+        out["gptq_row_one_group"] = _row(rank, gptq_one_group, _gptq_tensors(K, N, K, 12), False)
         out["gguf_column"] = _column(rank, gguf, {"weight": gguf_rows}, bias=False)
         out["gguf_row"] = _row(rank, gguf, {"weight": gguf_big}, bias=False, k=512)
         out["gguf_vocab"] = _vocab(rank, gguf, gguf_table, gguf_ref, "model.embed_tokens")
@@ -266,7 +280,7 @@ def results() -> list[dict[str, Any]]:
 
 
 EXACT = ["column", "qkv_split_kv", "qkv_replicated_kv", "qkv_uneven", "vocab", "gptq_column"]
-EXACT += ["awq_column"]
+EXACT += ["awq_column", "fp8_block_column"]
 EXACT += ["fp8_column", "gguf_column", "gguf_vocab"]
 SUMMED = [
     "row",
@@ -279,6 +293,9 @@ SUMMED = [
     "fp8_row",
     "gguf_row",
 ]
+
+
+SUMMED += ["fp8_block_row", "gptq_row_one_group"]
 
 
 @pytest.mark.parametrize("check", EXACT + SUMMED)
