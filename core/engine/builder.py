@@ -342,6 +342,15 @@ def _build(
     progress.stage("config")
     config, ckpt, model_cls = resolve_engine_config(args, platform, source)
     proposer = _make_proposer(config)  # its settings are checked before any weight loads
+    spec = config.speculative_config
+    if spec is not None and config.parallel.world_size > 1 and spec.method not in ("ngram", "suffix"):  # fmt: skip
+        # Drafting runs in rank 0 only; a method with a model of its own (or reading the
+        # target's layers) would build or see one rank's shard.
+        raise ValueError(
+            f"speculative method {spec.method!r} does not run with tensor_parallel_size x "
+            f"pipeline_parallel_size = {config.parallel.world_size}; use 'ngram' or 'suffix' "
+            "(they draft from the tokens alone), or one rank"
+        )
     platform.seed(args.seed)
     progress.stage("tokenizer")
     tokenizer = ckpt.tokenizer(args.tokenizer)

@@ -10,6 +10,14 @@ from llmhal.executor.base import Executor
 
 class UniProcExecutor(Executor):
     def initialize(self, build_shard: Callable[[], Any]) -> None:
+        from llmhal.distributed import distributed_initialized
+
+        if distributed_initialized():
+            # Its layers would split themselves over the live engine's groups.
+            raise RuntimeError(
+                "this process is a rank of a multi-rank engine: a one-rank engine cannot be built "
+                "beside it; call shutdown() on that LLM first"
+            )
         self.runner = build_shard()
 
     def determine_num_blocks(self) -> int:

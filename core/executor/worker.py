@@ -22,8 +22,13 @@ logger = init_logger(__name__)
 def join_process_group(config: Any, rank: int, init_method: str) -> None:
     """Join the world of ``config.parallel`` as ``rank`` (tp/pp groups built by llmhal.distributed;
     the platform's ``dist_backend``)."""
-    from llmhal.distributed import init_distributed
+    from llmhal.distributed import distributed_initialized, init_distributed
 
+    if distributed_initialized():
+        raise RuntimeError(
+            "this process is already a rank of a multi-rank engine (one per process): call "
+            "shutdown() on that LLM first"
+        )
     par = config.parallel
     init_distributed(
         par.world_size, rank, init_method, par.tensor_parallel_size, par.pipeline_parallel_size

@@ -241,3 +241,30 @@ def test_generate_cli_takes_vllms_parallel_flags(tiny_models):
     llm = LLM(folder, kv_cache_memory_bytes=KV)
     want = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8))
     assert first["text"] == want[0].outputs[0].text
+
+
+def test_a_drafting_model_is_refused_with_more_than_one_rank(tiny_models):
+    folder, _ = tiny_models("llama")
+    spec = {"method": "draft_model", "model": folder, "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="use 'ngram' or 'suffix'"):
+        LLM(folder, tensor_parallel_size=2, speculative_config=spec)
+
+
+def test_one_process_holds_one_multi_rank_engine_at_a_time(tiny_models):
+    folder, _ = tiny_models("llama")
+    two = LLM(folder, kv_cache_memory_bytes=KV, tensor_parallel_size=2)
+    try:
+        for kwargs in ({}, {"tensor_parallel_size": 2}):
+            with pytest.raises(RuntimeError, match=r"call shutdown\(\) on"):
+                LLM(folder, kv_cache_memory_bytes=KV, **kwargs)
+    finally:
+        two.shutdown()
+
+
+@pytest.mark.slow
+def test_ngram_speculation_tp2_equals_one_process(tiny_models):
+    folder, _ = tiny_models("llama")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    prompts = ["1, 2, 3, 1, 2, 3, 1, 2, 3,"] + PROMPTS
+    want = greedy_ids(folder, prompts)
+    assert greedy_ids(folder, prompts, speculative_config=spec, tensor_parallel_size=2) == want
