@@ -124,6 +124,8 @@ class StateModelParity:
     # uncached forward as the reference.
     variant: ClassVar[dict[str, Any]] = {}
     variant_hf_cache: ClassVar[bool] = True
+    # Config changes for the slow long-prompt test (e.g. the published 256-token blocks).
+    long_overrides: ClassVar[dict[str, Any]] = {}
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -172,3 +174,15 @@ class StateModelParity:
         assert generate.main(args) == 0
         lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
         assert len(lines[0]["token_ids"]) == 5
+
+    @pytest.mark.slow
+    def test_long_prompts_in_chunks_match_transformers(self, tiny_models: Any):
+        """Prompts of 300 and 517 tokens prefilled 128 tokens a step (so chunks end inside the
+        model's blocks or chunks), then 16 greedy steps."""
+        from llmhal import LLM
+
+        folder, hf = tiny_models(self.arch, max_position_embeddings=1024, **self.long_overrides)
+        prompts = [tuple((7 * i + 3 * j) % 380 + 3 for j in range(n)) for i, n in enumerate((300, 517))]  # fmt: skip
+        refs = hf_references(hf, prompts, 16)
+        kw = dict(max_num_seqs=2, max_num_batched_tokens=128, enforce_eager=True)
+        assert compare_with_references(LLM(folder, dtype="float32", **kw), refs) == []

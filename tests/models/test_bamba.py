@@ -10,6 +10,7 @@ from llmhal.testing.engine_parity import StateModelParity
 
 class TestBamba(StateModelParity):
     arch = "bamba"
+    long_overrides = dict(mamba_chunk_size=256)
     # Two SSM groups, projection and attention/MLP biases, no conv bias.
     variant = dict(
         mamba_n_groups=2, mamba_proj_bias=True, mamba_conv_bias=False, attention_bias=True,
