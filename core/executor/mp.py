@@ -277,6 +277,12 @@ class MultiprocExecutor(Executor):
             raise
         except Exception as e:
             raise self._blame(e) from e
+        except BaseException:
+            # Ctrl-C mid-step: the other ranks are still inside this step's collectives, so the
+            # next step could never pair up with them. The engine ends here.
+            self._fail(0, "was interrupted in the middle of a step")
+            self._shutdown_workers()
+            raise
         return runner.finish(owners, out)
 
     def _shutdown_workers(self) -> None:

@@ -163,3 +163,29 @@ def test_ctrl_c_stops_the_engine_and_its_workers(tiny_models, tmp_path):
     _, err = proc.communicate()
     assert "KeyboardInterrupt" in err
     wait_gone(workers, BOUND_S)
+
+
+def test_ctrl_c_mid_step_ends_the_engine_instead_of_desynchronising_it(tiny_models):
+    """A KeyboardInterrupt caught by the caller (a notebook) leaves the other ranks inside the
+    step's collectives: the engine must refuse further steps, not hang in the next one."""
+    folder, _ = tiny_models("llama")
+    llm = LLM(folder, kv_cache_memory_bytes=4 << 20, tensor_parallel_size=2)
+    try:
+        pid = llm.engine.executor.worker_pids[0]
+        runner, calls = llm.engine.runner, [0]
+        original = runner.run
+
+        def interrupted(step):
+            calls[0] += 1
+            if calls[0] == 3:  # the worker has this step and waits in its collectives
+                raise KeyboardInterrupt
+            return original(step)
+
+        runner.run = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["The quick brown fox"], LONG, use_tqdm=False)
+        with pytest.raises(EngineDeadError, match="rank 0 .* interrupted"):
+            llm.generate(["again"], use_tqdm=False)
+        wait_gone([pid], BOUND_S)
+    finally:
+        llm.shutdown()
