@@ -153,6 +153,20 @@ def shard_parameters(layer: nn.Module, dim_attr: str, split: SplitFn, *, pad: bo
             p.weight_loader = _rank_slice(layer, name, dim_attr, split, pad=pad)
 
 
+def check_tp_shardable(layer: nn.Module, tp_size: int) -> None:
+    """Refuse a split layer whose quantization method does not declare ``tp_shardable``: its
+    checkpoint tensors (e.g. flattened 4-bit blocks, shape records) are not cut by the loading
+    protocol's attributes, and copying them whole would fail or, worse, compute garbage."""
+    method = layer.quant_method
+    if tp_size > 1 and not getattr(method, "tp_shardable", False):
+        raise ValueError(
+            f"{getattr(layer, 'prefix', '') or type(layer).__name__}: the quantization method "
+            f"{type(method).__name__} does not split across tensor-parallel ranks; use "
+            f"tensor_parallel_size=1 (pipeline_parallel_size may still split the model), or a "
+            f"checkpoint in a format that does (unquantized, GPTQ, AWQ, fp8, GGUF)"
+        )
+
+
 class LinearBase(nn.Module):
     """``y = x @ W.T + b`` where ``W`` stacks ``output_sizes`` shards named ``shard_names``.
 
@@ -186,6 +200,7 @@ class LinearBase(nn.Module):
         if quant_config is not None:
             method = quant_config.get_quant_method(self, prefix)
         self.quant_method: QuantizeMethodBase = method or UnquantizedLinearMethod()
+        check_tp_shardable(self, getattr(self, "tp_size", 1))
         try:
             self.quant_method.create_weights(
                 self, input_size, self.output_sizes, params_dtype, weight_loader=loader

@@ -14,7 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmhal.layers.linear import _current_quant_and_dtype, shard_parameters, tp_rank_and_size
+from llmhal.layers.linear import (
+    _current_quant_and_dtype,
+    check_tp_shardable,
+    shard_parameters,
+    tp_rank_and_size,
+)
 from llmhal.layers.weights import sharded_weight_loader
 from llmhal.quantization.base import QuantizationConfig, QuantizeMethodBase
 from llmhal.quantization.unquantized import UnquantizedLinearMethod
@@ -54,6 +59,7 @@ class VocabEmbedding(nn.Module):
         if quant_config is not None:
             method = quant_config.get_quant_method(self, prefix)
         self.quant_method: QuantizeMethodBase = method or UnquantizedLinearMethod()
+        check_tp_shardable(self, self.tp_size)
         loader = sharded_weight_loader([0], [per], [0])
         self.quant_method.create_weights(
             self, embedding_dim, [per], params_dtype, weight_loader=loader

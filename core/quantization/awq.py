@@ -101,6 +101,8 @@ class AWQConfig(QuantizationConfig):
 
 class AWQLinearMethod(GroupedLinearMethod):
     method_name = "awq"
+    # Its checkpoint tensors split across tensor-parallel ranks (llmhal.layers.linear).
+    tp_shardable = True
     checkpoint_params = ["qweight", "qzeros", "scales"]  # type: ignore[assignment]
 
     def __init__(self, config: AWQConfig) -> None:

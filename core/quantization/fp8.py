@@ -228,6 +228,9 @@ def fp8_availability(platform: Any) -> list[str]:
 class Fp8LinearMethod(QuantizeMethodBase):
     """fp8 weights with per-tensor, per-channel or block scales (see the module docstring)."""
 
+    # Its checkpoint tensors split across tensor-parallel ranks (llmhal.layers.linear).
+    tp_shardable = True
+
     def __init__(self, scheme: Fp8Scheme) -> None:
         self.scheme = scheme
 

@@ -146,6 +146,8 @@ class GGUFLinearMethod(GroupedLinearMethod):
     """Raw GGUF rows per shard at load; kernels per run of equal types after (module docstring)."""
 
     method_name = "gguf"
+    # Its checkpoint tensors split across tensor-parallel ranks (llmhal.layers.linear).
+    tp_shardable = True
 
     def __init__(self, types: list[GGMLType], mode: str) -> None:
         self.types = types

@@ -170,6 +170,8 @@ class GPTQConfig(QuantizationConfig):
 
 class GPTQLinearMethod(GroupedLinearMethod):
     method_name = "gptq"
+    # Its checkpoint tensors split across tensor-parallel ranks (llmhal.layers.linear).
+    tp_shardable = True
     checkpoint_params = ["qweight", "qzeros", "scales", "g_idx"]  # type: ignore[assignment]
 
     def __init__(self, config: GPTQConfig, bits: int, group_size: int) -> None:

@@ -13,6 +13,9 @@ from llmhal.quantization.base import QuantizeMethodBase
 
 
 class UnquantizedLinearMethod(QuantizeMethodBase):
+    # Its checkpoint tensors split across tensor-parallel ranks (llmhal.layers.linear).
+    tp_shardable = True
+
     def create_weights(
         self,
         layer: nn.Module,

@@ -158,6 +158,34 @@ def _o_proj(rank: int, qc: Any, heads: int, kv_heads: int, tensors: dict[str, An
     return _max_err(par(x[:, q0 * head : (q0 + nq) * head]), rep(x))
 
 
+def _unsplittable_config() -> Any:
+    """A quantization config whose method does not declare ``tp_shardable`` (as bitsandbytes'
+    flattened 4-bit blocks do not)."""
+    from llmhal.quantization.base import QuantizationConfig
+    from llmhal.quantization.unquantized import UnquantizedLinearMethod
+
+    class Opaque(UnquantizedLinearMethod):
+        tp_shardable = False
+
+    class OpaqueConfig(QuantizationConfig):
+        @classmethod
+        def get_name(cls) -> str:
+            return "opaque"
+
+        @classmethod
+        def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+            return [torch.float32]
+
+        @classmethod
+        def from_config(cls, config: dict[str, Any]) -> Any:
+            return cls()
+
+        def get_quant_method(self, layer: Any, prefix: str) -> Any:
+            return Opaque()
+
+    return OpaqueConfig()
+
+
 def _qkv_layer(heads: int, kv_heads: int) -> Any:
     from llmhal.layers.linear import QKVParallelLinear
     from llmhal.testing.quant_layers import quant_context
@@ -271,6 +299,8 @@ def _all_checks(rank: int) -> dict[str, Any]:
             )
         )
         out["err_heads"] = _error(lambda: _qkv_layer(heads=3, kv_heads=1))
+        opaque = {"weight": rnd(N, K)}
+        out["err_unsplittable"] = _error(lambda: _row(rank, _unsplittable_config(), opaque, False))
     return out
 
 
@@ -315,6 +345,7 @@ def test_parallel_layer_equals_single_process(results, check):
         ("err_gptq_act_order_row", "act-order"),
         ("err_gguf_block_cut", "whole quantization groups and blocks"),
         ("err_heads", "tensor_parallel_size"),
+        ("err_unsplittable", "does not split across tensor-parallel ranks"),
     ],
 )
 def test_a_split_that_would_cut_a_group_is_a_clear_error(results, check, words):
