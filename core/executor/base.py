@@ -51,6 +51,7 @@ class Executor(ABC):
         self.runner: Any = None
         self._failure_callbacks: list[Callable[[], None]] = []
         self._failure: EngineDeadError | None = None
+        self._joined = False  # this executor joined the process's group (so it leaves it)
 
     @property
     def failure(self) -> EngineDeadError | None:

@@ -30,7 +30,9 @@ def _env_int(name: str) -> int:
 class ExternalLauncherExecutor(Executor):
     def initialize(self, build_shard: Callable[[], Any]) -> None:
         from llmhal.distributed import init_distributed
+        from llmhal.executor.worker import check_no_engine_here
 
+        check_no_engine_here()
         par = self.config.parallel
         rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
         if world != par.world_size:
@@ -43,6 +45,7 @@ class ExternalLauncherExecutor(Executor):
             world, rank, "env://", par.tensor_parallel_size, par.pipeline_parallel_size,
             local_rank=int(os.environ.get("LOCAL_RANK", rank)),
         )  # fmt: skip
+        self._joined = True
         self.runner = build_shard()
         self._output_rank = (par.pipeline_parallel_size - 1) * par.tensor_parallel_size
 
@@ -72,6 +75,7 @@ class ExternalLauncherExecutor(Executor):
         return runner.finish(owners, out)
 
     def shutdown(self) -> None:
-        from llmhal.distributed import destroy_distributed
+        if self._joined:  # never another engine's group
+            from llmhal.distributed import destroy_distributed
 
-        destroy_distributed()
+            destroy_distributed()

@@ -109,8 +109,9 @@ def _stop(procs: list[Any], conns: list[Any]) -> None:
 class MultiprocExecutor(Executor):
     def initialize(self, build_shard: Callable[[], Any]) -> None:
         from llmhal.distributed.launch import free_port
-        from llmhal.executor.worker import join_process_group
+        from llmhal.executor.worker import check_no_engine_here, join_process_group
 
+        check_no_engine_here()  # before any worker starts
         par = self.config.parallel
         init = f"tcp://127.0.0.1:{free_port()}"
         ctx = multiprocessing.get_context("spawn")
@@ -148,6 +149,7 @@ class MultiprocExecutor(Executor):
                     "guard the code that creates the LLM with `if __name__ == '__main__':`)",
                 ) from None
         join_process_group(self.config, 0, init)
+        self._joined = True
         self.runner = build_shard()
         self._blocks = [self._recv(rank, "ready") for rank in range(1, par.world_size)]
         self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
@@ -299,6 +301,7 @@ class MultiprocExecutor(Executor):
         if not hasattr(self, "_procs"):
             return  # initialize never ran
         self._shutdown_workers()
-        from llmhal.distributed import destroy_distributed
+        if self._joined:  # never another engine's group
+            from llmhal.distributed import destroy_distributed
 
-        destroy_distributed()
+            destroy_distributed()

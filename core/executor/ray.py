@@ -60,8 +60,9 @@ class RayExecutor(Executor):
                 "distributed_executor_backend='ray' needs Ray: pip install ray"
             ) from e
         from llmhal.distributed.launch import free_port
-        from llmhal.executor.worker import join_process_group
+        from llmhal.executor.worker import check_no_engine_here, join_process_group
 
+        check_no_engine_here()  # before any actor starts
         self._ray = ray
         if not ray.is_initialized():
             ray.init()
@@ -77,6 +78,7 @@ class RayExecutor(Executor):
         ]
         loads = [a.load.remote() for a in self._actors]
         join_process_group(self.config, 0, init)
+        self._joined = True
         self.runner = build_shard()
         self._blocks = self._get(loads)
         self._output_rank = (par.pipeline_parallel_size - 1) * par.tensor_parallel_size
@@ -150,6 +152,7 @@ class RayExecutor(Executor):
 
     def shutdown(self) -> None:
         self._kill_actors()
-        from llmhal.distributed import destroy_distributed
+        if self._joined:  # never another engine's group
+            from llmhal.distributed import destroy_distributed
 
-        destroy_distributed()
+            destroy_distributed()

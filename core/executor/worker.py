@@ -19,16 +19,24 @@ from llmhal.logger import init_logger
 logger = init_logger(__name__)
 
 
-def join_process_group(config: Any, rank: int, init_method: str) -> None:
-    """Join the world of ``config.parallel`` as ``rank`` (tp/pp groups built by llmhal.distributed;
-    the platform's ``dist_backend``)."""
-    from llmhal.distributed import distributed_initialized, init_distributed
+def check_no_engine_here() -> None:
+    """RuntimeError if this process is already a rank of a live multi-rank engine: a process
+    holds one process group."""
+    from llmhal.distributed import distributed_initialized
 
     if distributed_initialized():
         raise RuntimeError(
             "this process is already a rank of a multi-rank engine (one per process): call "
             "shutdown() on that LLM first"
         )
+
+
+def join_process_group(config: Any, rank: int, init_method: str) -> None:
+    """Join the world of ``config.parallel`` as ``rank`` (tp/pp groups built by llmhal.distributed;
+    the platform's ``dist_backend``)."""
+    from llmhal.distributed import init_distributed
+
+    check_no_engine_here()
     par = config.parallel
     init_distributed(
         par.world_size, rank, init_method, par.tensor_parallel_size, par.pipeline_parallel_size

@@ -257,8 +257,11 @@ def test_one_process_holds_one_multi_rank_engine_at_a_time(tiny_models):
         for kwargs in ({}, {"tensor_parallel_size": 2}):
             with pytest.raises(RuntimeError, match=r"call shutdown\(\) on"):
                 LLM(folder, kv_cache_memory_bytes=KV, **kwargs)
+        # The refused engines left the live one's process group alone.
+        got = [o.outputs[0].token_ids for o in two.generate(PROMPTS, GREEDY, use_tqdm=False)]
     finally:
         two.shutdown()
+    assert got == greedy_ids(folder)
 
 
 @pytest.mark.slow
