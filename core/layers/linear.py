@@ -289,6 +289,11 @@ class MergedColumnParallelLinear(MergedLinear):
             from llmhal.distributed.parallel_state import get_tp_group
 
             y = get_tp_group().all_gather(y, dim=-1)
+            if len(self.output_sizes) > 1:
+                # Rank-major [g0 u0 g1 u1] -> projection-major [g0 g1 u0 u1].
+                parts = y.split(self.output_sizes * self.tp_size, dim=-1)
+                n = len(self.output_sizes)
+                y = torch.cat([parts[r * n + i] for i in range(n) for r in range(self.tp_size)], -1)
         return y
 
 

@@ -84,6 +84,19 @@ def _column(rank: int, qc: Any, tensors: dict[str, Any], bias: bool) -> float:
     return _max_err(par(x), rep(x))
 
 
+def _merged_gather(rank: int, gate_up: dict[str, Any]) -> float:
+    """A merged column-parallel layer's gathered output is in the projections' order."""
+    from llmhal.layers.linear import MergedColumnParallelLinear, MergedLinear
+    from llmhal.testing.quant_layers import quant_context
+
+    p = "model.layers.0.mlp.gate_up_proj"
+    with quant_context(None):
+        rep = _load(MergedLinear(H, [K, K], prefix=p), gate_up)
+        par = _load(MergedColumnParallelLinear(H, [K, K], gather_output=True, prefix=p), gate_up)
+    x = _x(H)
+    return _max_err(par(x), rep(x))
+
+
 def _row(rank: int, qc: Any, tensors: dict[str, Any], bias: bool, k: int = K) -> float:
     from llmhal.layers.linear import ReplicatedLinear, RowParallelLinear
     from llmhal.testing.quant_layers import quant_context
@@ -265,6 +278,7 @@ def _all_checks(rank: int) -> dict[str, Any]:
         out["column"] = _column(rank, None, dense_col, bias=True)
         out["row"] = _row(rank, None, {"weight": rnd(N, K), "bias": rnd(N)}, bias=True)
         out["mlp"] = _mlp(rank, None, gate_up, down)
+        out["merged_gather"] = _merged_gather(rank, gate_up)
         out["qkv_split_kv"] = _qkv(rank, None, 4, 2, qkv2)
         out["qkv_replicated_kv"] = _qkv(rank, None, 4, 1, qkv1)
         out["qkv_uneven"] = _qkv(rank, None, 6, 3, qkv3)
@@ -310,7 +324,7 @@ def results() -> list[dict[str, Any]]:
 
 
 EXACT = ["column", "qkv_split_kv", "qkv_replicated_kv", "qkv_uneven", "vocab", "gptq_column"]
-EXACT += ["awq_column", "fp8_block_column"]
+EXACT += ["awq_column", "fp8_block_column", "merged_gather"]
 EXACT += ["fp8_column", "gguf_column", "gguf_vocab"]
 SUMMED = [
     "row",
