@@ -288,6 +288,8 @@ def _all_checks(rank: int) -> dict[str, Any]:
         out["vocab"] = _vocab(rank, None, table, table, "model.embed_tokens")
         out["gptq_column"] = _column(rank, gptq, _gptq_tensors(K, N, 32, 1), bias=False)
         out["gptq_row"] = _row(rank, gptq, _gptq_tensors(K, N, 32, 2), bias=True)
+        act = _gptq_tensors(K, N, 32, 13, act_order=True)
+        out["gptq_act_order_column"] = _column(rank, gptq_act, act, bias=False)
         out["gptq_row_whole_group"] = _row(
             rank, gptq_big, _gptq_tensors(256, N, 128, 3), False, 256
         )
@@ -324,7 +326,7 @@ def results() -> list[dict[str, Any]]:
 
 
 EXACT = ["column", "qkv_split_kv", "qkv_replicated_kv", "qkv_uneven", "vocab", "gptq_column"]
-EXACT += ["awq_column", "fp8_block_column", "merged_gather"]
+EXACT += ["awq_column", "fp8_block_column", "merged_gather", "gptq_act_order_column"]
 EXACT += ["fp8_column", "gguf_column", "gguf_vocab"]
 SUMMED = [
     "row",
