@@ -8,10 +8,13 @@ group, conv width 4, 256-token SSD chunks; the hybrid has the same mixers with s
 Bamba does). The vocabulary is the tiny test tokenizer's (384 ids), so the LM head does not
 dilute the layers' cost.
 
-Decode tokens/s at each batch size come from ``llmhal bench engine``'s workers, one process per
-system (best of ``--repeat`` timed runs after an untimed warm-up). The context rows are one
-request at a time in one llmhal process: a prompt of each context length, then ``--new-tokens``
-decode steps, timed by the engine's own decode clock (prefill excluded). A Mamba-2 model's state
+Each system runs in its own worker process and measures the same way: after an untimed warm-up,
+a run of ``1 + --new-tokens`` tokens minus a run of 1 token (so prefill cancels), each the least
+of ``--repeat`` runs, timed by this process's CPU time and by wall time. CPU time is the figure to
+read on a shared host, where other work stretches wall time unevenly between the workers (it is
+the compute time when the run has one thread: ``OMP_NUM_THREADS=1``); wall time is the one for a
+quiet, multi-threaded run. The context rows are one request at a time in llmhal's worker: a
+prompt of each context length, then ``--new-tokens`` decode steps (prefill excluded). A Mamba-2 model's state
 is constant in size, so its time per token should not grow with the context; the hybrid's
 attention layers read a KV cache that does.
 """
@@ -21,15 +24,17 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
+import os
+import random
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from llmhal.benchmarks.engine import WorkerSpec, add_workload_args, run_worker
 
 
 @dataclass(frozen=True)
@@ -103,58 +108,111 @@ def make_checkpoints(folder: Path, shape: SsmShape, names: list[str], seed: int 
     return out
 
 
-def _context_worker(a: argparse.Namespace) -> dict[str, Any]:
-    """llmhal's decode ms per token after a prompt of each context length (one request): wall
-    time by the engine's decode clock, and the process's CPU time over the same decode steps."""
-    import random
-    import time
+def _timer() -> Callable[[], tuple[float, float]]:
+    """A stopwatch of (CPU seconds of this process, wall seconds) since it was made."""
+    c0, w0 = time.process_time(), time.perf_counter()
+    return lambda: (time.process_time() - c0, time.perf_counter() - w0)
 
+
+def _decode_rates(gen: Callable[[list[list[int]], int], None], vocab: int, a: Any) -> dict:
+    """Decode tokens/s at each batch size, by CPU time and by wall time, measured the same way
+    for both systems: a run of 1 + new_tokens tokens minus a run of 1 token (prefill and the
+    first token cancel), each the least of ``repeat`` runs. Prompts have equal lengths."""
+    gen(_prompts(vocab, max(a.batch_sizes), a.prompt_len), a.new_tokens)  # untimed warm-up
+    out: dict[str, dict[str, float]] = {"decode": {}, "decode_cpu": {}}
+
+    def best(prompts: list[list[int]], n: int) -> tuple[float, float]:
+        runs = []
+        for _ in range(max(1, a.repeat)):
+            stop = _timer()
+            gen(prompts, n)
+            runs.append(stop())
+        return min(r[0] for r in runs), min(r[1] for r in runs)
+
+    for b in a.batch_sizes:
+        prompts = _prompts(vocab, b, a.prompt_len)
+        (c1, w1), (cn, wn) = best(prompts, 1), best(prompts, 1 + a.new_tokens)
+        out["decode_cpu"][str(b)] = b * a.new_tokens / max(cn - c1, 1e-9)
+        out["decode"][str(b)] = b * a.new_tokens / max(wn - w1, 1e-9)
+    return out
+
+
+def _prompts(vocab: int, batch: int, length: int) -> list[list[int]]:
+    rng = random.Random(batch * 7919 + length)
+    return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(batch)]
+
+
+def _llmhal_worker(a: argparse.Namespace) -> dict[str, Any]:
+    """llmhal: decode rates, then decode ms per token after a prompt of each context length
+    (one request; the engine's decode clock for wall time, its decode steps' CPU time)."""
     from llmhal import LLM, SamplingParams
 
-    contexts = [int(c) for c in a.contexts.split(",")]
-    llm = LLM(a.model, dtype=a.dtype, max_num_seqs=1, enable_prefix_caching=False,
-              max_model_len=max(contexts) + a.new_tokens + 8)  # fmt: skip
-    engine, rng = llm.engine, random.Random(0)
+    contexts = [int(c) for c in a.contexts.split(",")] if a.contexts else []
+    llm = LLM(a.model, dtype=a.dtype, max_num_seqs=max(a.batch_sizes),
+              enable_prefix_caching=False,
+              max_model_len=max([*contexts, a.prompt_len]) + a.new_tokens + 8)  # fmt: skip
+    engine = llm.engine
     vocab = engine.config.model.hf_config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=a.new_tokens, ignore_eos=True)
-    # CPU time as well as wall time: on a shared host other work stretches wall time, not this
-    # process's CPU time (one thread, so it is the compute time).
+
+    def gen(prompts: list[list[int]], n: int) -> None:
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+    out: dict[str, Any] = {"attention": llm.load_report.attention_backends}
+    out.update(_decode_rates(gen, vocab, a))
     step, decode_cpu = engine.step, [0.0]
 
     def timed_step(*args: Any, **kwargs: Any) -> Any:
         stats = engine.stats
         c0, d0, p0 = time.process_time(), stats.decode_tokens, stats.prefill_tokens
-        out = step(*args, **kwargs)
+        result = step(*args, **kwargs)
         if stats.decode_tokens > d0 and stats.prefill_tokens == p0:
             decode_cpu[0] += time.process_time() - c0
-        return out
+        return result
 
     engine.step = timed_step  # type: ignore[method-assign]
 
     def ms_per_token(length: int) -> tuple[float, float]:
-        prompt = [rng.randrange(10, vocab - 10) for _ in range(length)]
         engine.stats.__init__()
         decode_cpu[0] = 0.0
-        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-        tokens = engine.stats.decode_tokens
-        return 1000.0 / engine.stats.decode_tps, 1000.0 * decode_cpu[0] / tokens
+        gen(_prompts(vocab, 1, length), a.new_tokens)
+        return 1000.0 / engine.stats.decode_tps, 1000.0 * decode_cpu[0] / engine.stats.decode_tokens
 
-    ms_per_token(min(contexts))  # untimed: first-use costs
-    out: dict[str, Any] = {}
+    out["context"] = {}
     for c in contexts:
         runs = [ms_per_token(c) for _ in range(max(1, a.repeat))]
-        out[str(c)] = min(r[0] for r in runs)
-        out[f"cpu_{c}"] = min(r[1] for r in runs)
+        out["context"][str(c)] = min(r[0] for r in runs)
+        out["context"][f"cpu_{c}"] = min(r[1] for r in runs)
     return out
 
 
-def run_context_worker(model: Path, a: argparse.Namespace) -> dict[str, float]:
-    cmd = [sys.executable, "-m", "llmhal.benchmarks.ssm", "--worker", "--model", str(model),
-           "--dtype", a.dtype, "--contexts", a.contexts, "--new-tokens", str(a.new_tokens),
-           "--repeat", str(a.repeat)]  # fmt: skip
+def _hf_worker(a: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    # A benchmarked checkpoint's own Python code never runs (docs/security.md).
+    dtype = getattr(torch, a.dtype)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype, trust_remote_code=False)
+    model.eval()
+
+    def gen(prompts: list[list[int]], n: int) -> None:
+        x = torch.tensor(prompts)
+        with torch.inference_mode():
+            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                           min_new_tokens=n, do_sample=False, pad_token_id=0)  # fmt: skip
+
+    return _decode_rates(gen, model.config.vocab_size, a)
+
+
+def run_system(system: str, model: Path, a: argparse.Namespace, contexts: str = "") -> dict:
+    """Measure ``model`` with ``system`` ("llmhal" or "hf") in a fresh worker process."""
+    cmd = [sys.executable, "-m", "llmhal.benchmarks.ssm", "--worker", system, "--model",
+           str(model), "--dtype", a.dtype, "--batch-sizes", ",".join(map(str, a.batch_sizes)),
+           "--prompt-len", str(a.prompt_len), "--new-tokens", str(a.new_tokens), "--repeat",
+           str(a.repeat), "--contexts", contexts]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
-        raise RuntimeError(f"context worker failed:\n{res.stderr[-3000:]}")
+        raise RuntimeError(f"{system} worker failed:\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
@@ -167,39 +225,46 @@ def _fmt(x: float | None, unit: str = "") -> str:
 
 
 def report(results: dict[str, dict[str, Any]], batch_sizes: list[int], contexts: list[int]) -> str:
-    lines = [_row("decode tok/s", [f"batch {b}" for b in batch_sizes])]
-    for model in ("mamba2", "hybrid"):
-        ours, theirs = results.get(model), results.get(f"hf_{model}")
-        if ours is None:
-            continue
-        ours_tps = [float(ours["decode"][str(b)]) for b in batch_sizes]
-        lines.append(_row(f"llmhal {model}", [_fmt(v) for v in ours_tps]))
-        if theirs is not None:
-            theirs_tps = [float(theirs["decode"][str(b)]) for b in batch_sizes]
-            lines.append(_row(f"transformers {model}", [_fmt(v) for v in theirs_tps]))
-            lines.append(_row("  llmhal / transformers", [
-                _fmt(o / t if t else None, "x") for o, t in zip(ours_tps, theirs_tps, strict=True)
-            ]))  # fmt: skip
-    if not contexts:
-        return "\n".join(lines)
-    lines += ["", _row("llmhal decode ms/token", [f"ctx {c}" for c in contexts] + ["last/first"])]
-    for model in ("mamba2", "hybrid"):
-        ctx = results.get(f"ctx_{model}")
-        for kind, prefix in (("wall", ""), ("CPU", "cpu_")):
-            if ctx is None or f"{prefix}{contexts[0]}" not in ctx:
+    lines = []
+    for key, clock in (("decode_cpu", "CPU time"), ("decode", "wall time")):
+        lines += [_row(f"decode tok/s ({clock})", [f"batch {b}" for b in batch_sizes])]
+        for model in ("mamba2", "hybrid"):
+            ours, theirs = results.get(model), results.get(f"hf_{model}")
+            if ours is None:
                 continue
-            ms = [float(ctx[f"{prefix}{c}"]) for c in contexts]
-            label = f"{model} ({kind})"
-            lines.append(_row(label, [_fmt(v) for v in ms] + [_fmt(ms[-1] / ms[0], "x")]))
-    return "\n".join(lines)
+            ours_tps = [float(ours[key][str(b)]) for b in batch_sizes]
+            lines.append(_row(f"llmhal {model}", [_fmt(v) for v in ours_tps]))
+            if theirs is not None:
+                theirs_tps = [float(theirs[key][str(b)]) for b in batch_sizes]
+                lines.append(_row(f"transformers {model}", [_fmt(v) for v in theirs_tps]))
+                lines.append(_row("  llmhal / transformers", [
+                    _fmt(o / t if t else None, "x")
+                    for o, t in zip(ours_tps, theirs_tps, strict=True)
+                ]))  # fmt: skip
+        lines.append("")
+    if contexts:
+        heads = [f"ctx {c}" for c in contexts] + ["last/first"]
+        lines.append(_row("llmhal decode ms/token", heads))
+        for model in ("mamba2", "hybrid"):
+            ctx = (results.get(model) or {}).get("context") or {}
+            for clock, prefix in (("CPU", "cpu_"), ("wall", "")):
+                if f"{prefix}{contexts[0]}" not in ctx:
+                    continue
+                ms = [float(ctx[f"{prefix}{c}"]) for c in contexts]
+                label = f"{model} ({clock})"
+                lines.append(_row(label, [_fmt(v) for v in ms] + [_fmt(ms[-1] / ms[0], "x")]))
+    return "\n".join(lines).rstrip("\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="llmhal bench ssm", description=__doc__.split("\n\n")[0])
     for field_name, default in SsmShape.__dataclass_fields__.items():
         p.add_argument("--" + field_name.replace("_", "-"), type=int, default=default.default)
-    p.add_argument("--dtype", default="float32")
-    add_workload_args(p, batch_sizes="1,8", new_tokens=32, prefill_len=128, repeat=2)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--repeat", type=int, default=2, help="timed runs per figure; the least counts")
     p.add_argument(
         "--contexts", default="256,1024,4096", help="prompt lengths of the ms/token rows"
     )
@@ -210,16 +275,17 @@ def main(argv: list[str] | None = None) -> int:
         "--workdir", help="keep the generated checkpoints here (reused when the shape matches)"
     )
     p.add_argument("--json", dest="json_path", help="also write the results here")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["llmhal", "hf"], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    a.batch_sizes = [int(x) for x in str(a.batch_sizes).split(",")]
     if a.worker:
-        print(json.dumps(_context_worker(a)))
+        result = _llmhal_worker(a) if a.worker == "llmhal" else _hf_worker(a)
+        print(json.dumps(result))
         return 0
     from llmhal.models.registry import ModelRegistry
 
-    a.batch_sizes = [int(x) for x in str(a.batch_sizes).split(",")]
-    contexts = [int(c) for c in a.contexts.split(",")]
+    contexts = [] if a.no_contexts else [int(c) for c in a.contexts.split(",")]
     shape = SsmShape(**{f: getattr(a, f) for f in SsmShape.__dataclass_fields__})
     names = ["mamba2"]
     if not a.no_hybrid and ModelRegistry.is_registered("BambaForCausalLM"):
@@ -233,19 +299,17 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = make_checkpoints(folder, shape, names)
     results: dict[str, dict[str, Any]] = {}
     for name in names:
-        spec = WorkerSpec(str(ckpt[name]), a.dtype, None, tuple(a.batch_sizes), a.new_tokens,
-                          a.prompt_len, a.prefill_len, a.repeat)  # fmt: skip
-        jobs = {name: lambda s=spec: run_worker("llmhal", s)}
+        jobs = {name: ("llmhal", ",".join(map(str, contexts)))}
         if not a.no_hf:
-            jobs[f"hf_{name}"] = lambda s=spec: run_worker("hf", s)
-        if not a.no_contexts:
-            jobs[f"ctx_{name}"] = lambda m=ckpt[name]: run_context_worker(m, a)
-        for key, job in jobs.items():
-            results[key] = job()
+            jobs[f"hf_{name}"] = ("hf", "")
+        for key, (system, ctx) in jobs.items():
+            results[key] = run_system(system, ckpt[name], a, ctx)
             # Each figure as it comes: a long run that fails later keeps what it measured.
             print(f"{key}: {json.dumps(results[key])}", file=sys.stderr, flush=True)
-    print(f"shape: {shape}  dtype: {a.dtype}  new tokens: {a.new_tokens}  prompt: {a.prompt_len}")
-    print(report(results, a.batch_sizes, [] if a.no_contexts else contexts))
+    threads = os.environ.get("OMP_NUM_THREADS", "torch's default")
+    print(f"shape: {shape}\ndtype: {a.dtype}  new tokens: {a.new_tokens}  prompt: {a.prompt_len}"
+          f"  threads: {threads}")  # fmt: skip
+    print(report(results, a.batch_sizes, contexts))
     if a.json_path:
         with open(a.json_path, "w") as f:
             json.dump({"shape": shape.__dict__, "results": results, "args": vars(a)}, f, indent=1)
