@@ -82,11 +82,15 @@ def run_ranks(
     pipeline_parallel_size: int = 1,
     *args: Any,
     backend: str | None = "gloo",
+    timeout: float = 600.0,
 ) -> list[Any]:
     """``fn(rank, *args)`` on every rank of a ``tp x pp`` world; returns the ranks' results in
     rank order. ``fn`` must be importable by name (a module-level function) and its result
     picklable. A rank that raises makes this raise (torch.multiprocessing's ProcessRaisedException
-    carries the rank's traceback)."""
+    carries the rank's traceback; the other ranks are stopped). Ranks still running after
+    ``timeout`` seconds (a collective some rank never joined) are killed and TimeoutError raised."""
+    import time
+
     import torch.multiprocessing as mp
 
     world = tensor_parallel_size * pipeline_parallel_size
@@ -112,7 +116,14 @@ def run_ranks(
     out: dict[int, Any] = {}
     # Drain while waiting: a result larger than the pipe's buffer blocks its sender until read.
     done = False
+    deadline = time.monotonic() + timeout
     while not done:
+        if time.monotonic() > deadline:
+            for p in procs.processes:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+            raise TimeoutError(f"{fn.__qualname__} on {world} ranks ran past {timeout:.0f} s")
         done = procs.join(timeout=0.05)
         while not results.empty():
             rank, value = results.get()

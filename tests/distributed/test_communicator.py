@@ -130,6 +130,26 @@ def test_collective_counters(vendor_run):
     assert "recv/world" in vendor_run[1]["stats"]
 
 
+def _stuck(rank: int) -> None:
+    """Rank 0 waits in an all-reduce that rank 1 never joins."""
+    import time
+
+    from llmhal.distributed import get_tp_group
+
+    if rank == 0:
+        get_tp_group().all_reduce(torch.ones(2))
+    time.sleep(60)
+
+
+def test_a_hung_collective_times_out_and_leaves_no_process():
+    import multiprocessing
+
+    before = set(multiprocessing.active_children())
+    with pytest.raises(TimeoutError, match="_stuck on 2 ranks"):
+        run_ranks(_stuck, 2, 1, timeout=8)
+    assert set(multiprocessing.active_children()) <= before
+
+
 def test_the_default_communicator_is_cores():
     from llmhal.platforms import Platform
 
