@@ -71,6 +71,10 @@ class ExpertsInt8MoEMethod(FusedMoEMethodBase):
     """int8 ``w13_weight``/``w2_weight`` with float32 buffers ``w13_scale`` [E, 2I], ``w2_scale``
     [E, H]."""
 
+    # Under tensor parallelism each rank quantizes its slice of every expert as it loads (the
+    # down projection's rows then get one scale per rank's slice, as in vLLM).
+    tp_shardable = True
+
     def create_weights(  # type: ignore[override]
         self,
         layer: nn.Module,
