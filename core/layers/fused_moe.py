@@ -187,8 +187,8 @@ class FusedMoE(nn.Module):
         self.quant_method = self._method(quant_config, prefix)
         # Tensor parallelism: every rank holds every expert, with intermediate_size / tp of its
         # width (gate/up rows and down columns); the ranks' partial outputs are summed by one
-        # all-reduce. A method whose stored form cannot be cut so (GGUF blocks, int8 scales
-        # computed per row at load) keeps whole experts on every rank: correct, not split.
+        # all-reduce. A method that does not declare ``tp_shardable`` (GGUF's stacked ggml
+        # blocks) keeps whole experts on every rank: correct, not split.
         from llmhal.layers.linear import divide, tp_rank_and_size
 
         self.tp_rank, tp = tp_rank_and_size()
