@@ -175,6 +175,29 @@ class StateModelParity:
         lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
         assert len(lines[0]["token_ids"]) == 5
 
+    def test_prompt_logprobs_match_transformers(self, checkpoint: Any, chunked_llm: Any):
+        """Every prompt position's log-probability of the next prompt token (prefilled in 8-token
+        chunks, so several positions sit at a chunk's edge) against transformers' forward."""
+        import torch
+
+        from llmhal import SamplingParams
+
+        hf = self._hf_model(checkpoint)
+        params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+        prompts = [list(p) for p in PROMPTS if len(p) > 1]
+        outs = chunked_llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        for prompt, out in zip(prompts, outs, strict=True):
+            with torch.no_grad():
+                ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+            got = [e[prompt[i]].logprob for i, e in enumerate(out.prompt_logprobs) if i]
+            want = [float(ref[i - 1, prompt[i]]) for i in range(1, len(prompt))]
+            assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 2e-4
+
+    def _hf_model(self, checkpoint: Any) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(checkpoint[0], dtype="float32").eval()
+
     @pytest.mark.slow
     def test_long_prompts_in_chunks_match_transformers(self, tiny_models: Any):
         """Prompts of 300 and 517 tokens prefilled 128 tokens a step (so chunks end inside the
