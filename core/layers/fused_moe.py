@@ -187,8 +187,8 @@ class FusedMoE(nn.Module):
         self.quant_method = self._method(quant_config, prefix)
         # Tensor parallelism: every rank holds every expert, with intermediate_size / tp of its
         # width (gate/up rows and down columns); the ranks' partial outputs are summed by one
-        # all-reduce. A method that does not declare ``tp_shardable`` (GGUF's stacked ggml
-        # blocks) keeps whole experts on every rank: correct, not split.
+        # all-reduce. A method that does not declare ``tp_shardable`` keeps whole experts on
+        # every rank: correct, not split.
         from llmhal.layers.linear import divide, tp_rank_and_size
 
         self.tp_rank, tp = tp_rank_and_size()
@@ -206,13 +206,23 @@ class FusedMoE(nn.Module):
     def _rank_part(self, inner: Callable[..., None]) -> Callable[..., None]:
         """Cut an expert checkpoint tensor to this rank's slice of the intermediate dimension."""
         full, local, r = self.full_intermediate_size, self.intermediate_size, self.tp_rank
+        # How the down projection stores its inputs: ``weights`` of them in ``entries`` stored
+        # entries (a ggml block's weights in its bytes); the rank's slice must be whole units.
+        weights, entries = getattr(self.quant_method, "w2_input_unit", (1, 1))
+        if local % weights:
+            raise ValueError(
+                f"{self.prefix}: each rank's {local} of the experts' {full} intermediate columns "
+                f"are not whole blocks of {weights}; use a tensor_parallel_size whose parts hold "
+                f"whole blocks (or tensor_parallel_size=1)"
+            )
+        w2_start, w2_len = r * local // weights * entries, local // weights * entries
 
         def load(param: torch.Tensor, loaded: torch.Tensor, shard: ShardId) -> None:
             _expert, part = shard
             if part in ("w1", "w3"):  # [I, H]
                 loaded = loaded.narrow(0, r * local, local)
             elif part == "w2":  # [H, I] (or [E, H, I] for every expert at once)
-                loaded = loaded.narrow(loaded.dim() - 1, r * local, local)
+                loaded = loaded.narrow(loaded.dim() - 1, w2_start, w2_len)
             elif part == "w13":  # [E, 2I, H]: the rank's gate rows, then its up rows
                 gate = loaded.narrow(1, r * local, local)
                 up = loaded.narrow(1, full + r * local, local)

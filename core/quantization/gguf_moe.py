@@ -60,6 +60,15 @@ class GGUFMoEMethod(FusedMoEMethodBase):
             )
         self.t13, self.t2, self.mode = types["gate_proj"], types["down_proj"], mode
 
+    # Under tensor parallelism each rank keeps its rows of gate/up and its whole ggml blocks of
+    # the down projection's inputs (FusedMoE cuts them by ``w2_input_unit``).
+    tp_shardable = True
+
+    @property
+    def w2_input_unit(self) -> tuple[int, int]:
+        """(weights, stored entries) of one indivisible unit along the down projection's inputs."""
+        return (1, 1) if self.t2.is_float else (self.t2.block_size, self.t2.type_size)
+
     @staticmethod
     def _shape(t: GGMLType, e: int, rows: int, k: int) -> tuple[int, int, int]:
         return (e, rows, k if t.is_float else t.row_bytes(k))

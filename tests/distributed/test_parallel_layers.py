@@ -171,6 +171,33 @@ def _o_proj(rank: int, qc: Any, heads: int, kv_heads: int, tensors: dict[str, An
     return _max_err(par(x[:, q0 * head : (q0 + nq) * head]), rep(x))
 
 
+def gguf_moe_output() -> torch.Tensor:
+    """A GGUF MoE layer (Q4_0 gate/up, Q8_0 down: 32-weight blocks) on fixed inputs: split over
+    the ranks when called in a rank (each keeps half of every expert's 64 intermediate columns,
+    whole blocks), whole in a single process."""
+    from llmhal.layers.fused_moe import FusedMoE
+    from llmhal.quantization.gguf import GGUFConfig
+    from llmhal.testing.gguf_files import quantized_rows
+    from llmhal.testing.quant_layers import finish, quant_context
+
+    p, experts, inter = "model.layers.0.mlp.experts", 4, 64
+    types = {"gate_proj": "Q4_0", "up_proj": "Q4_0", "down_proj": "Q8_0"}
+    cfg = GGUFConfig({f"{p}.{part}": t for part, t in types.items()})
+    with quant_context(cfg):
+        layer = FusedMoE(experts, 2, H, inter, prefix=p)
+    for e in range(experts):
+        for i, (part, shard) in enumerate((("gate_proj", "w1"), ("up_proj", "w3"))):
+            raw = quantized_rows(types[part], inter, H, seed=10 * e + i)
+            layer.w13_weight.weight_loader(layer.w13_weight, raw, (e, shard))
+        raw = quantized_rows("Q8_0", H, inter, seed=10 * e + 5)
+        layer.w2_weight.weight_loader(layer.w2_weight, raw, (e, "w2"))
+    finish(layer)
+    x = _x(H, tokens=6)
+    logits = torch.randn(6, experts, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        return layer(x, logits)
+
+
 def _unsplittable_config() -> Any:
     """A quantization config whose method does not declare ``tp_shardable`` (as bitsandbytes'
     flattened 4-bit blocks do not)."""
@@ -314,6 +341,7 @@ def _all_checks(rank: int) -> dict[str, Any]:
                 rank, gguf_k, {"weight": quantized_rows("Q4_K", N, 256, seed=1)}, False, 256
             )
         )
+        out["gguf_moe"] = gguf_moe_output()
         out["err_heads"] = _error(lambda: _qkv_layer(heads=3, kv_heads=1))
         opaque = {"weight": rnd(N, K)}
         out["err_unsplittable"] = _error(lambda: _row(rank, _unsplittable_config(), opaque, False))
@@ -352,6 +380,17 @@ def test_parallel_layer_equals_single_process(results, check):
     for rank, r in enumerate(results):
         assert isinstance(r[check], float), f"rank {rank}: {r[check]}"
         assert r[check] < tol, f"rank {rank}: {check} differs by {r[check]}"
+
+
+def test_gguf_experts_split_equal_one_process(results):
+    """Each rank keeps whole ggml blocks of every expert; the all-reduced output is the whole
+    layer's (computed here, in this single process)."""
+    from llmhal.testing.quant_layers import native_quant_kernel
+
+    with native_quant_kernel():
+        whole = gguf_moe_output()
+    for r in results:
+        assert _max_err(r["gguf_moe"], whole) < 1e-4
 
 
 @pytest.mark.parametrize(
