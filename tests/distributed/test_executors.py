@@ -185,7 +185,6 @@ _TORCHRUN_SCRIPT = textwrap.dedent(
     """
     import json, os, sys
     from llmhal import LLM, SamplingParams
-from llmhal.testing.processes import process_gone
 
     folder, tp, pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     llm = LLM(folder, kv_cache_memory_bytes=4 << 20, tensor_parallel_size=tp,
