@@ -347,6 +347,15 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"llmhal serve: cannot listen on {a.host}:{a.port}: {why}", file=sys.stderr)
         return 2
+    if a.distributed_executor_backend == "external_launcher":
+        # Every torchrun rank would run its own server on the same port (vLLM's offline-only
+        # backend too).
+        print(
+            "llmhal serve: --distributed-executor-backend external_launcher is for offline use "
+            "(LLM under torchrun); serve with mp or ray",
+            file=sys.stderr,
+        )
+        return 2
     apply_serving_defaults(a)
     llm = build_llm("llmhal serve", a, max_num_seqs=a.max_num_seqs)
     if llm is None:

@@ -108,3 +108,10 @@ def test_a_rank_dying_mid_answer_errors_the_stream_and_stops_the_server(tiny_mod
     assert errors and "rank 1" in errors[0]["error"]["message"], events[-3:]
     assert "rank 1 of the engine failed" in "".join(proc.log)  # type: ignore[attr-defined]
     assert all(map(process_gone, workers))
+
+
+def test_serve_refuses_the_external_launcher(capsys):
+    from llmhal.entrypoints.serve import main
+
+    assert main(["--distributed-executor-backend", "external_launcher", "--port", "0"]) == 2
+    assert "offline use" in capsys.readouterr().err
