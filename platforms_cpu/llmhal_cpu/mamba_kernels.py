@@ -1,4 +1,5 @@
-"""CPU kernels of the state-space ops (signatures in :mod:`llmhal.ops.mamba_ops`).
+"""CPU kernels of the state-space ops (signatures in :mod:`llmhal.ops.mamba_ops`) and of
+lightning attention's decode step (:mod:`llmhal.ops.linear_attn_ops`).
 
 Calls whose tensors the native kernels read (``kernels/mamba_ops.cpp``) run there: activations
 (x, dt, B, C, z; for the conv also its weights and state) all float32 or all bfloat16, the SSM
@@ -82,7 +83,18 @@ class SsdArgs(ctypes.Structure):
     ]  # fmt: skip
 
 
-_STRUCTS = (ConvArgs, SsmUpdateArgs, ScanArgs, SsdArgs)  # llmhal_mamba_ops_args_size's order
+class LightningDecodeArgs(ctypes.Structure):
+    _fields_ = [
+        ("q", _p), ("q_b", _i64), ("q_h", _i64), ("k", _p), ("k_b", _i64), ("k_h", _i64),
+        ("v", _p), ("v_b", _i64), ("v_h", _i64), ("factor", _p), ("states", _p),
+        ("st_slot", _i64), ("st_h", _i64), ("st_d", _i64), ("idx", _p), ("out", _p),
+        ("nb", _i64), ("H", _i64), ("D", _i64), ("Dv", _i64), ("slots", _i64), ("bf16", _i32),
+        ("threads", _i32),
+    ]  # fmt: skip
+
+
+# llmhal_mamba_ops_args_size's order
+_STRUCTS = (ConvArgs, SsmUpdateArgs, ScanArgs, SsdArgs, LightningDecodeArgs)
 
 
 def _setup(lib: ctypes.CDLL) -> None:
@@ -90,7 +102,13 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.llmhal_mamba_ops_args_size.restype = ctypes.c_int64
     native_build.declare_struct_calls(
         lib,
-        ("llmhal_conv_call", "llmhal_ssm_update_call", "llmhal_scan_call", "llmhal_ssd_call"),
+        (
+            "llmhal_conv_call",
+            "llmhal_ssm_update_call",
+            "llmhal_scan_call",
+            "llmhal_ssd_call",
+            "llmhal_lightning_decode_call",
+        ),  # fmt: skip
         {s: lib.llmhal_mamba_ops_args_size(i) for i, s in enumerate(_STRUCTS)},
     )
 
@@ -373,7 +391,42 @@ def ssd_chunk_scan_varlen(
     )  # fmt: skip
 
 
+def lightning_attn_decode(q, k, v, decay, kv_states, cache_indices):
+    """MiniMax's linear-attention decode step (signature in :mod:`llmhal.ops.linear_attn_ops`):
+    each state advanced where it lies, in one native call."""
+    usable = (
+        _lib() is not None
+        and q.dim() == 3
+        and _acts(q, k, v)
+        and _same(_F32, kv_states)
+        and k.shape == q.shape
+        and v.shape[:2] == q.shape[:2]
+        and kv_states.dim() == 4
+        and tuple(kv_states.shape[1:]) == (q.shape[1], q.shape[2], v.shape[2])
+        and v.shape[2] <= MAX_STATE_SIZE
+        and decay.numel() == q.shape[1]
+        and _rows(q, k, v, kv_states)
+        and _index(cache_indices, q.shape[0])
+    )
+    if usable:
+        factor = torch.exp(-decay.to(device="cpu", dtype=_F32)).contiguous()
+        out = torch.empty(v.shape, dtype=q.dtype, device="cpu")
+        nb, heads, d = q.shape
+        args = LightningDecodeArgs(
+            q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+            v.data_ptr(), v.stride(0), v.stride(1), factor.data_ptr(), kv_states.data_ptr(),
+            *kv_states.stride()[:3], cache_indices.data_ptr(), out.data_ptr(), nb, heads, d,
+            v.shape[2], kv_states.shape[0], _bf16(q), torch.get_num_threads(),
+        )  # fmt: skip
+        if _run("llmhal_lightning_decode_call", args):
+            return out
+    from llmhal.ops import linear_attn_ops
+
+    return linear_attn_ops.lightning_attn_decode(q, k, v, decay, kv_states, cache_indices)
+
+
 for _fn in (
+    lightning_attn_decode,
     causal_conv1d_fn,
     causal_conv1d_update,
     selective_state_update,

@@ -1,7 +1,7 @@
 """The CPU platform's state-space kernels (``llmhal_cpu.mamba_kernels``, ``kernels/mamba_ops.cpp``)
 against core's references: random shapes, odd and empty requests, scattered slots, state carried
 in and out, strided and stride-0 views, bfloat16 activations, the fallbacks, and replay in a
-decode-step graph."""
+decode-step graph; and the decode step of MiniMax's lightning attention."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def _pair(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_registered_as_the_cpu_kernels():
-    for op in OPS:
+    for op in (*OPS, "lightning_attn_decode"):
         assert CpuPlatform.op_kernels[op] == f"llmhal_cpu.mamba_kernels:{op}"
         assert getattr(K, op).status is K.status
 
@@ -222,7 +222,7 @@ def test_decode_calls_replay_in_a_step_graph():
 @pytest.mark.parametrize("threads", [1, 2])
 def test_full_width_mamba2_layer_matches_reference(threads, no_fallback):
     """Mamba-2 at 768 wide (24 heads x 64, N = 128, conv over 1792 channels): a 300-token prompt
-    over chunk boundaries next to a carried one, on one and two threads."""
+    over chunk boundaries next to a carried one, then a decode step, on one and two threads."""
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -253,6 +253,12 @@ def test_full_width_mamba2_layer_matches_reference(threads, no_fallback):
             x, dt, A, B, C, 256, D, bias, True, lim, theirs, qsl, slots, carried
         )
         torch.testing.assert_close(y, want, atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(mine, theirs, atol=2e-4, rtol=2e-4)
+        # then a decode step of both requests (split over the threads by head and channel block)
+        args = _mamba2_decode_args(g, mine, 2, heads, hp, n, groups, A, D, bias)
+        out = K.selective_state_update(*args, slots)
+        want = no_fallback["selective_state_update"](theirs, *args[1:], slots)
+        torch.testing.assert_close(out, want, atol=2e-4, rtol=2e-4)
         torch.testing.assert_close(mine, theirs, atol=2e-4, rtol=2e-4)
     finally:
         torch.set_num_threads(prev)
@@ -314,3 +320,32 @@ def test_bfloat16_activations_match_reference(no_fallback):
     want = no_fallback["selective_scan_varlen"](xm, dtm, Am, Bm, Cm, Dm, zm, dbm, True, m2, *tail)
     torch.testing.assert_close(y, want, atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(m1, m2, **TOL)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lightning_decode_matches_reference(dtype, monkeypatch):
+    """MiniMax's linear-attention decode step: the kernel against the reference (made to raise
+    for the call under test), two steps over scattered slots, q/k/v as views of one projection."""
+    from llmhal.ops import linear_attn_ops
+
+    reference = linear_attn_ops.lightning_attn_decode
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the kernel fell back to the reference")
+
+    g = torch.Generator().manual_seed(40)
+    b, heads, d, slots = 3, 4, 16, torch.tensor([5, 0, 2], dtype=torch.int32)
+    decay = torch.rand(heads, generator=g)
+    mine, theirs = _pair(torch.randn(6, heads, d, d, generator=g))
+    for _ in range(2):
+        qkv = torch.randn(b, heads, 3 * d, generator=g).to(dtype)
+        q, k, v = qkv[..., :d], qkv[..., d : 2 * d], qkv[..., 2 * d :]
+        monkeypatch.setattr(linear_attn_ops, "lightning_attn_decode", refuse)
+        out = K.lightning_attn_decode(q, k, v, decay, mine, slots)
+        monkeypatch.setattr(linear_attn_ops, "lightning_attn_decode", reference)
+        want = reference(q, k, v, decay, theirs, slots)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out, want, atol=2e-2 if dtype != torch.float32 else 1e-4,
+                                   rtol=1e-2 if dtype != torch.float32 else 1e-4)  # fmt: skip
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)

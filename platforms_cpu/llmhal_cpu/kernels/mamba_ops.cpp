@@ -21,6 +21,7 @@
 //   ssm_update:   h = exp(dt A) h + dt B x; y = C.h + D x; y *= silu(z) (one token per request).
 //   scan_varlen:  Mamba-1 prefill, the same per token with A [d, n].
 //   ssd_varlen:   Mamba-2 prefill: one decay per (token, head), groups shared by H / G heads.
+//   lightning_decode: MiniMax's linear attention, one token per request (see below).
 //
 // Each call first checks every slot index (and query_start_loc) and returns -1 before writing
 // anything when one is out of range, so the caller can fall back to the reference, which raises
@@ -285,34 +286,41 @@ void ssm_update(const SsmUpdateArgs& a) {
   T* out = static_cast<T*>(a.out);
   const int64_t per_group = a.H / a.G;
   const float inf = INFINITY;
-#pragma omp parallel for collapse(2) num_threads(team(a.threads)) \
+  // Tasks of (request, head, 16 channels): Mamba-1 decodes with one head of d_inner channels,
+  // so (request, head) alone would leave a single request's step on one thread.
+  constexpr int64_t kBlock = 16;
+  const int64_t blocks = (a.P + kBlock - 1) / kBlock;
+#pragma omp parallel for collapse(3) num_threads(team(a.threads)) \
     if (parallel(a.nb * a.H * a.P * a.N, a.threads)) schedule(static)
   for (int64_t b = 0; b < a.nb; ++b) {
     for (int64_t h = 0; h < a.H; ++h) {
-      const int64_t g = h / per_group;
-      float bbuf[kMaxN], cbuf[kMaxN];
-      const float* bv = as_f32(static_cast<const T*>(a.Bm) + b * a.B_b + g * a.B_g, bbuf, a.N);
-      const float* cv = as_f32(static_cast<const T*>(a.Cm) + b * a.C_b + g * a.C_g, cbuf, a.N);
-      float* st = a.states + a.idx[b] * a.st_slot + h * a.st_h;
-      // Mamba-2 passes dt, dt_bias and A expanded along p (stride 0): then dt and the decay are
-      // one softplus and one exp per head instead of per channel (~1536 of each per token).
-      const bool head_dt = a.dt_p == 0 && (a.dt_bias == nullptr || a.db_p == 0);
-      const bool head_decay = head_dt && a.A_p == 0 && a.A_n == 0;
-      float dt = 0.f, decay = 0.f;
-      for (int64_t q = 0; q < a.P; ++q) {
-        if (q == 0 || !head_dt)
-          dt = delta(ld(dtp + b * a.dt_b + h * a.dt_h + q * a.dt_p), a.dt_bias,
-                     h * a.db_h + q * a.db_p, a.db_bf16, a.softplus, -inf, inf);
-        const float xv = ld(x + b * a.x_b + h * a.x_h + q * a.x_p);
-        const float* arow = a.A + h * a.A_h + q * a.A_p;
-        // A constant along n (Mamba-2's expanded per-head scalar): one exp for the row.
-        const bool scalar_a = a.A_n == 0;
-        if (scalar_a && (q == 0 || !head_decay)) decay = std::exp(arow[0] * dt);
-        float y = ssm_row(st + q * a.st_p, bv, cv, a.N, dt * xv, dt, scalar_a ? nullptr : arow,
-                          a.A_n, decay);
-        if (a.D) y += xv * ld_param(a.D, h * a.D_h + q * a.D_p, a.D_bf16);
-        if (z) y *= silu(ld(z + b * a.z_b + h * a.z_h + q * a.z_p));
-        put(out + (b * a.H + h) * a.P + q, y);
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        const int64_t g = h / per_group, q0 = blk * kBlock;
+        const int64_t q1 = q0 + kBlock < a.P ? q0 + kBlock : a.P;
+        float bbuf[kMaxN], cbuf[kMaxN];
+        const float* bv = as_f32(static_cast<const T*>(a.Bm) + b * a.B_b + g * a.B_g, bbuf, a.N);
+        const float* cv = as_f32(static_cast<const T*>(a.Cm) + b * a.C_b + g * a.C_g, cbuf, a.N);
+        float* st = a.states + a.idx[b] * a.st_slot + h * a.st_h;
+        // Mamba-2 passes dt, dt_bias and A expanded along p (stride 0): then dt and the decay
+        // are one softplus and one exp per head instead of per channel (~1536 of each a token).
+        const bool head_dt = a.dt_p == 0 && (a.dt_bias == nullptr || a.db_p == 0);
+        const bool head_decay = head_dt && a.A_p == 0 && a.A_n == 0;
+        float dt = 0.f, decay = 0.f;
+        for (int64_t q = q0; q < q1; ++q) {
+          if (q == q0 || !head_dt)
+            dt = delta(ld(dtp + b * a.dt_b + h * a.dt_h + q * a.dt_p), a.dt_bias,
+                       h * a.db_h + q * a.db_p, a.db_bf16, a.softplus, -inf, inf);
+          const float xv = ld(x + b * a.x_b + h * a.x_h + q * a.x_p);
+          const float* arow = a.A + h * a.A_h + q * a.A_p;
+          // A constant along n (Mamba-2's expanded per-head scalar): one exp for the row.
+          const bool scalar_a = a.A_n == 0;
+          if (scalar_a && (q == q0 || !head_decay)) decay = std::exp(arow[0] * dt);
+          float y = ssm_row(st + q * a.st_p, bv, cv, a.N, dt * xv, dt,
+                            scalar_a ? nullptr : arow, a.A_n, decay);
+          if (a.D) y += xv * ld_param(a.D, h * a.D_h + q * a.D_p, a.D_bf16);
+          if (z) y *= silu(ld(z + b * a.z_b + h * a.z_h + q * a.z_p));
+          put(out + (b * a.H + h) * a.P + q, y);
+        }
       }
     }
   }
@@ -485,6 +493,74 @@ int llmhal_ssd_call(const void* p) {
   return 0;
 }
 
+// Lightning attention's decode step (llmhal/ops/linear_attn_ops.py; MiniMax): per request and
+// head, S = exp(-decay) S + k^T v on the [D, Dv] state where it lies, then o = q S. Through torch
+// this is three calls per request (scale, rank-1 update, product); here one pass over the state.
+struct LightningDecodeArgs {
+  const void* q;  // [B, H, D], strides q_b, q_h, 1
+  int64_t q_b, q_h;
+  const void* k;
+  int64_t k_b, k_h;
+  const void* v;  // [B, H, Dv]
+  int64_t v_b, v_h;
+  const float* factor;  // [H]: exp(-decay), computed by the caller
+  float* states;  // [slots, H, D, Dv]: strides st_slot, st_h, st_d, 1
+  int64_t st_slot, st_h, st_d;
+  const int32_t* idx;  // [B]
+  void* out;  // [B, H, Dv] contiguous
+  int64_t nb, H, D, Dv, slots;
+  int32_t bf16, threads;
+};
+
+}  // extern "C"
+
+namespace {
+
+template <typename T>
+void lightning_decode(const LightningDecodeArgs& a) {
+  T* out = static_cast<T*>(a.out);
+#pragma omp parallel for collapse(2) num_threads(team(a.threads)) \
+    if (parallel(a.nb * a.H * a.D * a.Dv, a.threads)) schedule(static)
+  for (int64_t b = 0; b < a.nb; ++b) {
+    for (int64_t h = 0; h < a.H; ++h) {
+      const T* q = static_cast<const T*>(a.q) + b * a.q_b + h * a.q_h;
+      const T* k = static_cast<const T*>(a.k) + b * a.k_b + h * a.k_h;
+      float vbuf[kMaxN], acc[kMaxN];
+      const float* v = as_f32(static_cast<const T*>(a.v) + b * a.v_b + h * a.v_h, vbuf, a.Dv);
+      float* st = a.states + a.idx[b] * a.st_slot + h * a.st_h;
+      const vf f = vf{} + a.factor[h];
+      for (int64_t e = 0; e < a.Dv; ++e) acc[e] = 0.f;
+      for (int64_t d = 0; d < a.D; ++d) {
+        float* row = st + d * a.st_d;
+        const float kd = ld(k + d), qd = ld(q + d);
+        int64_t e = 0;
+        for (; e + W <= a.Dv; e += W) {
+          const vf s = vload(row + e) * f + vload(v + e) * kd;
+          vstore(row + e, s);
+          vstore(acc + e, vload(acc + e) + s * qd);
+        }
+        for (; e < a.Dv; ++e) {
+          row[e] = row[e] * a.factor[h] + v[e] * kd;
+          acc[e] += row[e] * qd;
+        }
+      }
+      T* o = out + (b * a.H + h) * a.Dv;
+      for (int64_t e = 0; e < a.Dv; ++e) put(o + e, acc[e]);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int llmhal_lightning_decode_call(const void* p) {
+  const auto& a = *static_cast<const LightningDecodeArgs*>(p);
+  if (!slots_ok(a.idx, a.nb, a.slots) || a.Dv > kMaxN) return -1;
+  a.bf16 ? lightning_decode<uint16_t>(a) : lightning_decode<float>(a);
+  return 0;
+}
+
 // Sizes of the structs, so mamba_kernels.py can check its ctypes mirrors match.
 int64_t llmhal_mamba_ops_args_size(int which) {
   switch (which) {
@@ -492,6 +568,7 @@ int64_t llmhal_mamba_ops_args_size(int which) {
     case 1: return sizeof(SsmUpdateArgs);
     case 2: return sizeof(ScanArgs);
     case 3: return sizeof(SsdArgs);
+    case 4: return sizeof(LightningDecodeArgs);
     default: return -1;
   }
 }
