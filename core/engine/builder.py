@@ -371,6 +371,9 @@ def _build(
 
             proposer.load_model(model)
             speculator = Speculator(config.speculative_config, proposer, config.model.max_model_len)
+            if speculator.wants_hidden:  # EAGLE-style heads read the target's hidden states
+                runner.capture_hidden = True
+                speculator.runner = runner
         weight_bytes = model_weight_bytes(model)
         num_blocks = executor.determine_num_blocks()  # the fewest any rank holds
         if num_blocks < 1:

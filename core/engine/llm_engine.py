@@ -474,6 +474,10 @@ class LLMEngine:
             else:
                 self._apply_grammars(logits, sample_reqs)
                 result = self.sampler(logits, sample_reqs) if sample_reqs else None
+        if self.speculator is not None and self.speculator.wants_hidden:
+            # The target's hidden states of the tokens now committed go to the proposer (EAGLE).
+            done = {r.request_id: v.num_accepted for r, v in zip(sample_reqs, verified, strict=True)} if verifying else {}  # fmt: skip
+            self.speculator.keep_hidden(batch.items, done)
         for req, entries in prompt_lps:
             for entry in entries:
                 self._name_tokens(entry)

@@ -124,6 +124,11 @@ class ModelRunner:
 
         self._pp = get_pp_group()  # the trivial group of one unless pipeline-parallel
         self.decode_graphs = self._decode_graphs()
+        # Set by a speculative method that drafts from the target's hidden states (EAGLE): each
+        # step then keeps every row's hidden state (or the layer inputs the model was asked to
+        # keep, see set_aux_hidden_state_layers) for the engine to hand on; such steps run eagerly.
+        self.capture_hidden = False
+        self.captured_hidden: torch.Tensor | None = None
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """Graphs for pure-decode steps where the platform records them and the model can start
@@ -229,7 +234,8 @@ class ModelRunner:
         the prompt log-probabilities this step computed (per request that asked, in order). A
         request verifying speculative drafts has ``1 + len(spec_token_ids)`` rows, in order."""
         # A one-token pooling prompt looks like a decode, but is pooled, not sampled.
-        if self.decode_graphs is not None and not any(r.pooling for r, _ in batch.items):
+        eager = self.capture_hidden or any(r.pooling for r, _ in batch.items)
+        if self.decode_graphs is not None and not eager:
             hidden = self.decode_graphs.run(batch)
             if hidden is not None:  # a decode or uniform verification: every row is sampled
                 logits = self.model.compute_logits(hidden)
@@ -313,6 +319,9 @@ class ModelRunner:
                 hidden = self._run_stage(input_ids, common.positions)
                 if hidden is None:
                     return None
+        if self.capture_hidden:
+            taps = getattr(self.model, "aux_hidden_states", None)
+            self.captured_hidden = torch.cat(taps, -1) if taps else hidden
         prompt_lps = [self._prompt_logprobs(hidden, *span) for span in step.prompt_spans]
         pooled = [hidden[row : row + n] for row, n in step.pool_spans]
         if not step.sample_rows:

@@ -10,7 +10,10 @@ Interface the engine relies on: ``Model(hf_config, prefix="")`` built inside
 for a flattened varlen step (attention metadata from the forward context); optionally
 ``embed_input_ids(input_ids)`` and ``forward(None, positions, inputs_embeds)``, which let the
 engine replay recorded decode steps; ``compute_logits(hidden) -> float32 [N, vocab]``;
-``load_weights(iterable of (hf_name, tensor)) -> set of loaded names``.
+``load_weights(iterable of (hf_name, tensor)) -> set of loaded names``. Optionally
+``set_aux_hidden_state_layers(ids)``: each later forward keeps the inputs of those decoder layers in
+``aux_hidden_states`` (EAGLE-3 drafts from them; ``get_eagle3_aux_hidden_state_layers()`` is the
+default choice).
 """
 
 from __future__ import annotations
@@ -205,6 +208,10 @@ class LlamaModel(nn.Module):
             self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         else:
             self.norm = PPMissingLayer()
+        # Decoder layers whose input (the residual stream so far) a forward keeps, for
+        # speculative heads that draft from the target's inner layers (EAGLE-3).
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.aux_hidden_states: list[Tensor] = []
 
     def forward(
         self,
@@ -227,8 +234,13 @@ class LlamaModel(nn.Module):
             # The residual stream so far; the stage's first norm starts from it as the first
             # layer does from the embeddings.
             hidden, residual = intermediate_tensors["hidden_states"], None
-        for layer in self.layers[self.start_layer : self.end_layer]:
+        taps: dict[int, Tensor] = {}
+        for i, layer in enumerate(self.layers[self.start_layer : self.end_layer], self.start_layer):
+            if i in self.aux_hidden_state_layers:
+                taps[i] = hidden if residual is None else hidden + residual
             hidden, residual = layer(positions, hidden, residual)
+        if taps:
+            self.aux_hidden_states = [taps[i] for i in self.aux_hidden_state_layers]
         if not self.is_last_stage:
             # Sent as one sum (what the next norm adds anyway): half the bytes of sending the
             # layer output and the residual apart.
@@ -290,6 +302,30 @@ class LlamaForCausalLM(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings of ``input_ids`` (what ``forward`` starts from)."""
         return self.model.embed_tokens(input_ids)
+
+    def set_aux_hidden_state_layers(self, layers: Iterable[int]) -> None:
+        """Keep the input of each decoder layer in ``layers`` (in that order) in
+        ``aux_hidden_states`` on every later forward; ``()`` stops it."""
+        ids = tuple(int(i) for i in layers)
+        n = self.config.num_hidden_layers
+        bad = [i for i in ids if not 0 <= i < n]
+        if bad:
+            raise ValueError(
+                f"hidden-state layer ids {bad} are outside this model's {n} decoder layers "
+                f"(0..{n - 1})"
+            )
+        self.model.aux_hidden_state_layers = ids
+        self.model.aux_hidden_states = []
+
+    def get_eagle3_aux_hidden_state_layers(self) -> tuple[int, ...]:
+        """The layers EAGLE-3 heads are trained on by default: early, middle and late."""
+        n = self.config.num_hidden_layers
+        return (2, n // 2, n - 3)
+
+    @property
+    def aux_hidden_states(self) -> list[Tensor]:
+        """The last forward's kept layer inputs (see :meth:`set_aux_hidden_state_layers`)."""
+        return self.model.aux_hidden_states
 
     def forward(
         self,

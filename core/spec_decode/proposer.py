@@ -23,6 +23,15 @@ Lifetime, in order:
   cut); an empty list means no draft for it this step. Called under ``torch.inference_mode``.
 * ``finish(request_id)``: the request ended, was aborted or preempted; forget any state kept for it.
 
+A method that drafts from the target's hidden states (EAGLE) sets ``uses_target_hidden_states``;
+each :class:`DraftRequest` then carries ``hidden_states``: one row per position from
+``hidden_start`` to the position before the newest token (the target computed each of them on a
+committed token, in this step or earlier ones since the previous call for this request). A row is
+the target's last hidden state, or the layer inputs the proposer asked the target for in
+``load_model`` (``target_model.set_aux_hidden_state_layers``), concatenated. ``hidden_start`` is
+where the previous call's rows ended, unless the target skipped or recomputed positions (a cached
+prefix, a preemption): a proposer that keeps state per request starts over there.
+
 ``memory_bytes()`` says what the proposer holds (weights, its own KV cache) for load reports.
 Tree drafts (Medusa, EAGLE trees) are not verified yet: a proposer returns a chain.
 """
@@ -49,6 +58,10 @@ class DraftRequest:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     max_draft: int
+    # The target's hidden states for positions hidden_start .. num_tokens - 2 ([rows, features]),
+    # for proposers with uses_target_hidden_states (None for the others).
+    hidden_states: Any = None
+    hidden_start: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +73,8 @@ class Proposer:
 
     # Keys of the speculative config this method reads beyond the common ones (vLLM's names).
     config_keys: ClassVar[frozenset[str]] = frozenset()
+    # Whether propose() needs the target's hidden states (DraftRequest.hidden_states).
+    uses_target_hidden_states: ClassVar[bool] = False
 
     def __init__(self, config: SpeculativeConfig, engine_config: Any) -> None:
         self.config = config

@@ -23,10 +23,12 @@ BUILTIN_PROPOSERS: dict[str, str] = {
     "ngram": "llmhal.spec_decode.ngram:NgramProposer",
     "suffix": "llmhal.spec_decode.suffix:SuffixProposer",
     "draft_model": "llmhal.spec_decode.draft_model:DraftModelProposer",
+    "eagle": "llmhal.spec_decode.eagle:EagleProposer",
+    "eagle3": "llmhal.spec_decode.eagle3:Eagle3Proposer",
 }
 # vLLM's other methods: named so a config asking for one is told it is not there yet, not that the
 # name is unknown.
-NOT_YET_AVAILABLE = ("eagle", "eagle3", "medusa", "mtp", "dflash", "mlp_speculator")
+NOT_YET_AVAILABLE = ("medusa", "mtp", "dflash", "mlp_speculator")
 
 _registered: dict[str, str] = {}
 _classes: dict[str, type] = {}

@@ -142,8 +142,13 @@ class Speculator:
             num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens
         )
         self.step_stats: SpecDecodingStats | None = None  # this step's, for the stat loggers
+        self.runner: Any = None  # the target's runner, for proposers reading its hidden states
         self._history: dict[str, list[int]] = {}  # request -> [drafts, draft tokens, accepted]
         self._off: set[str] = set()  # requests the adaptive switch stopped
+        # For proposers drafting from the target's hidden states: per request, the first position
+        # not yet handed to the proposer and the rows computed since (see keep_hidden).
+        self.wants_hidden = bool(getattr(proposer, "uses_target_hidden_states", False))
+        self._hidden: dict[str, tuple[int, list[torch.Tensor]]] = {}
 
     def reset_stats(self) -> None:
         self.stats = SpecDecodingStats(
@@ -167,12 +172,16 @@ class Speculator:
         """Set ``spec_token_ids`` of each of ``requests`` (running, just given a token)."""
         limit = self.config.disable_by_batch_size
         if limit is not None and num_running >= limit:
+            for req in requests:  # no draft now: the next one starts its head over
+                self._hidden.pop(req.request_id, None)
             return
         todo = []
         for req in requests:
             k = self._max_draft(req)
+            start, rows = self._hidden.pop(req.request_id, (0, []))
             if k > 0:
-                todo.append(DraftRequest(req.request_id, req.prompt_token_ids, req.output_token_ids, k))  # fmt: skip
+                hidden = (rows[0] if len(rows) == 1 else torch.cat(rows)) if rows else None
+                todo.append(DraftRequest(req.request_id, req.prompt_token_ids, req.output_token_ids, k, hidden, start))  # fmt: skip
         if not todo:
             return
         drafts = self.proposer.propose(todo)
@@ -189,7 +198,28 @@ class Speculator:
                 draft = req.grammar.validate_tokens(draft)
             req.spec_token_ids = draft
 
+    def keep_hidden(self, items: Sequence[tuple[Request, int]], accepted: dict[str, int]) -> None:
+        """Keep the rows of this step's hidden states (``proposer``'s runner captured them) that
+        belong to committed tokens: a verified chunk's last token and its ``accepted`` drafts, all
+        of any other chunk. Called after verification, before the requests' computed counts move."""
+        feats = self.runner.captured_hidden if self.runner is not None else None
+        if feats is None:
+            return
+        self.runner.captured_hidden = None
+        row = 0
+        for req, n in items:
+            keep = n - len(req.spec_token_ids) + accepted.get(req.request_id, 0)
+            if req.pooling is None and keep > 0:
+                start = req.num_computed_tokens
+                got = self._hidden.get(req.request_id)
+                if got is not None and got[0] + sum(len(t) for t in got[1]) == start:
+                    got[1].append(feats[row : row + keep])
+                else:  # first rows, or the target skipped or recomputed positions
+                    self._hidden[req.request_id] = (start, [feats[row : row + keep]])
+            row += n
+
     def finish(self, request_id: str) -> None:
+        self._hidden.pop(request_id, None)
         self._history.pop(request_id, None)
         self._off.discard(request_id)
         self.proposer.finish(request_id)

@@ -1,0 +1,289 @@
+"""EAGLE drafting (vLLM's ``eagle``; Li et al., 2024): a small head predicts the target's next
+hidden state from its current one and the next token's embedding; an LM head turns that into a
+draft token, and the draft's own output feeds the next draft step.
+
+Published layout (e.g. ``yuhuili/EAGLE-LLaMA3-Instruct-8B``, as safetensors): ``config.json`` is a
+Llama config (``hidden_size``, heads, ``num_hidden_layers`` 1, ``rms_norm_eps``, RoPE), tensors
+``fc.weight`` [H, 2H] (``fc.bias`` where it was trained with one), per layer ``layers.N.self_attn.
+{q,k,v,o}_proj``, ``layers.N.mlp.{gate,up,down}_proj``, ``layers.N.post_attention_layernorm``, and
+``layers.N.input_layernorm`` for layers after the first (the first takes fc's output as it is).
+``embed_tokens.weight`` / ``lm_head.weight`` where the head has its own; otherwise the target's
+embedding and LM head serve. The head's input at position i is ``fc([embed(x[i+1]); h[i]])``, ``h[i]``
+the target's last hidden state (after its final norm) at i, so its output at the newest position
+predicts the token after the newest one; positions are the target's.
+
+The head keeps keys and values per request in the proposer (dense tensors, one head's layers): the
+target's hidden states arrive with each call for the positions committed since the previous one, so
+a call computes those plus one position per further draft. Drafts are the head's argmax (one-hot
+for the rejection sampler, which keeps the output lossless whatever the head). The machinery here
+(:class:`HeadProposer`, :class:`HeadLayer`) is shared with EAGLE-3 (:mod:`.eagle3`).
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from llmhal.spec_decode.proposer import DraftRequest, Proposer
+
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}  # fmt: skip
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm's numerics (computed in float32)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+class HeadLayer:
+    """One Llama decoder layer of a head over plain tensors, attending over the keys and values the
+    caller keeps. ``forward(attn_in, residual, positions, past_k, past_v)`` takes the attention's
+    input (what a Llama layer gets from its input norm; EAGLE-3 feeds 2H features) and the residual
+    stream, and returns the layer's output with this call's keys and values ([t, kv_heads, dim])."""
+
+    def __init__(self, w: dict[str, torch.Tensor], prefix: str, cfg: Any, rope: Any) -> None:
+        def get(name: str) -> torch.Tensor | None:
+            return w.get(f"{prefix}{name}")
+
+        self.q, self.q_b = get("self_attn.q_proj.weight"), get("self_attn.q_proj.bias")
+        self.k, self.k_b = get("self_attn.k_proj.weight"), get("self_attn.k_proj.bias")
+        self.v, self.v_b = get("self_attn.v_proj.weight"), get("self_attn.v_proj.bias")
+        self.o, self.o_b = get("self_attn.o_proj.weight"), get("self_attn.o_proj.bias")
+        self.gate, self.up = get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")
+        self.down = get("mlp.down_proj.weight")
+        self.post_norm = get("post_attention_layernorm.weight")
+        self.input_norm = get("input_layernorm.weight")
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.eps = cfg.rms_norm_eps
+        self.act = _ACTIVATIONS[getattr(cfg, "hidden_act", "silu")]
+        self.rope = rope
+
+    def forward(
+        self,
+        attn_in: torch.Tensor,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        past_k: torch.Tensor,
+        past_v: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t = attn_in.shape[0]
+        q = F.linear(attn_in, self.q, self.q_b)
+        k = F.linear(attn_in, self.k, self.k_b)
+        v = F.linear(attn_in, self.v, self.v_b).view(t, self.kv_heads, self.dim)
+        q, k = self.rope(positions, q, k)
+        k = k.reshape(t, self.kv_heads, self.dim)
+        keys, values = torch.cat([past_k, k]), torch.cat([past_v, v])
+        p = past_k.shape[0]
+        # Row i (position p + i) sees the kept positions and the new ones up to itself.
+        mask = torch.arange(p + t, device=q.device)[None, :] <= p + torch.arange(t, device=q.device)[:, None]  # fmt: skip
+        rep = self.heads // self.kv_heads
+        att = F.scaled_dot_product_attention(
+            q.view(t, self.heads, self.dim).transpose(0, 1),
+            keys.repeat_interleave(rep, 1).transpose(0, 1),
+            values.repeat_interleave(rep, 1).transpose(0, 1),
+            attn_mask=mask,
+        )
+        h = residual + F.linear(att.transpose(0, 1).reshape(t, -1), self.o, self.o_b)
+        m = rms_norm(h, self.post_norm, self.eps)
+        mlp = F.linear(self.act(F.linear(m, self.gate)) * F.linear(m, self.up), self.down)
+        return h + mlp, k, v
+
+
+@dataclass
+class _Seq:
+    """A request's head state: keys and values per layer for positions ``start .. pos - 1``."""
+
+    pos: int
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+
+
+class HeadProposer(Proposer):
+    """Drafting with a head that reads the target's hidden states (EAGLE, EAGLE-3): the head's
+    checkpoint (``speculative_config["model"]``, a folder with config.json and safetensors) is
+    checked against the target before anything loads, and loaded beside it in ``load_model``.
+    Subclasses say how the head's input is formed (:meth:`head_input`) and how its output becomes
+    a token (:meth:`next_token`)."""
+
+    uses_target_hidden_states: ClassVar[bool] = True
+    method_name: ClassVar[str] = "eagle"
+
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        if not config.model:
+            raise ValueError(
+                f"speculative_config method {cls.method_name!r} needs 'model': the folder of the "
+                "head's checkpoint (config.json and .safetensors, as published)"
+            )
+
+    def __init__(self, config: Any, engine_config: Any) -> None:
+        super().__init__(config, engine_config)
+        folder = Path(config.model).expanduser()
+        cfg_file = folder / "config.json"
+        if not cfg_file.is_file():
+            raise ValueError(
+                f"speculative_config['model']={config.model!r} has no config.json: give the folder "
+                f"of a published {self.method_name.upper()} head (config.json and .safetensors)"
+            )
+        self.folder = folder
+        self.raw_cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+        self.cfg = types.SimpleNamespace(**self.raw_cfg)
+        self.target_cfg = engine_config.model.hf_config
+        act = getattr(self.cfg, "hidden_act", "silu")
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"{cfg_file}: hidden_act {act!r} is not supported; heads with {', '.join(_ACTIVATIONS)} are")  # fmt: skip
+        self.check_head()
+        self._seqs: dict[str, _Seq] = {}
+        self.layers: list[HeadLayer] = []
+        self.weights: dict[str, torch.Tensor] = {}
+
+    # ----------------------------------------------------------------- checks and loading
+    def _refuse(self, key: str, value: Any, target_key: str, target_value: Any, why: str) -> None:
+        raise ValueError(
+            f"speculative_config['model']={self.config.model!r} is {self.method_name.upper()} head "
+            f"with {key}={value}, but the target's {target_key} is {target_value}: {why}; use the "
+            "head published for this target model"
+        )
+
+    def check_head(self) -> None:
+        """Refuse a head that cannot run on this target (before anything loads)."""
+        for key in ("hidden_size", "vocab_size"):
+            mine, theirs = getattr(self.cfg, key, None), getattr(self.target_cfg, key, None)
+            if mine != theirs:
+                self._refuse(key, mine, key, theirs, "the head reads the target's hidden states and shares its embedding and LM head")  # fmt: skip
+
+    def _read_weights(self, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        from llmhal.model_loader.safetensors_loader import iter_safetensors_weights
+
+        if not any(self.folder.glob("*.safetensors")):
+            raise ValueError(
+                f"{self.folder} has no .safetensors file; llmhal loads heads from safetensors "
+                "(convert a pytorch_model.bin with safetensors.torch.save_file)"
+            )
+        out = {}
+        for name, t in iter_safetensors_weights(self.folder, progress=False):
+            # Some conversions keep the training wrapper's prefix.
+            name = name.removeprefix("model.")
+            keep = t.dtype if not t.is_floating_point() else dtype  # vocab maps stay integers
+            out[name] = t.to(device=device, dtype=keep)
+        return out
+
+    def _need(self, names: Sequence[str]) -> None:
+        missing = [n for n in names if n not in self.weights]
+        if missing:
+            raise ValueError(
+                f"{self.folder} is not a {self.method_name.upper()} head in the published layout: "
+                f"missing {', '.join(missing)}"
+            )
+
+    def load_model(self, target_model: Any) -> None:
+        from llmhal.layers.rotary_embedding import get_rope_from_hf_config
+
+        param = next(target_model.parameters())
+        self.device, self.dtype = param.device, self.engine_config.model.dtype
+        self.target = target_model
+        self.weights = self._read_weights(self.device, self.dtype)
+        cfg = self.cfg
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        if not hasattr(cfg, "max_position_embeddings"):
+            cfg.max_position_embeddings = self.engine_config.model.max_model_len
+        self.rope = get_rope_from_hf_config(cfg, head_dim, max_position=self.engine_config.model.max_model_len, dtype=torch.float32)  # fmt: skip
+        self.rope = self.rope.to(self.device)
+        self.eps = cfg.rms_norm_eps
+        self.build()
+
+    def build(self) -> None:
+        """EAGLE: fc and the decoder layers (the first without an input norm)."""
+        n = int(getattr(self.cfg, "num_hidden_layers", 1))
+        names = ["fc.weight"]
+        for i in range(n):
+            names += [f"layers.{i}.{p}.weight" for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "post_attention_layernorm")]  # fmt: skip
+        self._need(names)
+        self.layers = [HeadLayer(self.weights, f"layers.{i}.", self.cfg, self.rope) for i in range(n)]  # fmt: skip
+
+    def memory_bytes(self) -> int:
+        tensors = list(self.weights.values())
+        for s in self._seqs.values():
+            tensors += s.keys + s.values
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # ------------------------------------------------------------------------ the head
+    def embed(self, ids: list[int]) -> torch.Tensor:
+        t = torch.tensor(ids, dtype=torch.long, device=self.device)
+        own = self.weights.get("embed_tokens.weight")
+        return F.embedding(t, own) if own is not None else self.target.embed_input_ids(t)
+
+    def head_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The first layer's attention input and residual from the next tokens' embeddings and
+        the hidden states (the target's, or the head's own output on later draft steps)."""
+        x = F.linear(torch.cat([embeds, hidden.to(embeds.dtype)], -1), self.weights["fc.weight"], self.weights.get("fc.bias"))  # fmt: skip
+        return x, x
+
+    def run(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:  # fmt: skip
+        """The head over new positions; appends their keys and values to ``keys``/``values``."""
+        attn_in, x = self.head_input(embeds, hidden)
+        for i, layer in enumerate(self.layers):
+            if i:
+                attn_in = x if layer.input_norm is None else rms_norm(x, layer.input_norm, self.eps)
+            x, k, v = layer.forward(attn_in, x, positions, keys[i], values[i])
+            keys[i], values[i] = torch.cat([keys[i], k]), torch.cat([values[i], v])
+        return x
+
+    def next_token(self, out: torch.Tensor) -> int:
+        """The draft token from the head's output at one position: EAGLE feeds the un-normed
+        output to the LM head (its own, else the target's)."""
+        own = self.weights.get("lm_head.weight")
+        logits = F.linear(out, own) if own is not None else self.target.compute_logits(out)
+        return int(logits[-1].argmax())
+
+    # ----------------------------------------------------------------------- drafting
+    def _empty(self) -> _Seq:
+        layers = self.layers
+        shape = [(0, layer.kv_heads, layer.dim) for layer in layers]
+        return _Seq(0, [torch.empty(s, dtype=self.dtype, device=self.device) for s in shape], [torch.empty(s, dtype=self.dtype, device=self.device) for s in shape])  # fmt: skip
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        return [self._draft(r) for r in requests]
+
+    def _draft(self, r: DraftRequest) -> list[int]:
+        seq = self._seqs.get(r.request_id)
+        if seq is None or seq.pos != r.hidden_start:  # new, or the target skipped/recomputed
+            seq = self._empty()
+            seq.pos = r.hidden_start
+            self._seqs[r.request_id] = seq
+        hidden = r.hidden_states
+        n = r.num_tokens
+        if hidden is None or seq.pos + hidden.shape[0] != n - 1:
+            return []  # no rows up to the newest token (not expected): no draft, nothing kept
+        # The head pairs h[i] with the token after it: tokens seq.pos + 1 .. n - 1.
+        a = seq.pos + 1
+        tokens = [*r.prompt_token_ids[a:], *r.output_token_ids[max(0, a - len(r.prompt_token_ids)) :]]  # fmt: skip
+        positions = torch.arange(seq.pos, n - 1, device=self.device)
+        out = self.run(self.embed(tokens), hidden, positions, seq.keys, seq.values)
+        seq.pos = n - 1
+        keys, values = list(seq.keys), list(seq.values)  # draft positions are not kept
+        last = out[-1:]
+        drafts: list[int] = []
+        for j in range(r.max_draft):
+            drafts.append(self.next_token(last))
+            if j + 1 == r.max_draft:
+                break
+            pos = torch.tensor([n - 1 + j], device=self.device)
+            last = self.run(self.embed(drafts[-1:]), last, pos, keys, values)
+        return drafts
+
+    def finish(self, request_id: str) -> None:
+        self._seqs.pop(request_id, None)
+
+
+class EagleProposer(HeadProposer):
+    """vLLM's ``eagle`` method (see the module docstring)."""
