@@ -122,3 +122,15 @@ class TestLfm2Moe(StateModelParity):
         assert experts.routing["scoring_func"] == "sigmoid"
         assert experts.e_score_correction_bias.abs().sum() > 0  # loaded, not the zero default
         assert not hasattr(layers[0].feed_forward, "experts")  # num_dense_layers=1
+
+
+def test_explicit_backend_applies_to_its_own_kind(tiny_models):
+    """An explicit mha backend serves the attention layer; the conv layers keep short_conv_attn."""
+    from llmhal import LLM, SamplingParams
+
+    folder, _ = tiny_models("lfm2")
+    llm = LLM(folder, dtype="float32", attention_backend="reference", enforce_eager=True)
+    runner = llm.engine.runner
+    assert [m.backend.name for m in runner.layers] == ["reference"]
+    assert {m.backend.name for m in runner.state_layers} == {"short_conv_attn"}
+    assert len(llm.generate(["Paris"], SamplingParams(max_tokens=3))[0].outputs[0].token_ids) == 3
