@@ -108,7 +108,7 @@ def _setup(lib: ctypes.CDLL) -> None:
             "llmhal_scan_call",
             "llmhal_ssd_call",
             "llmhal_lightning_decode_call",
-        ),  # fmt: skip
+        ),
         {s: lib.llmhal_mamba_ops_args_size(i) for i, s in enumerate(_STRUCTS)},
     )
 
