@@ -144,6 +144,7 @@ def test_drafts_and_hidden_states_equal_the_transformers_reference(eagle_llm, ba
     assert eagle_llm.engine.speculator.stats.num_accepted_tokens > 0
     calls = [c for per in seen.values() for c in per]
     assert len(calls) >= 4
+    assert sum(len(c[3]) for c in calls) >= 2 * len(calls)  # the head drafted
     for ctx, start, hidden, drafts in calls:
         with torch.no_grad():  # the rows handed over are the target's, for start .. n - 2
             want = hf.model(torch.tensor([ctx])).last_hidden_state[0, start : len(ctx) - 1]
