@@ -127,6 +127,9 @@ class CommonAttentionMetadata:
     causal: bool = True
     tree_mask: torch.Tensor | None = None
     state_indices: torch.Tensor | None = None
+    # bool [num_reqs]: which requests the tree mask applies to (None: every request whose query
+    # length is the tree's); set by the engine, so a prefill chunk of that length stays causal.
+    tree_requests: torch.Tensor | None = None
 
     @property
     def num_prefills(self) -> int:

@@ -29,6 +29,10 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         cfg = get_current_config()
+        if kind == "mha" and cfg.extra.get("draft_trees"):
+            # The engine verifies speculative draft trees: its attention layers serve a tree mask
+            # (a backend of kind "tree", which gives requests without a tree the causal rule).
+            kind = "tree"
         num_kv_heads = num_kv_heads or num_heads
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads

@@ -95,7 +95,10 @@ class TreeMetadataBuilder(AttentionMetadataBuilder[TreeMetadata]):
                 rel = kpos[None, :] - ctx[:, None]  # [n, max_k]: index among the new tokens
                 seen = tree.bool()[qi.clamp(max=t - 1)][:, rel.clamp(0, t - 1)]  # [max_q, n, max_k]
                 tree_rule = (rel < 0)[:, None, :] | seen.transpose(0, 1)
-                mask = torch.where((q_len == t)[:, None, None], tree_rule, mask)
+                is_tree = q_len == t
+                if common.tree_requests is not None:
+                    is_tree &= common.tree_requests[r0:r1].to(dev)
+                mask = torch.where(is_tree[:, None, None], tree_rule, mask)
             mask &= live[:, None, :] & valid[:, :, None]
             groups.append(TreeGroup(token, valid, torch.where(live, slots, 0), mask))
         return TreeMetadata(

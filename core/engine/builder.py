@@ -342,6 +342,8 @@ def _build(
     progress.stage("config")
     config, ckpt, model_cls = resolve_engine_config(args, platform, source)
     proposer = _make_proposer(config)  # its settings are checked before any weight loads
+    if getattr(proposer, "drafts_trees", False):
+        _choose_tree_attention(config)
     spec = config.speculative_config
     if spec is not None and config.parallel.world_size > 1 and spec.method not in ("ngram", "suffix"):  # fmt: skip
         # Drafting runs in rank 0 only; a method with a model of its own (or reading the
@@ -373,6 +375,9 @@ def _build(
             speculator = Speculator(config.speculative_config, proposer, config.model.max_model_len)
             if speculator.wants_hidden:  # EAGLE-style heads read the target's hidden states
                 runner.capture_hidden = True
+                speculator.runner = runner
+            if getattr(proposer, "drafts_trees", False):  # the runner builds their masks
+                runner.draft_trees = speculator.trees
                 speculator.runner = runner
         weight_bytes = model_weight_bytes(model)
         num_blocks = executor.determine_num_blocks()  # the fewest any rank holds
@@ -423,12 +428,33 @@ def _make_proposer(config: EngineConfig) -> Any:
     return get_proposer_cls(spec.method)(spec, config)
 
 
+def _choose_tree_attention(config: EngineConfig) -> None:
+    """Draft trees are verified in one forward: the model's attention layers ask the registry for
+    a backend of kind ``tree`` (``tree_attn`` in core), which gives requests without a tree the
+    causal rule. An explicit choice of another kind is refused here, with the remedy."""
+    import os
+
+    from llmhal.attention.registry import list_attention_backends, normalize
+
+    chosen = config.attention_backend or os.environ.get("VLLM_ATTENTION_BACKEND", "").strip()
+    kinds = {e.name: e.kind for e in list_attention_backends()}
+    if chosen and kinds.get(normalize(chosen), "tree") != "tree":
+        trees = sorted(n for n, k in kinds.items() if k == "tree")
+        raise ValueError(
+            f"speculative method {config.speculative_config.method!r} verifies draft trees, "
+            f"which needs an attention backend of kind 'tree' ({', '.join(trees)}), but "
+            f"{chosen!r} was chosen; unset attention_backend / VLLM_ATTENTION_BACKEND, or draft "
+            "a chain (e.g. Medusa's medusa_choices with top-1 paths only)"
+        )
+    config.extra["draft_trees"] = True
+
+
 def _check_prefix_caching(config: EngineConfig, runner: Any) -> None:
     """Prefix caching skips computing cached tokens, which is only sound where a token's state is
     its own KV rows; a recurrent layer (Mamba, linear attention, ...) carries state across every
     token, so such a model runs without it, as in vLLM."""
     layers = [*runner.layers, *getattr(runner, "state_layers", [])]
-    kinds = {layer.requirements.kind for layer in layers} - {"mha", "mla"}
+    kinds = {layer.requirements.kind for layer in layers} - {"mha", "mla", "tree"}
     if config.cache.enable_prefix_caching and kinds:
         logger.info(
             "Prefix caching is off: the model has %s layers, whose state after a prefix is not "

@@ -73,6 +73,8 @@ class StepInput:
     # decode, and decode kernels continue whatever state the slot holds.
     state_slots: list[int] = field(default_factory=list)
     fresh_slots: list[int] = field(default_factory=list)
+    # Requests verifying a draft tree: (index in the step, its DraftTree), all of one shape.
+    trees: list[tuple[int, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -129,6 +131,11 @@ class ModelRunner:
         # keep, see set_aux_hidden_state_layers) for the engine to hand on; such steps run eagerly.
         self.capture_hidden = False
         self.captured_hidden: torch.Tensor | None = None
+        # Speculative draft trees by request (the Speculator's ``trees``; see
+        # llmhal.spec_decode.tree_verify): a request verifying a whole tree runs with the tree mask
+        # and its nodes' depths as positions. ``tree_rows``: the last step's first row of each.
+        self.draft_trees: dict[str, Any] = {}
+        self.tree_rows: dict[str, int] = {}
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """Graphs for pure-decode steps where the platform records them and the model can start
@@ -234,7 +241,7 @@ class ModelRunner:
         the prompt log-probabilities this step computed (per request that asked, in order). A
         request verifying speculative drafts has ``1 + len(spec_token_ids)`` rows, in order."""
         # A one-token pooling prompt looks like a decode, but is pooled, not sampled.
-        eager = self.capture_hidden or any(r.pooling for r, _ in batch.items)
+        eager = self.capture_hidden or any(r.pooling or r.request_id in self.draft_trees for r, _ in batch.items)  # fmt: skip
         if self.decode_graphs is not None and not eager:
             hidden = self.decode_graphs.run(batch)
             if hidden is not None:  # a decode or uniform verification: every row is sampled
@@ -249,9 +256,14 @@ class ModelRunner:
         step = StepInput([], [], [], [], [], [], [])
         owners = StepOwners([], [], [])
         offset = 0
+        self.tree_rows = {}
         for req, n in batch.items:
             start = req.num_computed_tokens
             known = min(start + n, req.num_tokens)
+            tree = self.draft_trees.get(req.request_id) if req.spec_token_ids else None
+            if tree is not None and n == 1 + tree.num_nodes == 1 + len(req.spec_token_ids):
+                step.trees.append((len(step.query_lens), tree))  # untrimmed: verified as a tree
+                self.tree_rows[req.request_id] = offset
             step.input_ids.extend(req.token_slice(start, known))
             # Speculative drafts follow the last token; each one's row is sampled too.
             step.input_ids.extend(req.spec_token_ids[: start + n - known])
@@ -301,9 +313,13 @@ class ModelRunner:
         """Run the model on one step's inputs: every rank of a parallel group calls this with the
         same ``step`` (the collectives inside the model pair them up). None on a pipeline stage
         before the last (its output went on to the next stage)."""
+        tree = step.trees[0][1] if step.trees else None
         common = build_common_metadata(
-            step.query_lens, step.computed, step.block_tables, self.block_size, self.device
-        )
+            step.query_lens, step.computed, step.block_tables, self.block_size, self.device,
+            tree_mask=None if tree is None else tree.mask,
+        )  # fmt: skip
+        if tree is not None:
+            _tree_positions(common, step)
         for slot in step.fresh_slots:
             self.reset_state_slot(slot)
         if step.state_slots:
@@ -354,3 +370,22 @@ class ModelRunner:
             chunk = targets[a - first : b - first]
             out.extend(logprob_entries(lp, chunk, [k] * len(chunk)))
         return out
+
+
+def _tree_positions(common: Any, step: StepInput) -> None:
+    """A tree verification's nodes sit at ``computed + depth`` (their KV slots stay in node order,
+    see llmhal.spec_decode.tree_verify), and only the requests verifying a tree get the tree mask
+    (a prefill chunk of the tree's length keeps the causal rule)."""
+    shape = step.trees[0][1]
+    positions = common.positions.clone()
+    flags = torch.zeros(common.num_reqs, dtype=torch.bool)
+    starts = common.query_start_loc_cpu
+    for i, tree in step.trees:
+        if tree != shape:
+            raise RuntimeError("draft trees of different shapes in one step")
+        first = int(starts[i])
+        depths = torch.tensor(tree.depths, device=positions.device)
+        positions[first : first + len(depths)] = step.computed[i] + depths
+        flags[i] = True
+    common.positions = positions
+    common.tree_requests = flags.to(positions.device)

@@ -33,7 +33,9 @@ where the previous call's rows ended, unless the target skipped or recomputed po
 prefix, a preemption): a proposer that keeps state per request starts over there.
 
 ``memory_bytes()`` says what the proposer holds (weights, its own KV cache) for load reports.
-Tree drafts (Medusa, EAGLE trees) are not verified yet: a proposer returns a chain.
+A proposer may return a :class:`llmhal.spec_decode.tree_verify.TreeDraft` (tokens and a tree's
+shape) instead of a list: the tree is verified in one forward through ``tree_attn``. Such a proposer
+sets ``drafts_trees`` (true), so the engine selects that backend before the target is built.
 """
 
 from __future__ import annotations

@@ -25,10 +25,11 @@ BUILTIN_PROPOSERS: dict[str, str] = {
     "draft_model": "llmhal.spec_decode.draft_model:DraftModelProposer",
     "eagle": "llmhal.spec_decode.eagle:EagleProposer",
     "eagle3": "llmhal.spec_decode.eagle3:Eagle3Proposer",
+    "medusa": "llmhal.spec_decode.medusa:MedusaProposer",
 }
 # vLLM's other methods: named so a config asking for one is told it is not there yet, not that the
 # name is unknown.
-NOT_YET_AVAILABLE = ("medusa", "mtp", "dflash", "mlp_speculator")
+NOT_YET_AVAILABLE = ("mtp", "dflash", "mlp_speculator")
 
 _registered: dict[str, str] = {}
 _classes: dict[str, type] = {}

@@ -27,6 +27,13 @@ from llmhal.engine.sampler import Sampler, greedy_tokens, logprob_entries
 from llmhal.spec_decode.config import SpeculativeConfig
 from llmhal.spec_decode.proposer import DraftRequest, Proposer
 from llmhal.spec_decode.rejection_sampler import accept_greedy, accept_sampled
+from llmhal.spec_decode.tree_verify import (
+    DraftTree,
+    TreeDraft,
+    accept_greedy_tree,
+    accept_sampled_tree,
+    compact_path_kv,
+)
 
 
 @dataclass
@@ -131,6 +138,8 @@ class Verified:
     logprobs: list[dict[int, Logprob] | None]
     num_accepted: int
     dead: bool = False
+    # The chunk row each token came from, for a tree (None: row j for token j).
+    rows: list[int] | None = None
 
 
 class Speculator:
@@ -149,6 +158,9 @@ class Speculator:
         # not yet handed to the proposer and the rows computed since (see keep_hidden).
         self.wants_hidden = bool(getattr(proposer, "uses_target_hidden_states", False))
         self._hidden: dict[str, tuple[int, list[torch.Tensor]]] = {}
+        # Requests whose drafts are a tree (see llmhal.spec_decode.tree_verify): its shape, read by
+        # the model runner to build the tree mask and positions.
+        self.trees: dict[str, DraftTree] = {}
 
     def reset_stats(self) -> None:
         self.stats = SpecDecodingStats(
@@ -193,10 +205,34 @@ class Speculator:
         by_id = {r.request_id: r for r in requests}
         for dreq, draft in zip(todo, drafts, strict=True):
             req = by_id[dreq.request_id]
+            self.trees.pop(req.request_id, None)
+            if isinstance(draft, TreeDraft):
+                draft = self._tree_or_chain(req, dreq, draft)
+                if req.request_id in self.trees:
+                    req.spec_token_ids = draft
+                    continue
             draft = [int(t) for t in draft[: dreq.max_draft]]
             if draft and req.grammar is not None:  # what the grammar refuses is never verified
                 draft = req.grammar.validate_tokens(draft)
             req.spec_token_ids = draft
+
+    def _tree_or_chain(self, req: Request, dreq: DraftRequest, draft: TreeDraft) -> list[int]:
+        """A tree draft's tokens, its shape kept in ``trees`` (read by the runner); the leading
+        chain alone where the whole tree cannot be verified: too deep for ``max_draft``, past the
+        context, or under a grammar (which validates one sequence)."""
+        tree = draft.tree
+        if len(draft.tokens) != tree.num_nodes:
+            raise RuntimeError(f"{type(self.proposer).__name__} returned a tree of {tree.num_nodes} nodes with {len(draft.tokens)} tokens")  # fmt: skip
+        if (
+            tree.is_chain
+            or req.grammar is not None
+            or tree.depth > dreq.max_draft
+            or req.num_tokens + tree.num_nodes > self.max_model_len
+        ):
+            self.trees.pop(req.request_id, None)
+            return [int(t) for t in draft.tokens[: tree.chain_len]]
+        self.trees[req.request_id] = tree
+        return [int(t) for t in draft.tokens]
 
     def keep_hidden(self, items: Sequence[tuple[Request, int]], accepted: dict[str, int]) -> None:
         """Keep the rows of this step's hidden states (``proposer``'s runner captured them) that
@@ -220,6 +256,7 @@ class Speculator:
 
     def finish(self, request_id: str) -> None:
         self._hidden.pop(request_id, None)
+        self.trees.pop(request_id, None)
         self._history.pop(request_id, None)
         self._off.discard(request_id)
         self.proposer.finish(request_id)
@@ -238,9 +275,20 @@ class Speculator:
         views: list[Any] = []
         spans = []
         ahead: list[_GrammarAhead] = []
+        trees, chains = {}, {}
         for req in requests:
             drafts = req.spec_token_ids
             spans.append((len(views), len(drafts)))
+            tree = self.trees.pop(req.request_id, None)
+            if tree is not None and drafts:
+                if len(drafts) == tree.num_nodes:  # else trimmed: verified as its leading chain
+                    trees[req.request_id] = tree
+                    # Each node's row is processed with its own path as history.
+                    views.append(req)
+                    views.extend(_DraftView(req, [drafts[c - 1] for c in tree.path(j)]) for j in range(1, len(drafts) + 1))  # fmt: skip
+                    continue
+                # Trimmed by the scheduler: verified as its leading chain (rows past it unread).
+                chains[req.request_id] = tree.chain_len
             if req.grammar is not None and drafts:
                 ahead.append(_GrammarAhead(req.grammar, drafts))
                 views.extend(_DraftView(req, drafts[:j], ahead[-1].at(j)) for j in range(len(drafts) + 1))  # fmt: skip
@@ -263,7 +311,20 @@ class Speculator:
         out: list[Verified] = []
         for req, (first, k) in zip(requests, spans, strict=True):
             drafts = req.spec_token_ids
-            if req.params.greedy:
+            if req.request_id in chains:
+                k = min(k, chains[req.request_id])
+                drafts = drafts[:k]
+            tree = trees.get(req.request_id)
+            path = None
+            if tree is not None:
+                if req.params.greedy:
+                    tokens, path = accept_greedy_tree(argmax[first : first + k + 1], drafts, tree)
+                else:
+                    assert probs is not None
+                    rows = probs[prob_row[first] : prob_row[first] + k + 1]
+                    tokens, path = accept_sampled_tree(rows, drafts, tree, req.generator or sampler.default_generator)  # fmt: skip
+                self._compact(req, path)
+            elif req.params.greedy:
                 tokens = accept_greedy(argmax[first : first + k + 1], drafts)
             else:
                 assert probs is not None
@@ -272,11 +333,11 @@ class Speculator:
                 tokens = accept_sampled(rows, drafts, None, gen)
             accepted = len(tokens) - 1
             if k:
-                self._record(req.request_id, k, accepted)
-            ended = next((j for j in range(len(tokens)) if first + j in dead), None)
+                self._record(req.request_id, k if tree is None else tree.depth, accepted)
+            ended = next((j for j in range(len(tokens)) if first + (path[j] if path else j) in dead), None)  # fmt: skip
             if ended is not None:
                 tokens = tokens[:ended]
-            out.append(Verified(tokens, [None] * len(tokens), accepted, ended is not None))
+            out.append(Verified(tokens, [None] * len(tokens), accepted, ended is not None, path))
         if raw is not None:
             self._logprobs(raw, want, spans, requests, out)
         return out
@@ -290,7 +351,7 @@ class Speculator:
             if req.params.logprobs is None:
                 continue
             for j, t in enumerate(v.tokens):
-                rows.append(pos[first + j])
+                rows.append(pos[first + (v.rows[j] if v.rows else j)])
                 tokens.append(t)
                 tops.append(req.params.logprobs or 0)
                 where.append((v, j))
@@ -299,6 +360,19 @@ class Speculator:
         lp = torch.log_softmax(raw[torch.tensor(rows)], -1)
         for (v, j), entry in zip(where, logprob_entries(lp, tokens, tops), strict=True):
             v.logprobs[j] = entry
+
+    def _compact(self, req: Request, path: list[int]) -> None:
+        """Move the accepted path's KV (and its hidden-state rows, when kept) to the positions
+        the tokens will have: a tree step wrote node ``i`` at ``computed + i``."""
+        runner = self.runner
+        if runner is None or path == list(range(len(path))):
+            return
+        compact_path_kv(runner.layers, req.block_ids, runner.block_size, req.num_computed_tokens, path)  # fmt: skip
+        first = runner.tree_rows.get(req.request_id)
+        feats = getattr(runner, "captured_hidden", None)
+        if feats is not None and first is not None:
+            idx = torch.tensor(path, device=feats.device) + first
+            feats[first : first + len(path)] = feats[idx]
 
     def take_step_stats(self) -> SpecDecodingStats | None:
         """The verifications since the previous call (None: none)."""
