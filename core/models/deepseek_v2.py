@@ -21,7 +21,8 @@ One code path, flags from the config (V3 = V2 with sigmoid routing and a bias):
 
 Checkpoint names are the published ones; the V3 router's ``mlp.gate.e_score_correction_bias`` is
 the experts layer's bias here. V3's multi-token-prediction layers (``model.layers.<N>`` past
-``num_hidden_layers``) are skipped: they serve speculative decoding, not the model.
+``num_hidden_layers``) are skipped: they serve speculative decoding, not the model
+(:mod:`llmhal.spec_decode.mtp` loads them).
 """
 
 from __future__ import annotations
