@@ -14,9 +14,10 @@ up front; :meth:`GGUFFile.weights` yields zero-copy views:
 
 Supported architectures: llama (also Mistral and SmolLM, which llama.cpp writes as llama), qwen2,
 qwen3, the mixture-of-experts ones: llama with ``expert_count`` (Mixtral), qwen2moe (with its
-shared expert), qwen3moe; and lfm2 (short convolutions beside attention: KV heads per layer, 0 on
-convolution layers). The MoE files' experts are 3-D tensors (``ffn_gate_exps`` [E, I, H], ...), yielded
-per expert (``mlp.experts.<e>.gate_proj.weight``: one expert's raw rows) for the MoE layer
+shared expert), qwen3moe; lfm2 (short convolutions beside attention: KV heads per layer, 0 on
+convolution layers); and the state-space models mamba (also FalconMamba) and mamba2, whose
+differences live in :mod:`llmhal.model_loader.gguf_ssm`. The MoE files' experts are 3-D tensors
+(``ffn_gate_exps`` [E, I, H], ...), yielded per expert (``mlp.experts.<e>.gate_proj.weight``: one expert's raw rows) for the MoE layer
 (:mod:`llmhal.quantization.gguf_moe`). The tokenizer (with its chat template) is built by transformers from the file's vocabulary
 and merges; the HF config is built here from the metadata.
 """
@@ -33,6 +34,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from llmhal.model_loader.gguf_ssm import (
+    SSM_ARCHITECTURES,
+    hf_names,
+    ssm_arch,
+    ssm_config,
+    ssm_shapes,
+    to_hf,
+)
 from llmhal.model_loader.hf_config import config_for
 from llmhal.quantization.gguf_dequant import GGMLType, ggml_type
 
@@ -44,6 +53,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "lfm2": ("lfm2", "Lfm2ForCausalLM"),
+    **SSM_ARCHITECTURES,
 }
 _MIXTRAL = ("mixtral", "MixtralForCausalLM")  # a llama file with experts
 # MoE tensors by llama.cpp's fixed names (per block) -> HF module below ``model.layers.<i>.``.
@@ -251,6 +261,8 @@ class GGUFFile:
     def _arch(self) -> tuple[str, str]:
         if self.architecture == "llama" and self.is_moe:
             return _MIXTRAL
+        if self.architecture in SSM_ARCHITECTURES:
+            return ssm_arch(self)
         if self.architecture not in ARCHITECTURES:
             raise GGUFFormatError(
                 f"{self.path.name}: GGUF architecture {self.architecture!r} is not supported; "
@@ -303,6 +315,8 @@ class GGUFFile:
             tid = self.metadata.get(f"tokenizer.ggml.{key}_token_id")
             if tid is not None:
                 cfg[field] = int(tid)
+        if self.architecture in SSM_ARCHITECTURES:
+            return ssm_config(self, cfg)
         scaling = self._rope_scaling()
         if scaling is not None:
             cfg["rope_scaling"] = scaling
@@ -418,6 +432,8 @@ class GGUFFile:
             (_LFM2_TOP, _LFM2_BLOCK) if self.architecture == "lfm2" else (_HF_TOP, _HF_BLOCK)
         )
         hf = [*top, *(f"model.layers.{i}.{m}" for i in range(n_layers) for m in block)]
+        if self.architecture in SSM_ARCHITECTURES:
+            hf = hf_names(n_layers)
         out = {}
         for name in hf:
             base = gmap.get_name(name)
@@ -431,6 +447,8 @@ class GGUFFile:
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """HF tensor name -> shape the model needs, from the config (``lm_head`` only if untied)."""
         c = self.config_dict()
+        if self.architecture in SSM_ARCHITECTURES:
+            return ssm_shapes(self.architecture, c)
         hidden, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
         heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
         hd = c.get("head_dim", hidden // heads)
@@ -530,6 +548,8 @@ class GGUFFile:
                 f"{self.path.name}: tensor rope_freqs.weight holds Llama-3-style rope frequency "
                 "factors, which llmhal does not apply yet; use a model without them"
             )
+        if gguf_name in self.name_map:  # llama.cpp's ssm_a / ssm_d: parameters without a suffix
+            return self.name_map[gguf_name]
         if base not in self.name_map:
             raise GGUFFormatError(
                 f"{self.path.name}: GGUF tensor {gguf_name} has no counterpart in the "
@@ -578,7 +598,7 @@ class GGUFFile:
         """``(hf_name, tensor)`` for every tensor, in file order (see the module docstring)."""
         self.validate()
         c = self.config_dict()
-        heads = {"q_proj": c["num_attention_heads"], "k_proj": c["num_key_value_heads"]}
+        heads = {"q_proj": c.get("num_attention_heads"), "k_proj": c.get("num_key_value_heads")}
         for name in self.tensors:
             hf = self.hf_name(name)
             tensor = self.raw(name)
@@ -592,6 +612,8 @@ class GGUFFile:
                 continue
             if _is_shared_gate(hf, tuple(tensor.shape)):
                 tensor = tensor.reshape(1, -1)  # llama.cpp may store it as a vector
+            if self.architecture in SSM_ARCHITECTURES:
+                hf, tensor = to_hf(self, hf, tensor)
             yield hf, tensor
 
 

@@ -1,0 +1,196 @@
+"""Mamba-1, FalconMamba and Mamba-2 from llama.cpp-format GGUF files against transformers.
+
+Each tiny random HF model (the session ``tiny_models``) is written as llama.cpp's converter writes
+it (``convert_hf_to_gguf.py``, MambaModel / Mamba2Model): architecture ``mamba`` (FalconMamba: with
+``ssm.dt_b_c_rms``) or ``mamba2``, the ``ssm.*`` metadata, ``A_log`` stored as ``A = -exp(A_log)``,
+the conv weight without its unit axis, Mamba-2's ``dt_bias`` as ``ssm_dt.bias``, its A and D as
+``[heads, 1]`` and its gated norm as ``[groups, inner / groups]``, the tied head omitted; 1-D
+tensors, norms, the conv and A/D in F32, the matrices in the file's type (F16 where a row does not
+fill whole Q8_0 blocks, as the converter falls back). For F16 and Q8_0 the file's values are put back
+into a copy of the transformers model, which is then the reference: the engine must run the
+file's weights, so greedy tokens and log-probabilities must match it as for F32.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from llmhal.testing.engine_parity import PROMPTS, compare_with_references, hf_references
+
+KW = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=8, enforce_eager=True)
+STEPS = 24
+
+
+def write_ssm_gguf(hf, path, weight_type: str = "F32") -> dict[str, torch.Tensor]:
+    """Write ``hf`` (Mamba, FalconMamba or Mamba-2) as llama.cpp's converter does; returns the
+    HF tensors whose file values differ from ``hf``'s (F16 or quantized matrices), dequantized."""
+    import gguf
+
+    c = hf.config
+    arch = "mamba2" if c.model_type == "mamba2" else "mamba"
+    inner = int(c.expand * c.hidden_size)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(2**20)  # the converter's placeholders, which the loader must ignore
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_ssm_conv_kernel(c.conv_kernel)
+    w.add_ssm_inner_size(inner)
+    w.add_ssm_state_size(c.state_size)
+    w.add_layer_norm_rms_eps(c.layer_norm_epsilon)
+    if arch == "mamba":
+        w.add_ssm_time_step_rank(c.time_step_rank)
+        w.add_ssm_dt_b_c_rms(c.model_type == "falcon_mamba")
+    else:
+        w.add_ssm_time_step_rank(inner // c.head_dim)  # the head count
+        w.add_ssm_group_count(c.n_groups)
+    qtype = gguf.GGMLQuantizationType[weight_type]
+    changed = {}
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue  # equal to token_embd: omitted
+        hf_name = name.replace(".dt_bias", ".dt_proj.bias")
+        base, _, suffix = hf_name.rpartition(".")
+        gname = names.get_name(hf_name) or f"{names.get_name(base)}.{suffix}"
+        arr = t.float()
+        if name.endswith(".A_log"):
+            arr = -torch.exp(arr)
+        if name.endswith("conv1d.weight"):
+            arr = arr.squeeze(1)
+        elif arch == "mamba2" and name.endswith((".A_log", ".D")):
+            arr = arr.reshape(-1, 1)
+        elif arch == "mamba2" and name.endswith("mixer.norm.weight"):
+            arr = arr.reshape(c.n_groups, -1)
+        arr = arr.contiguous().numpy()
+        matrix = gname.endswith(".weight") and arr.ndim == 2
+        if not matrix or gname.endswith(("_norm.weight", "ssm_conv1d.weight")) or qtype == 0:
+            w.add_tensor(gname, arr)
+            continue
+        t_out = qtype if arr.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0 else None
+        if t_out in (None, gguf.GGMLQuantizationType.F16):  # F16, or the converter's fallback
+            w.add_tensor(gname, arr.astype(np.float16))
+            back = arr.astype(np.float16).astype(np.float32)
+        else:
+            raw = gguf.quants.quantize(arr, t_out)
+            w.add_tensor(gname, raw, raw_dtype=t_out)
+            back = gguf.quants.dequantize(raw, t_out).astype(np.float32)
+        changed[name] = torch.from_numpy(back.reshape(t.shape))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return changed
+
+
+def with_weights(hf, changed: dict[str, torch.Tensor]):
+    """A copy of ``hf`` computing with the file's (rounded or dequantized) matrices."""
+    ref = copy.deepcopy(hf)
+    with torch.no_grad():
+        params = dict(ref.named_parameters())
+        for name, value in changed.items():
+            params[name].copy_(value)
+    return ref
+
+
+@pytest.mark.parametrize("arch", ["mamba", "falcon_mamba", "mamba2"])
+def test_f32_file_matches_transformers(tiny_models, tmp_path, arch):
+    from llmhal import LLM
+
+    folder, hf = tiny_models(arch)
+    assert write_ssm_gguf(hf, tmp_path / "f32.gguf") == {}
+    llm = LLM(str(tmp_path / "f32.gguf"), tokenizer=folder, **KW)
+    assert type(llm.engine.runner.model).__name__ == hf.config.architectures[0]
+    assert llm.engine.runner.attention_backends == [
+        "mamba2_attn" if arch == "mamba2" else "mamba1_attn"
+    ]
+    assert compare_with_references(llm, hf_references(hf, PROMPTS, STEPS)) == []
+
+
+@pytest.mark.parametrize(
+    "arch, weight_type", [("mamba2", "Q8_0"), ("mamba", "F16"), ("falcon_mamba", "Q8_0")]
+)
+def test_f16_and_q8_0_files_run_their_own_weights(
+    tiny_models, tmp_path, monkeypatch, arch, weight_type
+):
+    """A variant with an untied head (``output.weight``) and, for Mamba-2, biased projections and
+    one group; the matrices in F16, or in Q8_0 through the platform's GGUF kernels (float error
+    measured at 5e-4) and through the exact dequantizing path."""
+    from llmhal import LLM
+
+    variant = dict(tie_word_embeddings=False)
+    if arch == "mamba2":
+        variant.update(use_bias=True, n_groups=1)
+    folder, hf = tiny_models(arch, **variant)
+    path = tmp_path / f"{weight_type}.gguf"
+    changed = write_ssm_gguf(hf, path, weight_type)
+    assert "lm_head.weight" in changed and "backbone.embeddings.weight" in changed
+    refs = hf_references(with_weights(hf, changed), PROMPTS, STEPS)
+    llm = LLM(str(path), tokenizer=folder, **KW)
+    quantized = repr(llm.engine.config.quant_config)
+    assert weight_type in quantized if weight_type != "F16" else "Q8_0" not in quantized
+    assert compare_with_references(llm, refs, atol=2e-4 if weight_type == "F16" else 1e-3) == []
+    if weight_type == "Q8_0":
+        monkeypatch.setenv("LLMHAL_GGUF_KERNEL", "dequant")
+        assert compare_with_references(LLM(str(path), tokenizer=folder, **KW), refs) == []
+
+
+@pytest.mark.parametrize("arch", ["mamba", "falcon_mamba", "mamba2"])
+def test_config_from_metadata_equals_the_checkpoints(tiny_models, tmp_path, arch):
+    from llmhal.model_loader.gguf_loader import GGUFFile
+
+    folder, hf = tiny_models(arch)
+    write_ssm_gguf(hf, tmp_path / "m.gguf")
+    got = GGUFFile(tmp_path / "m.gguf").hf_config()
+    want = hf.config
+    assert type(got).__name__ == type(want).__name__
+    fields = ["hidden_size", "num_hidden_layers", "state_size", "conv_kernel", "expand",
+              "layer_norm_epsilon", "use_bias", "use_conv_bias", "vocab_size",
+              "tie_word_embeddings", "hidden_act"]  # fmt: skip
+    if arch == "mamba2":
+        fields += ["num_heads", "head_dim", "n_groups", "time_step_limit"]
+    else:
+        fields += ["time_step_rank", "intermediate_size"]
+    assert {f: getattr(got, f) for f in fields} == {f: getattr(want, f) for f in fields}
+    # The converter's 2**20 context is a placeholder: no position limit comes from the file.
+    assert getattr(got, "max_position_embeddings", None) is None
+
+
+def test_a_file_without_ssm_metadata_names_the_key(tiny_models, tmp_path):
+    import gguf
+
+    from llmhal.model_loader.gguf_loader import GGUFFile, GGUFFormatError
+
+    _, hf = tiny_models("mamba2")
+    write_ssm_gguf(hf, tmp_path / "m.gguf")
+    src = GGUFFile(tmp_path / "m.gguf")
+    w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "mamba2")
+    w.add_embedding_length(hf.config.hidden_size)
+    w.add_block_count(hf.config.num_hidden_layers)
+    for name in src.tensors:
+        w.add_tensor(name, src.raw(name).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(GGUFFormatError, match=r"lacks mamba2\.ssm\.inner_size"):
+        GGUFFile(tmp_path / "bad.gguf").hf_config()
+
+
+def test_generate_cli_runs_a_gguf_file(tiny_models, tmp_path, capsys):
+    import json
+
+    from llmhal.entrypoints import generate
+
+    folder, hf = tiny_models("mamba2")
+    write_ssm_gguf(hf, tmp_path / "m.gguf")
+    args = ["--model", str(tmp_path / "m.gguf"), "--tokenizer", folder, "--json", "--no-chat",
+            "--max-tokens", "5", "--dtype", "float32", "--prompt", "Paris is"]  # fmt: skip
+    assert generate.main(args) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(lines[0]["token_ids"]) == 5
