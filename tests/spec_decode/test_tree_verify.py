@@ -181,6 +181,30 @@ def test_tree_greedy_equals_plain_and_rejected_kv_is_never_read(new_llm, base_ll
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
+def test_tree_rows_keep_their_own_history_and_logprobs(new_llm, base_llm, answers):
+    """Penalties see each node's own path as history, and log-probabilities come from the rows
+    of the accepted path (not the nodes that follow in node order)."""
+    llm = new_llm({"method": "test_hidden_path", "num_speculative_tokens": 3}, max_num_seqs=4)
+    for params in (
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3),
+        SamplingParams(
+            temperature=0,
+            max_tokens=30,
+            ignore_eos=True,
+            repetition_penalty=1.3,
+            presence_penalty=0.5,
+        ),  # fmt: skip
+    ):
+        plain = base_llm.generate(PROMPTS, params)
+        spec = llm.generate(PROMPTS, params)
+        assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+        for a, b in zip(plain, spec, strict=True):
+            for la, lb in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or [], strict=True):  # fmt: skip
+                assert la.keys() == lb.keys()
+                assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)
+    assert llm.engine.speculator.stats.num_accepted_tokens > 0
+
+
 def test_tree_with_preemption_chunked_prefill_and_trimmed_trees(new_llm, base_llm, answers):
     per_block = base_llm.engine.runner.kv_cache_bytes_per_block()
     small = new_llm(
