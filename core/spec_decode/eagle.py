@@ -60,6 +60,8 @@ class HeadLayer:
         self.down = get("mlp.down_proj.weight")
         self.post_norm = get("post_attention_layernorm.weight")
         self.input_norm = get("input_layernorm.weight")
+        # Per-head q/k norms (Qwen3-style heads: DFlash); None where the head has none.
+        self.q_norm, self.k_norm = get("self_attn.q_norm.weight"), get("self_attn.k_norm.weight")
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
@@ -74,17 +76,21 @@ class HeadLayer:
         positions: torch.Tensor,
         past_k: torch.Tensor,
         past_v: torch.Tensor,
+        causal: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t = attn_in.shape[0]
-        q = F.linear(attn_in, self.q, self.q_b)
-        k = F.linear(attn_in, self.k, self.k_b)
+        q = self._heads_normed(F.linear(attn_in, self.q, self.q_b), self.q_norm, self.heads)
+        k = self._heads_normed(F.linear(attn_in, self.k, self.k_b), self.k_norm, self.kv_heads)
         v = F.linear(attn_in, self.v, self.v_b).view(t, self.kv_heads, self.dim)
         q, k = self.rope(positions, q, k)
         k = k.reshape(t, self.kv_heads, self.dim)
         keys, values = torch.cat([past_k, k]), torch.cat([past_v, v])
         p = past_k.shape[0]
-        # Row i (position p + i) sees the kept positions and the new ones up to itself.
+        # Row i (position p + i) sees the kept positions and the new ones up to itself; in a
+        # bidirectional block (DFlash), every new one.
         mask = torch.arange(p + t, device=q.device)[None, :] <= p + torch.arange(t, device=q.device)[:, None]  # fmt: skip
+        if not causal:
+            mask = torch.ones_like(mask)
         rep = self.heads // self.kv_heads
         att = F.scaled_dot_product_attention(
             q.view(t, self.heads, self.dim).transpose(0, 1),
@@ -96,6 +102,21 @@ class HeadLayer:
         m = rms_norm(h, self.post_norm, self.eps)
         mlp = F.linear(self.act(F.linear(m, self.gate)) * F.linear(m, self.up), self.down)
         return h + mlp, k, v
+
+    def kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (normed, rotated) and values of ``x`` at ``positions`` alone ([t, kv_heads, dim]):
+        context a head attends to without running the layer over it (DFlash's target features)."""
+        t = x.shape[0]
+        k = self._heads_normed(F.linear(x, self.k, self.k_b), self.k_norm, self.kv_heads)
+        _, k = self.rope(positions, k.clone(), k)  # the op rotates a query too: a throwaway one
+        v = F.linear(x, self.v, self.v_b).view(t, self.kv_heads, self.dim)
+        return k.reshape(t, self.kv_heads, self.dim), v
+
+    def _heads_normed(self, x: torch.Tensor, weight: torch.Tensor | None, heads: int) -> torch.Tensor:  # fmt: skip
+        if weight is None:
+            return x
+        t = x.shape[0]
+        return rms_norm(x.view(t, heads, self.dim), weight, self.eps).reshape(t, -1)
 
 
 @dataclass

@@ -25,12 +25,13 @@ BUILTIN_PROPOSERS: dict[str, str] = {
     "draft_model": "llmhal.spec_decode.draft_model:DraftModelProposer",
     "eagle": "llmhal.spec_decode.eagle:EagleProposer",
     "eagle3": "llmhal.spec_decode.eagle3:Eagle3Proposer",
+    "dflash": "llmhal.spec_decode.dflash:DFlashProposer",
     "medusa": "llmhal.spec_decode.medusa:MedusaProposer",
     "mtp": "llmhal.spec_decode.mtp:MTPProposer",
 }
 # vLLM's other methods: named so a config asking for one is told it is not there yet, not that the
 # name is unknown.
-NOT_YET_AVAILABLE = ("dflash", "mlp_speculator")
+NOT_YET_AVAILABLE = ("mlp_speculator",)
 
 _registered: dict[str, str] = {}
 _classes: dict[str, type] = {}

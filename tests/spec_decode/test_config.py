@@ -35,7 +35,7 @@ def test_vllm_shapes_are_read():
             ["'nope'", "ngram", "register_proposer"],
         ),  # fmt: skip
         (
-            {"method": "dflash", "model": "x", "num_speculative_tokens": 4},
+            {"method": "mlp_speculator", "model": "x", "num_speculative_tokens": 4},
             ["not implemented", "suffix"],
         ),  # fmt: skip
         (

@@ -64,6 +64,55 @@ def make_eagle_head(folder, target_cfg, seed=0, **over):
     return ref, fc
 
 
+def llm_over(folder, spec=None, **kw):
+    """An engine over ``folder`` (float32, 256 tokens of context), speculating with ``spec``."""
+    from llmhal import LLM
+
+    kw.setdefault("max_model_len", 256)
+    return LLM(folder, dtype="float32", speculative_config=spec, **kw)
+
+
+def check_batched_and_preempted(folder, base, spec, monkeypatch):
+    """Greedy output of ``spec`` over ``folder`` equals ``base``'s plain output: five requests in
+    a cache of six blocks (preempted and recomputed, chunked by a 12-token step budget, repeats
+    cached), first with the head's own drafts, then with replayed answers (runs accepted)."""
+    per_block = base.engine.runner.kv_cache_bytes_per_block()
+    small = llm_over(folder, spec, kv_cache_memory_bytes=6 * per_block, max_num_batched_tokens=12, max_num_seqs=3)  # fmt: skip
+    prompts = PROMPTS + PROMPTS[:2]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain, answers = plain_answers(base, prompts, params)
+    assert [o.outputs[0].token_ids for o in small.generate(prompts, params)] == plain
+    seen = record_drafts(small, monkeypatch, answers)
+    assert [o.outputs[0].token_ids for o in small.generate(prompts, params)] == plain
+    stats = small.engine.speculator.stats
+    assert small.engine.stats.preemptions > 0
+    assert stats.num_accepted_tokens > 0
+    assert sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens
+    assert not small.engine.speculator._hidden and not small.engine.speculator.proposer._seqs
+    return seen
+
+
+def deep_target(tiny_models):
+    """A 6-layer tiny Llama (inner layers to tap: EAGLE-3's default (2, 3, 3) exist), its
+    transformers model, and a plain engine over it."""
+    folder, hf = tiny_models("llama", num_hidden_layers=6)
+    return folder, hf.eval(), llm_over(folder)
+
+
+def replayed_calls(llm, base, monkeypatch):
+    """Two prompts through ``llm`` with replayed answers as drafts (output checked equal to
+    ``base``'s, some drafts accepted); returns every proposer call (see record_drafts)."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain, answers = plain_answers(base, PROMPTS[:2], params)
+    seen = record_drafts(llm, monkeypatch, answers)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)] == plain
+    assert llm.engine.speculator.stats.num_accepted_tokens > 0
+    calls = [c for per in seen.values() for c in per]
+    assert len(calls) >= 4
+    assert sum(len(c[3]) for c in calls) >= 2 * len(calls)  # the head drafted
+    return calls
+
+
 @pytest.fixture(scope="module")
 def target(tiny_models):
     folder, hf = tiny_models("llama")

@@ -15,13 +15,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from llmhal import LLM, SamplingParams
+from llmhal import SamplingParams
 
-PROMPTS = [
-    {"prompt_token_ids": [5, 6, 7, 8, 5, 6, 7]},
-    {"prompt_token_ids": list(range(30, 70))},
-    {"prompt_token_ids": [100, 200, 100, 200, 100]},
-]
 DRAFT_VOCAB = 128
 
 
@@ -32,7 +27,8 @@ def _eagle_tests():
     return module
 
 
-E1 = _eagle_tests()  # head_config, plain_answers, record_drafts
+E1 = _eagle_tests()  # the head-independent helpers
+PROMPTS = E1.PROMPTS
 
 
 class Reference(nn.Module):
@@ -115,16 +111,12 @@ def reference_drafts(hf_target, ref, layers, ctx, k):
         return drafts
 
 
-def _llm(folder, spec=None, **kw):
-    kw.setdefault("max_model_len", 256)
-    return LLM(folder, dtype="float32", speculative_config=spec, **kw)
+_llm = E1.llm_over
 
 
 @pytest.fixture(scope="module")
 def deep(tiny_models):
-    """A 6-layer target: the default taps (2, L // 2, L - 3) = (2, 3, 3) exist."""
-    folder, hf = tiny_models("llama", num_hidden_layers=6)
-    return folder, hf.eval(), _llm(folder)
+    return E1.deep_target(tiny_models)
 
 
 @pytest.fixture(scope="module")
@@ -136,14 +128,7 @@ def head3(tmp_path_factory, deep):
 def test_drafts_and_layer_taps_equal_the_transformers_reference(deep, head3, monkeypatch):
     folder, hf, base = deep
     llm = _llm(folder, {"method": "eagle3", "model": head3[0], "num_speculative_tokens": 3})
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    plain, answers = E1.plain_answers(base, PROMPTS[:2], params)
-    seen = E1.record_drafts(llm, monkeypatch, answers)
-    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)] == plain
-    assert llm.engine.speculator.stats.num_accepted_tokens > 0
-    calls = [c for per in seen.values() for c in per]
-    assert len(calls) >= 4
-    assert sum(len(c[3]) for c in calls) >= 2 * len(calls)  # the head drafted
+    calls = E1.replayed_calls(llm, base, monkeypatch)
     for ctx, start, hidden, drafts in calls:
         with torch.no_grad():
             want = taps(hf, ctx, (2, 3, 3))[start : len(ctx) - 1]
@@ -155,20 +140,7 @@ def test_drafts_and_layer_taps_equal_the_transformers_reference(deep, head3, mon
 def test_greedy_batched_and_preempted_equals_plain_decoding(deep, head3, monkeypatch):
     folder, _, base = deep
     spec = {"method": "eagle3", "model": head3[0], "num_speculative_tokens": 4}
-    per_block = base.engine.runner.kv_cache_bytes_per_block()
-    small = _llm(folder, spec, kv_cache_memory_bytes=6 * per_block, max_num_batched_tokens=12, max_num_seqs=3)  # fmt: skip
-    prompts = PROMPTS + PROMPTS[:2]
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    plain, answers = E1.plain_answers(base, prompts, params)
-    # The head's own drafts (nearly all rejected), then replayed answers (runs accepted).
-    assert [o.outputs[0].token_ids for o in small.generate(prompts, params)] == plain
-    E1.record_drafts(small, monkeypatch, answers)
-    assert [o.outputs[0].token_ids for o in small.generate(prompts, params)] == plain
-    stats = small.engine.speculator.stats
-    assert small.engine.stats.preemptions > 0
-    assert stats.num_accepted_tokens > 0
-    assert sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens
-    assert not small.engine.speculator._hidden and not small.engine.speculator.proposer._seqs
+    E1.check_batched_and_preempted(folder, base, spec, monkeypatch)
 
 
 def test_layer_ids_from_the_heads_config_and_refusals(tmp_path, tiny_models, new_llm, base_llm):
