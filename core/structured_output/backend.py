@@ -67,6 +67,10 @@ class StructuredOutputBackend(ABC):
     ``tokenizer`` is the engine's HF tokenizer, ``vocab_size`` the model's logits width (it may
     exceed the tokenizer's vocabulary: padding rows are never allowed), ``stop_token_ids`` the
     tokens that end a completed output (the model's EOS ids).
+
+    ``processes`` is set by the manager when it compiles off the engine's path (a
+    :class:`~llmhal.structured_output.compile_pool.CompileProcesses`, else None): a backend whose
+    library holds the GIL while it compiles does that part there, so decoding is not slowed.
     """
 
     name: str = ""
@@ -75,6 +79,7 @@ class StructuredOutputBackend(ABC):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
+        self.processes: Any = None
 
     @abstractmethod
     def compile(

@@ -5,8 +5,11 @@ It uses the library's core, not its transformers integration (which imports modu
 5 no longer has): a character-level parser (``JsonSchemaParser``, ``RegexParser``, or a union of
 ``StringParser`` for a choice) walked over a prefix tree of the vocabulary by a
 ``TokenEnforcer``, which returns each step's allowed tokens as a bitmask in vLLM's format. The
-tokenizer's tree is built once per engine (seconds for a 49k vocabulary: pure Python); a
-constraint itself needs no compile step, so each request gets its own parser.
+tokenizer's tree is built once per engine (0.9 s for a 49k vocabulary: pure Python). A constraint's
+regular expressions (a regex, a schema's patterns) become automata once, in a compile process
+(interegular, the library's regex engine, is pure Python and held the GIL for seconds on the
+engine's compile thread), shared by the requests that ask for it; each request gets its own
+parser over them.
 
 Grammars are refused. A character the vocabulary has only as bytes spread over several tokens
 (rare symbols, most emoji, on byte-level BPE vocabularies) cannot be generated. Its JSON parser does not enforce ``minimum``/``maximum``, ``format``,
@@ -25,6 +28,7 @@ from typing import Any
 import torch
 
 from llmhal.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
+from llmhal.structured_output.compile_pool import ConstraintRefused
 from llmhal.structured_output.params import StructuredOutputOptions
 from llmhal.structured_output.schema_checks import keywords_outside
 from llmhal.structured_output.vocab import special_token_ids
@@ -130,6 +134,34 @@ def regular_tokens(tokenizer: Any, vocab_size: int) -> list[tuple[int, str, bool
     return out
 
 
+# Keywords whose values are JSON data, not schemas (a "pattern" in them is no pattern), and those
+# whose values map names to schemas (a property may be called "pattern" or "enum").
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+_NAMED_SCHEMAS = frozenset({"properties", "$defs", "definitions", "patternProperties", "dependentSchemas"})  # fmt: skip
+
+
+def schema_patterns(schema: Any) -> list[str]:
+    """Every ``pattern`` of a JSON schema, as the library's string parser keys them (one leading
+    ``^`` and one trailing ``$`` dropped: it matches whole strings anyway)."""
+    out: list[str] = []
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            p = node.get("pattern")
+            if isinstance(p, str):
+                p = p[1:] if p.startswith("^") else p
+                out.append(p[:-1] if p.endswith("$") else p)
+            for k, v in node.items():
+                if k in _NAMED_SCHEMAS and isinstance(v, dict):
+                    stack.extend(v.values())
+                elif k not in _DATA_KEYWORDS:
+                    stack.append(v)
+    return out
+
+
 class LMFormatEnforcerBackend(StructuredOutputBackend):
     name = "lm-format-enforcer"
 
@@ -151,7 +183,9 @@ class LMFormatEnforcerBackend(StructuredOutputBackend):
     def compile(
         self, request_type: StructuredOutputOptions, grammar_spec: str, *, compact: bool = False
     ) -> tuple[Callable[[], Any], bool]:
-        """(a parser factory, compact): the parser is made once here to check the constraint."""
+        """(a parser factory, compact): the parser is made once here to check the constraint.
+        Regular expressions (a regex constraint, a schema's ``pattern``) become automata here,
+        once per constraint, not per request or mid-decoding as the library would."""
         lmfe = self._lmfe
         kind = StructuredOutputOptions
         if request_type is kind.JSON:
@@ -161,22 +195,67 @@ class LMFormatEnforcerBackend(StructuredOutputBackend):
             )
             if ignored:
                 raise ValueError(f"lm-format-enforcer does not enforce {', '.join(ignored)}")
+            self._seed_patterns(schema_patterns(schema))
             make = lambda: lmfe.JsonSchemaParser(schema)  # noqa: E731
         elif request_type is kind.JSON_OBJECT:
             make = lambda: lmfe.JsonSchemaParser({"type": "object"})  # noqa: E731
         elif request_type is kind.REGEX:
-            make = lambda: lmfe.RegexParser(grammar_spec)  # noqa: E731
+            (context,) = self._regex_contexts([grammar_spec])
+            make = lambda: lmfe.RegexParser(context)  # noqa: E731
         elif request_type is kind.CHOICE:
             choices = json.loads(grammar_spec)
             make = lambda: lmfe.UnionParser([lmfe.StringParser(c) for c in choices])  # noqa: E731
         else:
             raise ValueError("lm-format-enforcer takes JSON schemas, regexes and choices, not grammars; use the xgrammar or guidance backend")  # fmt: skip
         try:
-            make()  # reads the schema or regex now: a bad one fails its own request, here
+            make()  # reads the schema now: a bad one fails its own request, here
         except Exception as e:  # pydantic's and interegular's errors have no common base
             raise ValueError(f"lm-format-enforcer cannot read this {request_type.value} constraint: {e}") from None  # fmt: skip
 
         return make, compact
+
+    def _regex_contexts(self, patterns: list[str]) -> list[Any]:
+        """A RegexParser context (its automaton, shared by the requests) per pattern; the
+        automata are built in a compile process when the manager has them (interegular is pure
+        Python: building one here would hold the GIL for as long)."""
+        from llmhal.structured_output.compile_worker import fsm_from_json, regex_fsm
+
+        if self.processes is None:
+            fsms = []
+            for p in patterns:
+                try:
+                    fsms.append(regex_fsm(p))
+                except Exception as e:  # interegular's parse errors have no common base
+                    raise ValueError(f"lm-format-enforcer cannot read the regular expression {p!r}: {e}") from None  # fmt: skip
+        else:
+            try:
+                _, raw = self.processes.call({"op": "regex_fsms", "patterns": patterns})
+            except ConstraintRefused as e:
+                raise ValueError(f"lm-format-enforcer cannot read the regular expression {e}") from None  # fmt: skip
+            fsms = [fsm_from_json(f) for f in json.loads(raw)]
+        contexts = []
+        for fsm in fsms:
+            context = self._lmfe.RegexParser._Context()
+            context.pattern = fsm
+            context.state_character_cache = {}
+            contexts.append(context)
+            # What RegexParser's config setter computes for the tokenizer's alphabet (the
+            # TokenEnforcer sets it again on a root parser, to the same value).
+            self._lmfe.RegexParser(context)._update_alphabet(self.data.tokenizer_alphabet)
+        return contexts
+
+    def _config(self) -> Any:
+        return self._lmfe.CharacterLevelParserConfig(alphabet=self.data.tokenizer_alphabet)
+
+    def _seed_patterns(self, patterns: list[str]) -> None:
+        """Put the schema's patterns' parsers in the library's cache (one per process, keyed by
+        pattern), where its JSON parser would otherwise build them on the engine's thread when a
+        string with a pattern begins."""
+        cache = self._lmfe.JsonSchemaParser._Context.regex_parser_cache
+        todo = [p for p in dict.fromkeys(patterns) if p not in cache]
+        if todo:
+            for p, context in zip(todo, self._regex_contexts(todo), strict=True):
+                cache.setdefault(p, self._lmfe.RegexParser(context, self._config()))
 
     def grammar(self, compiled: tuple[Callable[[], Any], bool]) -> StructuredOutputGrammar:
         make, compact = compiled

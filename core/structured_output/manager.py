@@ -10,8 +10,12 @@ take JSON schemas, regexes and choices but no grammars, and enforce fewer schema
 Compiling is off the engine's path, as in vLLM: :meth:`StructuredOutputManager.request` hands the
 constraint to a small thread pool and returns a :class:`PendingGrammar` at once; the compiled
 result is cached by (backend, kind, spec, compactness), so a schema sent again (or by n requests
-at once) is compiled once, and a failure is remembered too. ``async_compile=False`` compiles on the
-caller's thread instead (vLLM turns the pool off for its ``external_launcher`` executor).
+at once) is compiled once, and a failure is remembered too. The libraries that hold the GIL while
+they compile (outlines-core, lm-format-enforcer's interegular) do that part in worker processes
+(:mod:`llmhal.structured_output.compile_pool`), so running requests decode at their pace
+meanwhile; each request's own grammar is made off the engine's thread too (:class:`PendingGrammar`).
+``async_compile=False`` compiles on the caller's thread instead (vLLM turns the pool off for its
+``external_launcher`` executor).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from llmhal.structured_output.backend import (
     apply_token_bitmask,
     bitmask_words,
 )
+from llmhal.structured_output.compile_pool import CompileProcesses
 from llmhal.structured_output.params import StructuredOutputOptions, StructuredOutputsParams
 from llmhal.structured_output.schema_checks import unsatisfiable_ref_loop
 from llmhal.utils.imports import resolve_obj_by_qualname
@@ -103,8 +108,9 @@ def check_json_schema(spec: str) -> None:
 
 
 def _lower_priority() -> None:
-    """Run a compile thread below the engine's priority (Linux threads have their own nice
-    value): on a busy machine decoding keeps its cores and the compile takes what is left."""
+    """Run a compile thread at the lowest priority (Linux threads have their own nice value):
+    on a busy machine decoding keeps its cores. (The libraries compiling on these threads,
+    xgrammar and llguidance, give the GIL back while they work.)"""
     import os
 
     try:
@@ -119,29 +125,46 @@ class PendingGrammar:
     grammar, or raises ValueError saying why the constraint cannot be served."""
 
     def __init__(self, compiled: Future, manager: StructuredOutputManager) -> None:
-        self._compiled = compiled
         self._manager = manager
-        self._grammar: StructuredOutputGrammar | None = None
+        # The request's own grammar is made on a compile thread once the constraint is compiled
+        # (cached or not), never on the engine's: making one can cost as much as a compile
+        # (llguidance's matcher over a 3000-property schema: 1 s).
+        self._made: Future = Future()
+        compiled.add_done_callback(self._compiled)
+
+    def _compiled(self, compiled: Future) -> None:
+        pool = self._manager._pool
+        if pool is None:  # compiling on the caller's thread: make it there too
+            self._make(compiled)
+            return
+        try:
+            pool.submit(self._make, compiled)
+        except RuntimeError as e:  # the manager was destroyed
+            self._made.set_exception(e)
+
+    def _make(self, compiled: Future) -> None:
+        try:
+            name, constraint = compiled.result()
+            self._made.set_result(self._manager.backend(name).grammar(constraint))
+        except BaseException as e:
+            self._made.set_exception(e)
 
     def ready(self) -> bool:
-        return self._compiled.done()
+        return self._made.done()
 
     def result(self, timeout: float | None = None) -> StructuredOutputGrammar:
-        if self._grammar is None:
-            name, compiled = self._compiled.result(timeout)
-            self._grammar = self._manager.backend(name).grammar(compiled)
-        return self._grammar
+        return self._made.result(timeout)
 
     @staticmethod
     def wait_any(pending: Sequence[PendingGrammar], timeout: float) -> None:
         """Return when one of ``pending`` is ready, or after ``timeout`` seconds."""
         import concurrent.futures
 
-        concurrent.futures.wait([p._compiled for p in pending], timeout, concurrent.futures.FIRST_COMPLETED)  # fmt: skip
+        concurrent.futures.wait([p._made for p in pending], timeout, concurrent.futures.FIRST_COMPLETED)  # fmt: skip
 
     def error(self) -> BaseException | None:
         """Why the compile failed (None while it runs or when it succeeded)."""
-        return self._compiled.exception() if self._compiled.done() else None
+        return self._made.exception() if self._made.done() else None
 
 
 class StructuredOutputManager:
@@ -167,6 +190,9 @@ class StructuredOutputManager:
         self._lock = threading.Lock()  # requests are submitted from the callers' threads
         self._compiled: OrderedDict[tuple[Any, ...], Future] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
+        # Worker processes for the libraries that hold the GIL while compiling (outlines-core,
+        # lm-format-enforcer's interegular), started on their first compile.
+        self.processes = CompileProcesses(COMPILE_THREADS) if async_compile else None
         self._bitmask = torch.empty(0, bitmask_words(vocab_size), dtype=torch.int32)
         self.compiles = 0  # constraints compiled (cache misses), for tests and benchmarks
 
@@ -176,7 +202,9 @@ class StructuredOutputManager:
             if name not in self._backends and name not in self._failed:
                 try:
                     cls = resolve_obj_by_qualname(BACKENDS[name])
-                    self._backends[name] = cls(self.tokenizer, self.vocab_size, self.stop_token_ids)
+                    made = cls(self.tokenizer, self.vocab_size, self.stop_token_ids)
+                    made.processes = self.processes
+                    self._backends[name] = made
                 except Exception as e:  # a missing library, or one that rejects this tokenizer
                     self._failed[name] = f"the {name} backend cannot start: {e}"
             if name in self._failed:
@@ -262,6 +290,8 @@ class StructuredOutputManager:
     def destroy(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.processes is not None:
+            self.processes.close()
         for b in self._backends.values():
             b.destroy()
         self._backends.clear()

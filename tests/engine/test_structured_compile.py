@@ -5,6 +5,7 @@ fails only its own request."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import time
 
@@ -18,14 +19,25 @@ jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 pytest.importorskip("llguidance")
 
-# xgrammar compiles this in seconds (1.3 s for 60 of each field here; it releases the GIL while
-# it compiles, so decoding goes on beside it).
+# A constraint per backend that takes a while to compile on the tiny model's vocabulary (times
+# on an idle core; the compile runs below the engine's priority, so longer on a busy machine).
+_EMAILS = {"type": "object", "properties": {f"f{i}": {"type": "string", "format": "email"} for i in range(4)}, "required": [f"f{i}" for i in range(4)]}  # fmt: skip
 SLOW = {
-    "type": "object",
-    "properties": {f"f{i}": {"type": "string", "format": "email"} for i in range(100)}
-    | {f"g{i}": {"type": "array", "items": {"type": "object", "properties": {
-        "a": {"type": "string", "format": "uri"}, "b": {"type": "number"}}}} for i in range(100)},
-    "required": [f"f{i}" for i in range(3)],
+    # xgrammar 1.3 s; it releases the GIL while it compiles, on the compile thread.
+    "xgrammar": {"json": {
+        "type": "object",
+        "properties": {f"f{i}": {"type": "string", "format": "email"} for i in range(100)}
+        | {f"g{i}": {"type": "array", "items": {"type": "object", "properties": {
+            "a": {"type": "string", "format": "uri"}, "b": {"type": "number"}}}} for i in range(100)},
+        "required": [f"f{i}" for i in range(3)],
+    }},
+    # llguidance: 0.15 s to read, 0.15 s more to make the request's matcher (off the engine's
+    # thread too).
+    "guidance": {"json": {"type": "object", "properties": {f"f{i}": {"type": "string", "format": "email"} for i in range(1000)}, "required": ["f0", "f1", "f2"]}},
+    # outlines-core: a 0.6 s index (in a compile process).
+    "outlines": {"json": _EMAILS},
+    # lm-format-enforcer's interegular: a 0.5 s automaton (in a compile process).
+    "lm-format-enforcer": {"regex": r"([a-z]{1,30}@[a-z]{1,20}\.(com|org)){1,25}"},
 }  # fmt: skip
 
 
@@ -35,44 +47,74 @@ def xgrammar_llm(tiny_models):
     return LLM(folder, dtype="float32", max_model_len=512, structured_outputs_config={"backend": "xgrammar"})  # fmt: skip
 
 
-def test_a_slow_compile_does_not_slow_a_running_stream(xgrammar_llm):
-    engine = xgrammar_llm.engine
+# llguidance builds its parser when a request's matcher is made, on a compile thread, taking the
+# GIL back about every 1.5 ms; on the shared 2-core host the stream then ran 1.7-2.0x slower in 2
+# runs of 3 (at nice 0 instead of 19: 2.8x). Its matcher cannot cross to a process.
+_GUIDANCE = pytest.param("guidance", marks=pytest.mark.xfail(reason="llguidance's matcher is made on a thread that keeps taking the GIL back: up to 2x slower steps under load", strict=False))  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", [_GUIDANCE if b == "guidance" else b for b in SLOW])
+def test_a_slow_compile_does_not_slow_a_running_stream(backend, tiny_models):
+    pytest.importorskip({"outlines": "outlines_core", "lm-format-enforcer": "lmformatenforcer"}.get(backend, "xgrammar"))  # fmt: skip
+    folder, _ = tiny_models("llama")
+    llm = LLM(folder, dtype="float32", max_model_len=512, structured_outputs_config={"backend": backend})  # fmt: skip
+    # The backend's one-time start (its vocabulary tables) is not a compile: done first.
+    llm.generate("x", SamplingParams(max_tokens=2, structured_outputs=S(choice=["ab", "cd"])))
+    engine = llm.engine
     plain = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
     streams = [engine.add_request({"prompt_token_ids": [5, 6]}, plain)]
 
-    def step_times(until) -> list[float]:
-        """Each step's time; a stream that ends (500 tokens) is followed by another, so one is
-        always decoding."""
-        times = []
+    def steps(until) -> list[float]:
+        """When each step ended; a stream that ends (500 tokens) is followed by another, so one
+        is always decoding."""
+        ends = []
         while not until():
-            t = time.perf_counter()
             outs = engine.step()
-            times.append(time.perf_counter() - t)
+            ends.append(time.perf_counter())
             if any(o.request_id == streams[-1] and o.finished for o in outs):
                 streams.append(engine.add_request({"prompt_token_ids": [5, 6]}, plain))
-        return times
+        return ends
 
     try:
-        measure(engine, streams, step_times)
-    finally:  # the engine is shared by the module's tests
+        measure(engine, streams, steps, SLOW[backend])
+    finally:
         for rid in list(engine._requests):
             engine.abort_request(rid)
+        engine.structured_outputs().destroy()
 
 
-def measure(engine, streams, step_times) -> None:
+BIN = 0.05  # seconds
+
+
+def steps_per_bin(start: float, end: float, ends: list[float]) -> list[int]:
+    """How many steps ended in each BIN-long slice of [start, end) (a stall leaves zeros)."""
+    counts = [0] * int((end - start) / BIN)
+    for t in ends:
+        if start <= t and (i := int((t - start) / BIN)) < len(counts):
+            counts[i] += 1
+    return counts
+
+
+def measure(engine, streams, steps, constraint) -> None:
     for _ in range(5):  # past the first steps' one-time costs
         engine.step()
-    before = step_times(lambda n=iter(range(40)): next(n, None) is None)
+    start = time.perf_counter()
+    before = steps_per_bin(start, start + 1.0, steps(lambda: time.perf_counter() > start + 1.0))
     t = time.perf_counter()
-    slow = engine.add_request({"prompt_token_ids": [7]}, SamplingParams(temperature=1.0, seed=0, max_tokens=200, structured_outputs=S(json=SLOW)))  # fmt: skip
+    slow = engine.add_request({"prompt_token_ids": [7]}, SamplingParams(temperature=1.0, seed=0, max_tokens=200, structured_outputs=S(**constraint)))  # fmt: skip
     assert time.perf_counter() - t < 0.5  # add_request does not wait for the compile
     req = engine._requests[slow]
     assert req.status is RequestStatus.WAITING_FOR_FSM
-    during = step_times(lambda: req.status is not RequestStatus.WAITING_FOR_FSM)
-    assert len(during) >= 10, "the compile was too quick to measure anything"
-    # Medians: the machine is shared, a single step may stall for reasons of its own.
-    ratio = statistics.median(during) / statistics.median(before)
-    assert ratio <= 1.5, (ratio, statistics.median(before), statistics.median(during))
+    ends = steps(lambda: req.status is not RequestStatus.WAITING_FOR_FSM)
+    # Up to the step that admitted the request (its prefill and first mask: the batch's work).
+    during = steps_per_bin(t, ends[-2], ends[:-1])
+    assert len(during) >= 4, "the compile was too quick to measure anything"
+    # The stream's pace in 50 ms slices, median over the slices: a compile holding the GIL
+    # stalls most slices (lm-format-enforcer on the compile thread: a few steps of a second
+    # each, so the median step time saw nothing), while the shared machine's own bursts touch
+    # a few slices only.
+    ratio = statistics.median(before) / max(statistics.median(during), 0.5)
+    assert ratio <= 1.5, (ratio, statistics.median(before), statistics.median(during), len(during))
     outs = {}
     while engine.has_unfinished_requests():
         for o in engine.step():
@@ -80,8 +122,11 @@ def measure(engine, streams, step_times) -> None:
             if o.request_id == streams[-1] and not o.finished:
                 engine.abort_request(o.request_id)
     out = outs[slow].outputs[0]
+    if "regex" in constraint:
+        assert out.finish_reason != "stop" or re.fullmatch(constraint["regex"], out.text), out.text
+        return
     if out.finish_reason == "stop":  # a random model may write long strings
-        jsonschema.validate(json.loads(out.text), SLOW)
+        jsonschema.validate(json.loads(out.text), constraint["json"])
     assert out.text.startswith("{")
 
 
