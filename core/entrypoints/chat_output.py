@@ -27,22 +27,36 @@ def splits_reasoning(
     return None if reasoning_cls(tokenizer).is_reasoning_end(prompt_ids) else reasoning_cls
 
 
+def content_ids(reasoning_parser: Any, ids: Sequence[int] | None) -> list[int] | None:
+    """The ids of the content after the reasoning (vLLM's ``extract_content_ids``), or None."""
+    get = getattr(reasoning_parser, "extract_content_ids", None)
+    if ids is None or get is None:
+        return None
+    try:
+        return list(get(list(ids)))
+    except Exception:  # a plugin's: the tool parser then reads the text alone
+        return None
+
+
 class ChatOutput:
     def __init__(
         self, tools: ToolPlan | None, reasoning_cls: Any, tokenizer: Any, body: dict[str, Any]
     ) -> None:
         self.tools, self.reasoning_cls, self.tokenizer, self.body = tools, reasoning_cls, tokenizer, body  # fmt: skip
 
-    def message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
-        """(the message, the finish reason) of a finished choice."""
+    def message(self, text: str, finish: str | None, ids: Sequence[int] | None = None) -> tuple[dict[str, Any], str | None]:  # fmt: skip
+        """(the message, the finish reason) of a finished choice; ``ids``: its token ids, for
+        the tool-call parser."""
         msg: dict[str, Any] = {"role": "assistant"}
         if self.reasoning_cls is not None:
-            reasoning, text = self.parser().extract_reasoning(text, self.body)
+            parser = self.parser()
+            reasoning, text = parser.extract_reasoning(text, self.body)
             text = text or ""
             msg["reasoning_content"] = msg["reasoning"] = reasoning
+            ids = content_ids(parser, ids)
         msg["content"] = text
         if self.tools is not None:
-            content, calls, finish = self.tools.final(text, finish, self.body)
+            content, calls, finish = self.tools.final(text, finish, self.body, ids)
             msg["content"], msg["tool_calls"] = content, [c.to_dict() for c in calls]
         return msg, finish
 
@@ -85,5 +99,7 @@ class ChoiceStream:
         if self.tools is None:
             delta, self._sent = self.content[self._sent :], len(self.content)
             return delta, reasoning, [], finish
+        if self.reasoning is not None:
+            ids = content_ids(self.reasoning, ids) or []
         delta, calls, finish = self.tools.step(self.content, ids, finish)
         return delta, reasoning, calls, finish

@@ -15,7 +15,10 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,8 +64,9 @@ class ToolPlan:
     def parser(self) -> ToolParser | None:
         return self.parser_cls(self.tokenizer) if self.parser_cls is not None else None
 
-    def final(self, text: str, finish: str | None, body: dict[str, Any]) -> tuple[str | None, list[ToolCall], str | None]:  # fmt: skip
-        """(content, calls, finish_reason) of a finished choice."""
+    def final(self, text: str, finish: str | None, body: dict[str, Any], ids: Sequence[int] | None = None) -> tuple[str | None, list[ToolCall], str | None]:  # fmt: skip
+        """(content, calls, finish_reason) of a finished choice; ``ids``, the text's token ids,
+        go to a parser that reads them (only markers produced as tokens open calls)."""
         if self.mode == "named":
             return "", [ToolCall(FunctionCall(self.name, text))], finish  # type: ignore[arg-type]
         if self.mode == "required":
@@ -71,7 +75,11 @@ class ToolPlan:
                 return text, [], finish
             return "", calls, "tool_calls" if finish == "stop" else finish
         if self.mode == "auto":
-            info = self.parser().extract_tool_calls(text, body)  # type: ignore[union-attr]
+            parser = self.parser()
+            if ids is not None and _reads_ids(type(parser)):
+                info = parser.extract_tool_calls(text, body, token_ids=ids)  # type: ignore[union-attr,call-arg]
+            else:
+                info = parser.extract_tool_calls(text, body)  # type: ignore[union-attr]
             if info.tools_called:
                 return info.content, info.tool_calls, "tool_calls" if finish == "stop" else finish
             # no call: the parser's content (gpt-oss's harmony text is its final channel's)
@@ -90,6 +98,13 @@ def _required_calls(text: str) -> list[ToolCall]:
         ToolCall(FunctionCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)))
         for c in items
     ]
+
+
+@functools.cache
+def _reads_ids(parser_cls: type[ToolParser]) -> bool:
+    """Whether the parser's extract_tool_calls takes ``token_ids`` (llmhal's parsers; vLLM-style
+    plugins read the text only)."""
+    return "token_ids" in inspect.signature(parser_cls.extract_tool_calls).parameters
 
 
 def can_stream(parser_cls: type[ToolParser]) -> bool:
@@ -172,7 +187,7 @@ class ToolStream:
     def _rest(self, text: str, finish: str) -> tuple[str, list[DeltaToolCall]]:
         """At the end: the content and calls of the finished text's reading beyond what was sent
         (text held back as a possible tag, a call left unclosed at EOS)."""
-        content, calls, _ = self.plan.final(text, finish, self.body)
+        content, calls, _ = self.plan.final(text, finish, self.body, self.ids)
         content = content or ""
         more = content[len(self.sent_content) :] if content.startswith(self.sent_content) else ""
         extra = [DeltaToolCall(i, c.id, c.function.name, c.function.arguments) for i, c in enumerate(calls)][self.sent_calls :]  # fmt: skip

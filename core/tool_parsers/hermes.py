@@ -1,7 +1,8 @@
 """``hermes``: calls written as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
 (Hermes 2 Pro, Qwen2.5 and Qwen3 instruct models, and others trained on that format). Text before
 the first call is the message's content. ``<tool_call>`` is a special token in those vocabularies,
-so the request keeps special tokens in its text (``adjust_request``).
+so the request keeps special tokens in its text (``adjust_request``); given the output's token ids,
+only a ``<tool_call>`` the model produced as that token opens a call.
 
 Streaming sends the content as it comes, holding back anything that may be the start of a
 ``<tool_call>`` tag, and each call whole once its closing tag arrives.
@@ -23,6 +24,8 @@ from llmhal.tool_parsers.base import (
     ToolParser,
     tool_call_id,
 )
+from llmhal.tool_parsers.incremental import restore_reading
+from llmhal.tool_parsers.special_tokens import SpecialTokenText
 
 START, END = "<tool_call>", "</tool_call>"
 _CALLS = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.S)
@@ -51,15 +54,36 @@ class HermesToolParser(ToolParser):
         super().__init__(tokenizer)
         self._content_sent = 0  # characters of content streamed so far
         self._closed_seen = 0  # closed <tool_call> blocks handled so far (malformed ones too)
+        self._special: SpecialTokenText | None = None
 
     def adjust_request(self, request: dict[str, Any]) -> dict[str, Any]:
         if request.get("tools") and request.get("tool_choice") != "none":
             return {**request, "skip_special_tokens": False}
         return request
 
+    def _inert(self, text: str, ids: Sequence[int] | None) -> tuple[str, dict[int, str] | None]:
+        """The text with markers the model wrote in ordinary tokens made inert (when the ids
+        are known: :mod:`llmhal.tool_parsers.special_tokens`)."""
+        if not ids or self.model_tokenizer is None:
+            return text, None
+        self._special = self._special or SpecialTokenText(self.model_tokenizer)
+        return self._special.inert(text, ids)
+
     def extract_tool_calls(
-        self, model_output: str, request: dict[str, Any]
+        self,
+        model_output: str,
+        request: dict[str, Any],
+        token_ids: Sequence[int] | None = None,
     ) -> ExtractedToolCallInformation:
+        """``token_ids``: as :meth:`IncrementalToolParser.extract_tool_calls` takes them."""
+        model_output, table = self._inert(model_output, token_ids)
+        info = self._extract(model_output)
+        if table is not None:
+            content, calls = restore_reading(info.content or "", info.tool_calls, table)
+            info = ExtractedToolCallInformation(info.tools_called, calls, content or None)
+        return info
+
+    def _extract(self, model_output: str) -> ExtractedToolCallInformation:
         start = model_output.find(START)
         if start < 0:
             return ExtractedToolCallInformation(False, [], model_output)
@@ -83,6 +107,7 @@ class HermesToolParser(ToolParser):
         delta_token_ids: Sequence[int],
         request: dict[str, Any],
     ) -> DeltaMessage | None:
+        current_text, table = self._inert(current_text, current_token_ids)
         start = current_text.find(START)
         content_end = start if start >= 0 else len(current_text) - _held_back(current_text)
         delta = DeltaMessage()
@@ -108,4 +133,9 @@ class HermesToolParser(ToolParser):
                         call.function.arguments,
                     )  # fmt: skip
                 )
+        if table is not None:
+            delta.content = SpecialTokenText.restore(delta.content, table)
+            for d in delta.tool_calls:
+                d.name = SpecialTokenText.restore(d.name, table)
+                d.arguments = SpecialTokenText.restore(d.arguments, table)
         return delta if delta.content or delta.tool_calls else None

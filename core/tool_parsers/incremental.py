@@ -31,6 +31,7 @@ from llmhal.tool_parsers.base import (
     ToolCall,
     ToolParser,
 )
+from llmhal.tool_parsers.special_tokens import SpecialTokenText
 
 logger = init_logger(__name__)
 
@@ -52,6 +53,19 @@ def make_call(name: Any, arguments: Any, call_id: str | None = None) -> ToolCall
     return call
 
 
+def restore_reading(
+    content: str, calls: list[ToolCall], table: dict[int, str] | None
+) -> tuple[str, list[ToolCall]]:
+    """A reading of a text with inert markers, in the text's own characters again."""
+    if table is None:
+        return content, calls
+    for c in calls:
+        c.function.name = c.function.name.translate(table)
+        c.function.arguments = c.function.arguments.translate(table)
+        c.id = c.id.translate(table)
+    return content.translate(table), calls
+
+
 def held_back(text: str, markers: Sequence[str]) -> int:
     """How many trailing characters of ``text`` could be the beginning of one of ``markers``."""
     best = 0
@@ -71,6 +85,7 @@ class IncrementalToolParser(ToolParser):
         super().__init__(tokenizer)
         self._sent_content = ""  # what the stream has sent
         self._sent_calls = 0
+        self._special: SpecialTokenText | None = None  # made when ids first come
 
     def read(self, text: str, request: dict[str, Any], final: bool) -> tuple[str, list[ToolCall]]:
         raise NotImplementedError
@@ -81,18 +96,30 @@ class IncrementalToolParser(ToolParser):
         return request
 
     def _safe_read(
-        self, text: str, request: dict[str, Any], final: bool
+        self, text: str, request: dict[str, Any], final: bool, ids: Sequence[int] | None = None
     ) -> tuple[str, list[ToolCall]]:
+        """:meth:`read`, never raising; with the output's token ids, markers the model wrote in
+        ordinary tokens are text (:mod:`llmhal.tool_parsers.special_tokens`)."""
+        table = None
+        if ids and self.model_tokenizer is not None:
+            self._special = self._special or SpecialTokenText(self.model_tokenizer)
+            text, table = self._special.inert(text, ids)
         try:
-            return self.read(text, request or {}, final)
+            content, calls = self.read(text, request or {}, final)
         except Exception:  # a parser bug must not fail the request: the text is the answer
             logger.exception("%s could not read the model's output", type(self).__name__)
-            return (text if final else ""), []
+            content, calls = (text if final else ""), []
+        return restore_reading(content, calls, table)
 
     def extract_tool_calls(
-        self, model_output: str, request: dict[str, Any]
+        self,
+        model_output: str,
+        request: dict[str, Any],
+        token_ids: Sequence[int] | None = None,
     ) -> ExtractedToolCallInformation:
-        content, calls = self._safe_read(model_output, request, True)
+        """``token_ids`` (llmhal's addition to vLLM's signature): the output's ids, when the
+        caller has them, so that only markers produced as tokens open calls."""
+        content, calls = self._safe_read(model_output, request, True, token_ids)
         return ExtractedToolCallInformation(bool(calls), calls, content or None)
 
     def extract_tool_calls_streaming(
@@ -105,7 +132,7 @@ class IncrementalToolParser(ToolParser):
         delta_token_ids: Sequence[int],
         request: dict[str, Any],
     ) -> DeltaMessage | None:
-        content, calls = self._safe_read(current_text, request, False)
+        content, calls = self._safe_read(current_text, request, False, current_token_ids)
         delta = DeltaMessage()
         if content.startswith(self._sent_content) and len(content) > len(self._sent_content):
             delta.content = content[len(self._sent_content) :]
