@@ -14,6 +14,7 @@ file's weights, so greedy tokens and log-probabilities must match it as for F32.
 from __future__ import annotations
 
 import copy
+import json
 
 import numpy as np
 import pytest
@@ -25,9 +26,12 @@ KW = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=8, enforce_eag
 STEPS = 24
 
 
-def write_ssm_gguf(hf, path, weight_type: str = "F32") -> dict[str, torch.Tensor]:
-    """Write ``hf`` (Mamba, FalconMamba or Mamba-2) as llama.cpp's converter does; returns the
-    HF tensors whose file values differ from ``hf``'s (F16 or quantized matrices), dequantized."""
+def write_ssm_gguf(
+    hf, path, weight_type: str = "F32", tokenizer_folder: str | None = None
+) -> dict[str, torch.Tensor]:
+    """Write ``hf`` (Mamba, FalconMamba or Mamba-2) as llama.cpp's converter does, with the byte-level
+    BPE tokenizer of ``tokenizer_folder`` if given; returns the HF tensors whose file values differ
+    from ``hf``'s (F16 or quantized matrices), dequantized."""
     import gguf
 
     c = hf.config
@@ -50,6 +54,8 @@ def write_ssm_gguf(hf, path, weight_type: str = "F32") -> dict[str, torch.Tensor
     else:
         w.add_ssm_time_step_rank(inner // c.head_dim)  # the head count
         w.add_ssm_group_count(c.n_groups)
+    if tokenizer_folder is not None:
+        write_gpt2_vocab(w, tokenizer_folder)
     qtype = gguf.GGMLQuantizationType[weight_type]
     changed = {}
     for name, t in hf.state_dict().items():
@@ -86,6 +92,29 @@ def write_ssm_gguf(hf, path, weight_type: str = "F32") -> dict[str, torch.Tensor
     w.write_tensors_to_file()
     w.close()
     return changed
+
+
+def write_gpt2_vocab(w, folder: str) -> None:
+    """A byte-level BPE tokenizer as llama.cpp's converter stores one (``tokenizer.ggml.model``
+    gpt2): tokens by id, added tokens as control (special) or user-defined ones, the merges, BOS/EOS
+    ids and the chat template."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    vocab = tok.get_vocab()
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    added = {t.content: t.special for t in tok.added_tokens_decoder.values()}
+    kinds = {True: gguf.TokenType.CONTROL, False: gguf.TokenType.USER_DEFINED}
+    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([kinds[added[t]] if t in added else gguf.TokenType.NORMAL for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    w.add_bos_token_id(tok.bos_token_id)
+    w.add_eos_token_id(tok.eos_token_id)
+    w.add_chat_template(tok.chat_template)
 
 
 def with_weights(hf, changed: dict[str, torch.Tensor]):
@@ -182,15 +211,19 @@ def test_a_file_without_ssm_metadata_names_the_key(tiny_models, tmp_path):
         GGUFFile(tmp_path / "bad.gguf").hf_config()
 
 
-def test_generate_cli_runs_a_gguf_file(tiny_models, tmp_path, capsys):
-    import json
+def test_generate_cli_runs_a_gguf_file_with_its_own_tokenizer(tiny_models, tmp_path, capsys):
+    """``llmhal generate --model file.gguf``: the tokenizer comes from the file's vocabulary (as
+    llama.cpp's converter stores the checkpoint's), and the greedy tokens are transformers'."""
+    from transformers import AutoTokenizer
 
     from llmhal.entrypoints import generate
 
     folder, hf = tiny_models("mamba2")
-    write_ssm_gguf(hf, tmp_path / "m.gguf")
-    args = ["--model", str(tmp_path / "m.gguf"), "--tokenizer", folder, "--json", "--no-chat",
-            "--max-tokens", "5", "--dtype", "float32", "--prompt", "Paris is"]  # fmt: skip
+    write_ssm_gguf(hf, tmp_path / "m.gguf", tokenizer_folder=folder)
+    args = ["--model", str(tmp_path / "m.gguf"), "--json", "--no-chat", "--max-tokens", "5",
+            "--dtype", "float32", "--prompt", "Paris is"]  # fmt: skip
     assert generate.main(args) == 0
-    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert len(lines[0]["token_ids"]) == 5
+    got = json.loads(capsys.readouterr().out.splitlines()[0])["token_ids"]
+    prompt = AutoTokenizer.from_pretrained(folder).encode("Paris is")
+    (ref,) = hf_references(hf, [prompt], 5)
+    assert got == ref.tokens
