@@ -186,12 +186,14 @@ _TORCHRUN_SCRIPT = textwrap.dedent(
     import json, os, sys
     from llmhal import LLM, SamplingParams
 
-    folder, tp, pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    folder, tp, pp, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[5]
     llm = LLM(folder, kv_cache_memory_bytes=4 << 20, tensor_parallel_size=tp,
               pipeline_parallel_size=pp, distributed_executor_backend="external_launcher")
     outs = llm.generate(json.loads(sys.argv[4]), SamplingParams(temperature=0, max_tokens=8,
                         ignore_eos=True), use_tqdm=False)
-    print("RANK", os.environ["RANK"], json.dumps([o.outputs[0].token_ids for o in outs]))
+    # A file per rank: the ranks share torchrun's stdout, where their lines can interleave.
+    with open(os.path.join(out, "rank" + os.environ["RANK"]), "w") as f:
+        json.dump([o.outputs[0].token_ids for o in outs], f)
     llm.shutdown()
     """
 )
@@ -206,16 +208,18 @@ def test_external_launcher_under_torchrun_equals_one_process(tiny_models, tmp_pa
     folder, _ = tiny_models("llama")
     script = tmp_path / "run.py"
     script.write_text(_TORCHRUN_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp),
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           str(script), folder, str(tp), str(pp), json.dumps(PROMPTS)]  # fmt: skip
+           str(script), folder, str(tp), str(pp), json.dumps(PROMPTS), str(out)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RANK ")]
-    assert len(lines) == tp * pp
+    got = {f.name: json.loads(f.read_text()) for f in out.iterdir()}
+    assert sorted(got) == [f"rank{r}" for r in range(tp * pp)]
     want = greedy_ids(folder)
-    for line in lines:
-        assert json.loads(line.split(" ", 2)[2]) == want
+    for rank, ids in got.items():
+        assert ids == want, rank
 
 
 def _free_port() -> int:

@@ -135,7 +135,9 @@ from llmhal import LLM
 llm = LLM(sys.argv[1], kv_cache_memory_bytes=1 << 20, tensor_parallel_size=2,
           distributed_executor_backend="external_launcher", io_processor_plugin="place_io")
 llm.generate(["hello"], use_tqdm=False)
-print("RANK", os.environ["RANK"], os.getpid(), flush=True)
+# A file per rank: the ranks share torchrun's stdout, where their lines can interleave.
+with open(os.path.join(sys.argv[2], "rank" + os.environ["RANK"]), "w") as f:
+    f.write(str(os.getpid()))
 llm.shutdown()
 """
 
@@ -147,10 +149,13 @@ def test_external_launcher_rank0_alone_loads_process0_plugins(placement, tiny_mo
     folder, _ = tiny_models("llama")
     script = tmp_path / "run.py"
     script.write_text(_TORCHRUN_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), folder]  # fmt: skip
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), folder,
+           str(out)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    ranks = dict(line.split()[1:3] for line in done.stdout.splitlines() if line.startswith("RANK "))
-    pids = {int(r): int(p) for r, p in ranks.items()}
+    pids = {int(f.name.removeprefix("rank")): int(f.read_text()) for f in out.iterdir()}
+    assert sorted(pids) == [0, 1]
     _check(_placement(placement[1]), pids[0], [pids[1]])
