@@ -252,6 +252,20 @@ class LLM:
 
         return offline.embed(self, prompts, pooling_params, lambda n: _progress_bar(use_tqdm, n))
 
+    def classify(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
+        pooling_params: Any = None,
+    ) -> list[Any]:
+        """A sequence classifier's class probabilities per prompt (vLLM's
+        ``list[ClassificationRequestOutput]``, ``outputs.probs`` one per label); the model must
+        be a ``*ForSequenceClassification`` checkpoint (see :mod:`llmhal.models.seq_cls`)."""
+        from llmhal.pooling import offline
+
+        return offline.classify(self, prompts, pooling_params, lambda n: _progress_bar(use_tqdm, n))
+
     def score(
         self,
         data_1: Prompt | Sequence[Prompt],

@@ -298,6 +298,11 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         salt = _cache_salt(prompt)
         text, ids = self.tokenize(prompt)
+        if getattr(self.model, "pooling_only", False) and not isinstance(params, PoolingParams):
+            raise ValueError(
+                f"{self.config.model.architecture} is a classifier: it does not generate text; "
+                "use LLM.classify / POST /classify (or LLM.embed for its hidden states)"
+            )
         if isinstance(params, PoolingParams):
             from llmhal.pooling.requests import check_pooling_request
 
@@ -420,6 +425,8 @@ class LLMEngine:
         Skipped where the context or the KV cache cannot hold it."""
         # Two decode steps after the prefill's token: one records the batch-1 step, one replays.
         n_prompt, n_new = 4, 3
+        if getattr(self.model, "pooling_only", False):
+            return  # a classifier generates nothing
         if self.config.model.max_model_len < n_prompt + n_new or (
             self.kv.blocks_for(n_prompt + n_new - 1) > self.kv.num_blocks
         ):
@@ -684,7 +691,7 @@ class LLMEngine:
     def _finish_pooling(self, req: Request) -> Any:
         from llmhal.pooling.requests import pooling_output
 
-        out = pooling_output(req)
+        out = pooling_output(req, self.model)
         self._finish(req, RequestStatus.FINISHED_STOPPED)  # its blocks freed (cached ones kept)
         return out
 

@@ -4,13 +4,15 @@ and ``POST /classify``.
 Reranking scores each document against the query the way ``/score`` does on an embedding model
 (vLLM's bi-encoder path): the cosine similarity of the two pooled embeddings. Results come best
 first, ``top_n`` of them (0 or absent: all), each with its index in ``documents`` and, unless
-``return_documents`` is false, the document's text. ``/classify`` needs a classification head
-(a ``*ForSequenceClassification`` checkpoint), which none of llmhal's models has: it answers a 400
-that says so and what to use instead, never numbers from a head that is not there.
+``return_documents`` is false, the document's text. ``/classify`` (vLLM's shape) runs a sequence
+classifier's head (a ``*ForSequenceClassification`` checkpoint, :mod:`llmhal.models.seq_cls`) and
+answers each input's label and class probabilities; on any other model it is a 400 that says so
+and what to use instead, never numbers from a head that is not there.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
@@ -19,7 +21,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from llmhal.entrypoints.api_models import OpenAIBaseModel
-from llmhal.entrypoints.pooling_api import _body, _Prompted, truncated
+from llmhal.entrypoints.pooling_api import _body, _Prompted, _prompts, truncated
 from llmhal.pooling.offline import cosine
 from llmhal.pooling.params import PoolingParams
 
@@ -33,10 +35,24 @@ class RerankRequest(_Prompted):
 
 
 class ClassificationRequest(_Prompted):
-    """vLLM's request (answered with a 400 here: see the module's docstring)."""
-
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
+
+
+class ClassificationData(OpenAIBaseModel):
+    index: int
+    label: str | None
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(OpenAIBaseModel):
+    id: str
+    object: str = "list"
+    created: int
+    model: str
+    data: list[ClassificationData]
+    usage: dict[str, int]
 
 
 class RerankDocument(OpenAIBaseModel):
@@ -72,7 +88,7 @@ def _text(doc: str | dict[str, Any], i: int) -> str:
 def add_rerank_routes(app: FastAPI, state: Any, parse: Any, pool: Any, checked: Any, prompts_of: Any) -> None:  # fmt: skip
     """Register /rerank and /classify; ``parse``, ``pool``, ``checked`` and ``prompts_of`` are
     the pooling routes' own (see :func:`llmhal.entrypoints.pooling_api.add_pooling_routes`)."""
-    from llmhal.entrypoints.api_server import _GEN_DOCS, ApiError
+    from llmhal.entrypoints.api_server import _GEN_DOCS
 
     async def rerank(request: Request) -> JSONResponse:
         req = await parse(request, RerankRequest)
@@ -99,14 +115,19 @@ def add_rerank_routes(app: FastAPI, state: Any, parse: Any, pool: Any, checked: 
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
         app.post(path, response_model=RerankResponse, openapi_extra=_body(RerankRequest), responses=_GEN_DOCS)(rerank)  # fmt: skip
 
-    @app.post("/classify", openapi_extra=_body(ClassificationRequest), responses=_GEN_DOCS)
+    @app.post("/classify", response_model=ClassificationResponse, openapi_extra=_body(ClassificationRequest), responses=_GEN_DOCS)  # fmt: skip
     async def classify(request: Request) -> JSONResponse:
-        await parse(request, ClassificationRequest)  # a malformed body is still its own 400
-        arch = ", ".join(getattr(state.llm.engine.config.model.hf_config, "architectures", None) or ["?"])  # fmt: skip
-        raise ApiError(
-            400,
-            f"/classify needs a sequence-classification model (a *ForSequenceClassification "
-            f"checkpoint with a classifier head); this server's model is {arch}, which has none, "
-            "and llmhal runs no classifier heads. Compare texts with /score or /rerank, or pool "
-            "them with /v1/embeddings",
-        )
+        req = await parse(request, ClassificationRequest)
+        prompts = await prompts_of(lambda: truncated(state, _prompts(req.input), req))
+        outs = await pool(prompts, PoolingParams("classify"))  # a 400 on a model without a head
+        labels = getattr(state.llm.engine.config.model.hf_config, "id2label", None) or {}
+        data = []
+        for i, o in enumerate(outs):
+            probs = o.outputs.data.tolist()
+            best = max(range(len(probs)), key=probs.__getitem__)
+            label = labels.get(best, labels.get(str(best)))
+            data.append({"index": i, "label": label, "probs": probs, "num_classes": len(probs)})
+        tokens = sum(len(o.prompt_token_ids) for o in outs)
+        body = {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": state.model_name,
+                "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}  # fmt: skip
+        return JSONResponse(body)

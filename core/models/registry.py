@@ -16,6 +16,9 @@ logger = init_logger(__name__)
 
 _BUILTIN: dict[str, str] = {
     "LlamaForCausalLM": "llmhal.models.llama:LlamaForCausalLM",
+    "LlamaForSequenceClassification": "llmhal.models.seq_cls:LlamaForSequenceClassification",
+    "Qwen2ForSequenceClassification": "llmhal.models.seq_cls:Qwen2ForSequenceClassification",
+    "Qwen3ForSequenceClassification": "llmhal.models.seq_cls:Qwen3ForSequenceClassification",
     "MistralForCausalLM": "llmhal.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "llmhal.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "llmhal.models.qwen3:Qwen3ForCausalLM",

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from llmhal.pooling.outputs import (
+    ClassificationRequestOutput,
     EmbeddingRequestOutput,
     PoolingRequestOutput,
     ScoringOutput,
@@ -123,6 +124,14 @@ def embed(
 ) -> list[EmbeddingRequestOutput]:
     outs = encode(llm, prompts, pooling_params, "embed", bar)
     return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+
+def classify(
+    llm: Any, prompts: Any, pooling_params: Any = None, bar: Callable[[int], Any] | None = None
+) -> list[ClassificationRequestOutput]:
+    """A sequence classifier's class probabilities for each prompt (vLLM's ``LLM.classify``)."""
+    outs = encode(llm, prompts, pooling_params, "classify", bar)
+    return [ClassificationRequestOutput.from_base(o) for o in outs]
 
 
 def score(

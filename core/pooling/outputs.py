@@ -26,6 +26,15 @@ class ScoringOutput:
 
 
 @dataclass
+class ClassificationOutput:
+    probs: list[float]  # one per label, summing to 1
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
 class PoolingRequestOutput:
     """One pooling request's result; ``outputs`` is a PoolingOutput, or an EmbeddingOutput /
     ScoringOutput in the subclasses below."""
@@ -57,3 +66,13 @@ class EmbeddingRequestOutput(PoolingRequestOutput):
 @dataclass
 class ScoringRequestOutput(PoolingRequestOutput):
     pass
+
+
+@dataclass
+class ClassificationRequestOutput(PoolingRequestOutput):
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
+        return cls(
+            out.request_id, ClassificationOutput(out.outputs.data.tolist()), out.prompt_token_ids,
+            out.finished, out.num_cached_tokens, out.prompt,
+        )  # fmt: skip

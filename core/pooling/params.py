@@ -5,7 +5,10 @@ Tasks (vLLM's names): ``embed`` pools each prompt into one vector (``pooling_typ
 CLS; LAST by default, as vLLM pools a decoder), ``token_embed`` returns one vector per prompt token
 (ALL). ``normalize`` (default on) scales each vector to unit L2 norm; ``dimensions`` keeps the first
 ``dimensions`` components first (Matryoshka truncation), allowed only where the model's config says
-it was trained for it (``matryoshka_dimensions`` or ``is_matryoshka``), as in vLLM.
+it was trained for it (``matryoshka_dimensions`` or ``is_matryoshka``), as in vLLM. ``classify``
+runs a sequence classifier's head (``*ForSequenceClassification`` checkpoints, see
+:mod:`llmhal.models.seq_cls`) on the last prompt position, as transformers does, and gives the class
+probabilities.
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL")
-TASKS = ("embed", "token_embed")
-# vLLM's tasks that need a head llmhal's decoders do not have (a classifier, a reward model).
-HEAD_TASKS = ("classify", "score", "token_classify")
+TASKS = ("embed", "token_embed", "classify")
+# vLLM's tasks that need a head llmhal's models do not have (a cross-encoder, a reward model).
+HEAD_TASKS = ("score", "token_classify")
 
 
 @dataclass(frozen=True)
@@ -78,9 +81,9 @@ class PoolingParams:
         if self.task is not None and self.task not in TASKS:
             if self.task in HEAD_TASKS:
                 raise ValueError(
-                    f"pooling task {self.task!r} needs a classification head that llmhal's models "
-                    f"do not have; llmhal pools with {', '.join(TASKS)} (LLM.score compares "
-                    "embeddings)"
+                    f"pooling task {self.task!r} needs a head llmhal's models do not have (a "
+                    f"cross-encoder's or a token classifier's); llmhal pools with "
+                    f"{', '.join(TASKS)} (LLM.score compares embeddings)"
                 )
             raise ValueError(f"pooling task {self.task!r} is unknown; use one of {', '.join(TASKS)}")  # fmt: skip
         _check_dimensions(self.dimensions, "PoolingParams")
@@ -89,6 +92,10 @@ class PoolingParams:
         """The settings a request runs with: this request's, else the engine's; ValueError for
         a combination the model cannot give."""
         task = self.task or "embed"
+        if task == "classify":  # the head reads the last position, unnormalized
+            if self.dimensions is not None:
+                raise ValueError("dimensions is for embeddings; a classification has one probability per label")  # fmt: skip
+            return ResolvedPooling(task, "LAST", False, None)
         kind = "ALL" if task == "token_embed" else config.pooling_type
         if task == "embed" and kind == "ALL":
             raise ValueError(

@@ -33,15 +33,29 @@ def check_pooling_request(engine: Any, token_ids: Sequence[int], params: Pooling
             f"This prompt needs {n} tokens of KV cache while it is computed, but the cache holds "
             f"only {kv.capacity_tokens} tokens; raise kv_cache_memory_bytes or shorten it."
         )
+    if params.task == "classify" and not getattr(engine.model, "pooling_only", False):
+        archs = ", ".join(getattr(hf, "architectures", None) or ["?"])
+        raise ValueError(
+            f"classify needs a sequence-classification model (a *ForSequenceClassification "
+            f"checkpoint with a classifier head); this model is {archs}, which has none. Compare "
+            "texts with score or rerank, or pool them as embeddings"
+        )
     config = getattr(engine, "pooler_config", None) or PoolerConfig()
     return params.resolve(config, hf, int(hf.hidden_size))
 
 
-def pooling_output(req: Any) -> PoolingRequestOutput:
-    """A finished pooling request's answer (its prompt fully computed)."""
+def pooling_output(req: Any, model: Any = None) -> PoolingRequestOutput:
+    """A finished pooling request's answer (its prompt fully computed); a classify request's is
+    ``model``'s class probabilities."""
+    data = req.pooling.result()
+    if req.pooling.pooling.task == "classify":
+        import torch
+
+        with torch.inference_mode():
+            data = model.classify(data).cpu()
     return PoolingRequestOutput(
         request_id=req.request_id,
-        outputs=PoolingOutput(req.pooling.result()),
+        outputs=PoolingOutput(data),
         prompt_token_ids=list(req.prompt_token_ids),
         finished=True,
         num_cached_tokens=req.num_cached_tokens or 0,

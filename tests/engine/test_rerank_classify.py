@@ -70,7 +70,7 @@ def test_classify_says_why_it_cannot(served):
     status, resp = post_json(base + "/classify", {"model": "tiny", "input": "great movie"})
     assert status == 400
     message = resp["error"]["message"]
-    assert "LlamaForCausalLM" in message and "classifier head" in message and "/rerank" in message
+    assert "LlamaForCausalLM" in message and "classifier head" in message and "rerank" in message
 
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(served):

@@ -28,9 +28,16 @@ KW = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=8, enforce_eag
 STEPS = 24
 
 
-def write_ssm_gguf(hf, path, weight_type: str = "F32", tokenizer_folder: str | None = None) -> None:
+def write_ssm_gguf(
+    hf,
+    path,
+    weight_type: str = "F32",
+    tokenizer_folder: str | None = None,
+    float_only: tuple[str, ...] = ("_norm.weight", "ssm_conv1d.weight"),
+) -> None:
     """Write ``hf`` (Mamba, FalconMamba or Mamba-2) as llama.cpp's converter does, with the byte-level
-    BPE tokenizer of ``tokenizer_folder`` if given."""
+    BPE tokenizer of ``tokenizer_folder`` if given; matrices whose names end in ``float_only`` stay
+    F32, as the converter keeps them."""
     import gguf
 
     c = hf.config
@@ -73,7 +80,7 @@ def write_ssm_gguf(hf, path, weight_type: str = "F32", tokenizer_folder: str | N
             arr = arr.reshape(c.n_groups, -1)
         arr = arr.contiguous().numpy()
         matrix = gname.endswith(".weight") and arr.ndim == 2
-        if not matrix or gname.endswith(("_norm.weight", "ssm_conv1d.weight")) or qtype == 0:
+        if not matrix or gname.endswith(float_only) or qtype == 0:
             w.add_tensor(gname, arr)
             continue
         if qtype == gguf.GGMLQuantizationType.F16 or arr.shape[1] % 32:  # the fallback: F16
@@ -227,6 +234,16 @@ def test_a_file_without_ssm_metadata_names_the_key(tiny_models, tmp_path):
     w.close()
     with pytest.raises(GGUFFormatError, match=r"lacks mamba2\.ssm\.inner_size"):
         GGUFFile(tmp_path / "bad.gguf").hf_config()
+
+
+def test_a_quantized_tensor_llmhal_reads_only_in_float_is_refused(tiny_models, tmp_path):
+    from llmhal import LLM
+    from llmhal.model_loader.gguf_loader import GGUFFormatError
+
+    folder, hf = tiny_models("mamba2")
+    write_ssm_gguf(hf, tmp_path / "m.gguf", "Q8_0", float_only=())  # ssm_norm [2, 64] in Q8_0
+    with pytest.raises(GGUFFormatError, match=r"mixer\.norm\.weight is quantized.*F32/F16/BF16"):
+        LLM(str(tmp_path / "m.gguf"), tokenizer=folder, **KW)
 
 
 def test_generate_cli_runs_a_gguf_file_with_its_own_tokenizer(tiny_models, tmp_path, capsys):

@@ -90,8 +90,10 @@ def test_errors_name_the_choices(tiny_llm):
         llm.encode("x")
     with pytest.raises(ValueError, match="does not support Matryoshka"):
         llm.embed("x", pooling_params=PoolingParams(dimensions=8))
-    with pytest.raises(ValueError, match="classification head"):
-        PoolingParams(task="classify")
+    with pytest.raises(ValueError, match="a head llmhal's models do not have"):
+        PoolingParams(task="token_classify")
+    with pytest.raises(ValueError, match="needs a sequence-classification model"):
+        llm.classify("x", use_tqdm=False)  # a causal LM: no classifier head
     with pytest.raises(ValueError, match="LAST, MEAN, CLS, ALL"):
         PoolerConfig.parse({"pooling_type": "STEP"})
     with pytest.raises(ValueError, match="not supported by llmhal"):
