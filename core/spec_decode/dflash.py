@@ -20,12 +20,13 @@ The block's own keys are not kept. Drafts are at most ``block_size - 1`` a step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from llmhal.spec_decode.eagle import HeadLayer, HeadProposer, _Seq, rms_norm
+from llmhal.spec_decode.eagle import HeadLayer, HeadProposer, rms_norm
 from llmhal.spec_decode.proposer import DraftRequest
 
 _LAYER_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")  # fmt: skip
@@ -86,37 +87,53 @@ class DFlashProposer(HeadProposer):
         self.logit_scale = float(self._setting("output_multiplier", 1.0))
         self.softcap = self._setting("final_logit_softcapping")
 
-    def _draft(self, r: DraftRequest) -> list[int]:
-        seq = self._seqs.get(r.request_id)
-        if seq is None or seq.pos != r.hidden_start:
-            seq = self._empty()
-            seq.pos = r.hidden_start
-            self._seqs[r.request_id] = seq
-        n = r.num_tokens
-        if r.hidden_states is None or seq.pos + r.hidden_states.shape[0] != n - 1:
-            return []
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        """The new context of every request projected at once, then every request's block in
+        one pass of the head."""
+        drafts: list[list[int]] = [[] for _ in requests]
+        todo = [(i, r, self._seq(r)) for i, r in enumerate(requests)]
+        todo = [(i, r, s) for i, r, s in todo if s is not None]
+        if not todo:
+            return drafts
         w = self.weights
-        ctx = rms_norm(F.linear(r.hidden_states.to(self.dtype), w["fc.weight"]), w["hidden_norm.weight"], self.eps)  # fmt: skip
-        positions = torch.arange(seq.pos, n - 1, device=self.device)
-        self._extend(seq, ctx, positions)
-        seq.pos = n - 1
-        limit = self.engine_config.model.max_model_len - (n - 1)  # the rotary table's end
-        size = min(self.block_size, limit)
-        if size < 2:
-            return []
-        newest = r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1]
-        block = self.embed([newest] + [self.mask_token_id] * (size - 1)) * self.embed_scale
-        pos = torch.arange(n - 1, n - 1 + size, device=self.device)
-        for i, layer in enumerate(self.layers):
+        feats = torch.cat([r.hidden_states for _, r, _ in todo]).to(self.dtype)
+        ctx = rms_norm(F.linear(feats, w["fc.weight"]), w["hidden_norm.weight"], self.eps)
+        positions = torch.cat([torch.arange(s.pos, r.num_tokens - 1) for _, r, s in todo])
+        lens = [r.num_tokens - 1 - s.pos for _, r, s in todo]
+        for li, layer in enumerate(self.layers):
+            ks, vs = layer.kv(ctx, positions.to(self.device))
+            for (_, _, s), k, v in zip(todo, ks.split(lens), vs.split(lens), strict=True):
+                s.keys[li], s.values[li] = torch.cat([s.keys[li], k]), torch.cat([s.values[li], v])
+        for _, r, s in todo:
+            s.pos = r.num_tokens - 1
+        # Blocks end at the rotary table's end (max_model_len).
+        limit = self.engine_config.model.max_model_len
+        sizes = [min(self.block_size, limit - s.pos) for _, _, s in todo]
+        fits = [m for m, n in enumerate(sizes) if n > 1]
+        todo, sizes = [todo[m] for m in fits], [sizes[m] for m in fits]
+        if not todo:
+            return drafts
+        ids: list[int] = []
+        for (_, r, _), n in zip(todo, sizes, strict=True):
+            newest = r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1]
+            ids += [newest] + [self.mask_token_id] * (n - 1)
+        block = self.embed(ids) * self.embed_scale
+        pos = torch.cat([torch.arange(s.pos, s.pos + n) for (_, _, s), n in zip(todo, sizes, strict=True)])  # fmt: skip
+        pos = pos.to(self.device)
+        for li, layer in enumerate(self.layers):
             attn_in = rms_norm(block, layer.input_norm, self.eps)
-            block, _, _ = layer.forward(attn_in, block, pos, seq.keys[i], seq.values[i], causal=self.causal)  # fmt: skip
-        logits = self.target.compute_logits(rms_norm(block[1:], w["norm.weight"], self.eps))
+            kv = [(s.keys[li], s.values[li]) for _, _, s in todo]
+            block, _, _ = layer.forward(attn_in, block, pos, kv, sizes, causal=self.causal)
+        # Every block's positions after its first (the newest token) are drafts.
+        starts = torch.tensor([0, *sizes[:-1]]).cumsum(0)
+        rows = torch.cat([torch.arange(a + 1, a + n) for a, n in zip(starts.tolist(), sizes, strict=True)])  # fmt: skip
+        logits = self.target.compute_logits(rms_norm(block[rows.to(self.device)], w["norm.weight"], self.eps))  # fmt: skip
         logits = logits * self.logit_scale
         if self.softcap:
             logits = torch.tanh(logits / float(self.softcap)) * float(self.softcap)
-        return logits.argmax(-1)[: r.max_draft].tolist()
-
-    def _extend(self, seq: _Seq, ctx: torch.Tensor, positions: torch.Tensor) -> None:
-        for i, layer in enumerate(self.layers):
-            k, v = layer.kv(ctx, positions)
-            seq.keys[i], seq.values[i] = torch.cat([seq.keys[i], k]), torch.cat([seq.values[i], v])
+        best = logits.argmax(-1).tolist()
+        at = 0
+        for (i, r, _), n in zip(todo, sizes, strict=True):
+            drafts[i] = best[at : at + n - 1][: r.max_draft]
+            at += n - 1
+        return drafts

@@ -74,34 +74,47 @@ class HeadLayer:
         attn_in: torch.Tensor,
         residual: torch.Tensor,
         positions: torch.Tensor,
-        past_k: torch.Tensor,
-        past_v: torch.Tensor,
+        kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        lens: Sequence[int],
         causal: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """Rows of several requests at once: ``lens[i]`` rows of request i, which attend to its
+        kept keys and values ``kv[i]`` and to its own new rows (up to themselves where
+        ``causal``; all of them in a bidirectional block, as DFlash's). The projections run over
+        all rows together; returns the output and each request's new keys and values."""
         t = attn_in.shape[0]
         q = self._heads_normed(F.linear(attn_in, self.q, self.q_b), self.q_norm, self.heads)
         k = self._heads_normed(F.linear(attn_in, self.k, self.k_b), self.k_norm, self.kv_heads)
         v = F.linear(attn_in, self.v, self.v_b).view(t, self.kv_heads, self.dim)
         q, k = self.rope(positions, q, k)
-        k = k.reshape(t, self.kv_heads, self.dim)
-        keys, values = torch.cat([past_k, k]), torch.cat([past_v, v])
-        p = past_k.shape[0]
-        # Row i (position p + i) sees the kept positions and the new ones up to itself; in a
-        # bidirectional block (DFlash), every new one.
-        mask = torch.arange(p + t, device=q.device)[None, :] <= p + torch.arange(t, device=q.device)[:, None]  # fmt: skip
-        if not causal:
-            mask = torch.ones_like(mask)
+        q, k = q.view(t, self.heads, self.dim), k.reshape(t, self.kv_heads, self.dim)
         rep = self.heads // self.kv_heads
-        att = F.scaled_dot_product_attention(
-            q.view(t, self.heads, self.dim).transpose(0, 1),
-            keys.repeat_interleave(rep, 1).transpose(0, 1),
-            values.repeat_interleave(rep, 1).transpose(0, 1),
-            attn_mask=mask,
-        )
-        h = residual + F.linear(att.transpose(0, 1).reshape(t, -1), self.o, self.o_b)
+        outs, new_k, new_v = [], [], []
+        row = 0
+        for (past_k, past_v), n in zip(kv, lens, strict=True):
+            kn, vn = k[row : row + n], v[row : row + n]
+            keys, values = torch.cat([past_k, kn]), torch.cat([past_v, vn])
+            p = past_k.shape[0]
+            # Row i (position p + i) sees the kept positions and the new ones up to itself.
+            mask = None
+            if causal and n > 1:
+                mask = torch.arange(p + n, device=q.device)[None, :] <= p + torch.arange(n, device=q.device)[:, None]  # fmt: skip
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[row : row + n].transpose(0, 1),
+                    keys.repeat_interleave(rep, 1).transpose(0, 1),
+                    values.repeat_interleave(rep, 1).transpose(0, 1),
+                    attn_mask=mask,
+                ).transpose(0, 1)
+            )
+            new_k.append(kn)
+            new_v.append(vn)
+            row += n
+        att = outs[0] if len(outs) == 1 else torch.cat(outs)
+        h = residual + F.linear(att.reshape(t, -1), self.o, self.o_b)
         m = rms_norm(h, self.post_norm, self.eps)
         mlp = F.linear(self.act(F.linear(m, self.gate)) * F.linear(m, self.up), self.down)
-        return h + mlp, k, v
+        return h + mlp, new_k, new_v
 
     def kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (normed, rotated) and values of ``x`` at ``positions`` alone ([t, kv_heads, dim]):
@@ -133,7 +146,7 @@ class HeadProposer(Proposer):
     checkpoint (``speculative_config["model"]``, a folder with config.json and safetensors) is
     checked against the target before anything loads, and loaded beside it in ``load_model``.
     Subclasses say how the head's input is formed (:meth:`head_input`) and how its output becomes
-    a token (:meth:`next_token`)."""
+    tokens (:meth:`next_tokens`)."""
 
     uses_target_hidden_states: ClassVar[bool] = True
     method_name: ClassVar[str] = "eagle"
@@ -249,22 +262,25 @@ class HeadProposer(Proposer):
         x = F.linear(torch.cat([embeds, hidden.to(embeds.dtype)], -1), self.weights["fc.weight"], self.weights.get("fc.bias"))  # fmt: skip
         return x, x
 
-    def run(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:  # fmt: skip
-        """The head over new positions; appends their keys and values to ``keys``/``values``."""
+    def run(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, seqs: Sequence[_Seq], lens: Sequence[int]) -> torch.Tensor:  # fmt: skip
+        """The head over new rows of several requests (``lens[i]`` rows of ``seqs[i]``, in
+        order); appends their keys and values to each one's."""
         attn_in, x = self.head_input(embeds, hidden)
         for i, layer in enumerate(self.layers):
             if i:
                 attn_in = x if layer.input_norm is None else rms_norm(x, layer.input_norm, self.eps)
-            x, k, v = layer.forward(attn_in, x, positions, keys[i], values[i])
-            keys[i], values[i] = torch.cat([keys[i], k]), torch.cat([values[i], v])
+            kv = [(s.keys[i], s.values[i]) for s in seqs]
+            x, ks, vs = layer.forward(attn_in, x, positions, kv, lens)
+            for s, k, v in zip(seqs, ks, vs, strict=True):
+                s.keys[i], s.values[i] = torch.cat([s.keys[i], k]), torch.cat([s.values[i], v])
         return x
 
-    def next_token(self, out: torch.Tensor) -> int:
-        """The draft token from the head's output at one position: EAGLE feeds the un-normed
-        output to the LM head (its own, else the target's)."""
+    def next_tokens(self, out: torch.Tensor) -> list[int]:
+        """The draft token of each row of the head's output: EAGLE feeds the un-normed output to
+        the LM head (its own, else the target's)."""
         own = self.weights.get("lm_head.weight")
         logits = F.linear(out, own) if own is not None else self.target.compute_logits(out)
-        return int(logits[-1].argmax())
+        return logits.argmax(-1).tolist()
 
     # ----------------------------------------------------------------------- drafting
     def _empty(self) -> _Seq:
@@ -273,34 +289,55 @@ class HeadProposer(Proposer):
         return _Seq(0, [torch.empty(s, dtype=self.dtype, device=self.device) for s in shape], [torch.empty(s, dtype=self.dtype, device=self.device) for s in shape])  # fmt: skip
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
-        return [self._draft(r) for r in requests]
+        """Every request's new positions through the head together, then one batched head step
+        per further draft for the requests that still want one."""
+        drafts: list[list[int]] = [[] for _ in requests]
+        todo = [(i, r, self._seq(r)) for i, r in enumerate(requests)]
+        todo = [(i, r, s) for i, r, s in todo if s is not None]
+        if not todo:
+            return drafts
+        tokens: list[int] = []
+        positions: list[torch.Tensor] = []
+        for _, r, s in todo:
+            # The head pairs h[p] with the token after it: tokens s.pos + 1 .. n - 1.
+            a, plen = s.pos + 1, len(r.prompt_token_ids)
+            tokens += [*r.prompt_token_ids[a:], *r.output_token_ids[max(0, a - plen) :]]
+            positions.append(torch.arange(s.pos, r.num_tokens - 1))
+        lens = [r.num_tokens - 1 - s.pos for _, r, s in todo]
+        hidden = torch.cat([r.hidden_states for _, r, _ in todo])
+        out = self.run(self.embed(tokens), hidden, torch.cat(positions).to(self.device), [s for *_, s in todo], lens)  # fmt: skip
+        last = out[torch.tensor(lens).cumsum(0) - 1]
+        # Keys and values of draft positions go to copies: the next call starts from the
+        # committed ones.
+        live = []
+        for _, r, s in todo:
+            s.pos = r.num_tokens - 1
+            live.append(_Seq(s.pos, list(s.keys), list(s.values)))
+        for j in range(max(r.max_draft for _, r, _ in todo)):
+            new = self.next_tokens(last)
+            for (i, _, _), t in zip(todo, new, strict=True):
+                drafts[i].append(t)
+            keep = [m for m, (i, r, _) in enumerate(todo) if len(drafts[i]) < r.max_draft]
+            if not keep:
+                break
+            todo, live = [todo[m] for m in keep], [live[m] for m in keep]
+            pos = torch.tensor([r.num_tokens - 1 + j for _, r, _ in todo], device=self.device)
+            last = self.run(self.embed([drafts[i][-1] for i, _, _ in todo]), last[keep], pos, live, [1] * len(todo))  # fmt: skip
+        return drafts
 
-    def _draft(self, r: DraftRequest) -> list[int]:
+    def _seq(self, r: DraftRequest) -> _Seq | None:
+        """The request's head state, starting over where the target's rows start elsewhere than
+        it ended (a cached prefix, a recomputation); None where the rows do not reach the newest
+        token (no draft then)."""
         seq = self._seqs.get(r.request_id)
-        if seq is None or seq.pos != r.hidden_start:  # new, or the target skipped/recomputed
+        if seq is None or seq.pos != r.hidden_start:
             seq = self._empty()
             seq.pos = r.hidden_start
             self._seqs[r.request_id] = seq
-        hidden = r.hidden_states
-        n = r.num_tokens
-        if hidden is None or seq.pos + hidden.shape[0] != n - 1:
-            return []  # no rows up to the newest token (not expected): no draft, nothing kept
-        # The head pairs h[i] with the token after it: tokens seq.pos + 1 .. n - 1.
-        a = seq.pos + 1
-        tokens = [*r.prompt_token_ids[a:], *r.output_token_ids[max(0, a - len(r.prompt_token_ids)) :]]  # fmt: skip
-        positions = torch.arange(seq.pos, n - 1, device=self.device)
-        out = self.run(self.embed(tokens), hidden, positions, seq.keys, seq.values)
-        seq.pos = n - 1
-        keys, values = list(seq.keys), list(seq.values)  # draft positions are not kept
-        last = out[-1:]
-        drafts: list[int] = []
-        for j in range(r.max_draft):
-            drafts.append(self.next_token(last))
-            if j + 1 == r.max_draft:
-                break
-            pos = torch.tensor([n - 1 + j], device=self.device)
-            last = self.run(self.embed(drafts[-1:]), last, pos, keys, values)
-        return drafts
+        rows = r.hidden_states
+        if rows is None or seq.pos + rows.shape[0] != r.num_tokens - 1:
+            return None
+        return seq
 
     def finish(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)

@@ -82,7 +82,7 @@ class Eagle3Proposer(HeadProposer):
         draft_vocab = self.weights["lm_head.weight"].shape[0]
         if d2t is None and draft_vocab != self.target_cfg.vocab_size:
             raise ValueError(f"{self.folder}: lm_head has {draft_vocab} rows (a draft vocabulary) but there is no d2t map to the target's {self.target_cfg.vocab_size} tokens")  # fmt: skip
-        self.d2t = None if d2t is None else d2t.long().tolist()
+        self.d2t = None if d2t is None else d2t.long()
 
     def head_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         hidden = hidden.to(embeds.dtype)
@@ -92,7 +92,7 @@ class Eagle3Proposer(HeadProposer):
         normed = rms_norm(embeds, layer.input_norm, self.eps)
         return torch.cat([normed, rms_norm(hidden, self.hidden_norm, self.eps)], -1), hidden
 
-    def next_token(self, out: torch.Tensor) -> int:
-        logits = F.linear(rms_norm(out[-1:], self.weights["norm.weight"], self.eps), self.weights["lm_head.weight"])  # fmt: skip
-        d = int(logits[0].argmax())
-        return d if self.d2t is None else d + self.d2t[d]
+    def next_tokens(self, out: torch.Tensor) -> list[int]:
+        logits = F.linear(rms_norm(out, self.weights["norm.weight"], self.eps), self.weights["lm_head.weight"])  # fmt: skip
+        ids = logits.argmax(-1)
+        return (ids if self.d2t is None else ids + self.d2t[ids]).tolist()
