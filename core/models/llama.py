@@ -12,8 +12,7 @@ for a flattened varlen step (attention metadata from the forward context); optio
 engine replay recorded decode steps; ``compute_logits(hidden) -> float32 [N, vocab]``;
 ``load_weights(iterable of (hf_name, tensor)) -> set of loaded names``. Optionally
 ``set_aux_hidden_state_layers(ids)``: each later forward keeps the inputs of those decoder layers in
-``aux_hidden_states`` (EAGLE-3 drafts from them; ``get_eagle3_aux_hidden_state_layers()`` is the
-default choice).
+``aux_hidden_states`` (EAGLE-3 and DFlash heads draft from them).
 """
 
 from __future__ import annotations
@@ -316,11 +315,6 @@ class LlamaForCausalLM(nn.Module):
             )
         self.model.aux_hidden_state_layers = ids
         self.model.aux_hidden_states = []
-
-    def get_eagle3_aux_hidden_state_layers(self) -> tuple[int, ...]:
-        """The layers EAGLE-3 heads are trained on by default: early, middle and late."""
-        n = self.config.num_hidden_layers
-        return (2, n // 2, n - 3)
 
     @property
     def aux_hidden_states(self) -> list[Tensor]:
