@@ -34,6 +34,7 @@ _LAYER_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "sel
 
 class DFlashProposer(HeadProposer):
     method_name: ClassVar[str] = "dflash"
+    display_name: ClassVar[str] = "DFlash"
 
     def _setting(self, name: str, default: Any = None) -> Any:
         own = self.raw_cfg.get("dflash_config") or {}

@@ -150,6 +150,7 @@ class HeadProposer(Proposer):
 
     uses_target_hidden_states: ClassVar[bool] = True
     method_name: ClassVar[str] = "eagle"
+    display_name: ClassVar[str] = "EAGLE"
 
     @classmethod
     def check_config(cls, config: Any) -> None:
@@ -166,7 +167,7 @@ class HeadProposer(Proposer):
         if not cfg_file.is_file():
             raise ValueError(
                 f"speculative_config['model']={config.model!r} has no config.json: give the folder "
-                f"of a published {self.method_name.upper()} head (config.json and .safetensors)"
+                f"of a published {self.display_name} head (config.json and .safetensors)"
             )
         self.folder = folder
         self.raw_cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
@@ -183,8 +184,8 @@ class HeadProposer(Proposer):
     # ----------------------------------------------------------------- checks and loading
     def _refuse(self, key: str, value: Any, target_key: str, target_value: Any, why: str) -> None:
         raise ValueError(
-            f"speculative_config['model']={self.config.model!r} is {self.method_name.upper()} head "
-            f"with {key}={value}, but the target's {target_key} is {target_value}: {why}; use the "
+            f"the {self.display_name} head speculative_config['model']={self.config.model!r} has "
+            f"{key}={value}, but the target's {target_key} is {target_value}: {why}; use the "
             "head published for this target model"
         )
 
@@ -215,7 +216,7 @@ class HeadProposer(Proposer):
         missing = [n for n in names if n not in self.weights]
         if missing:
             raise ValueError(
-                f"{self.folder} is not a {self.method_name.upper()} head in the published layout: "
+                f"{self.folder} is not a {self.display_name} head in the published layout: "
                 f"missing {', '.join(missing)}"
             )
 
@@ -226,6 +227,11 @@ class HeadProposer(Proposer):
         self.device, self.dtype = param.device, self.engine_config.model.dtype
         self.target = target_model
         self.weights = self._read_weights(self.device, self.dtype)
+        if "embed_tokens.weight" not in self.weights and not hasattr(target_model, "embed_input_ids"):  # fmt: skip
+            raise ValueError(
+                f"the {self.display_name} head in {self.folder} has no embed_tokens of its own and "
+                f"{type(target_model).__name__} does not expose embed_input_ids to share its own"
+            )
         cfg = self.cfg
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         if not hasattr(cfg, "max_position_embeddings"):

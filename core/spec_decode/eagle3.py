@@ -30,6 +30,7 @@ from llmhal.spec_decode.eagle import HeadLayer, HeadProposer, rms_norm
 
 class Eagle3Proposer(HeadProposer):
     method_name: ClassVar[str] = "eagle3"
+    display_name: ClassVar[str] = "EAGLE-3"
 
     def check_head(self) -> None:
         cfg, target = self.raw_cfg, self.target_cfg
