@@ -12,6 +12,15 @@ from llmhal.config import get_current_config
 from llmhal.forward_context import get_forward_context
 
 
+def _chose_recurrent_backend(explicit: str | None) -> bool:
+    from llmhal.attention.registry import get_backend_entry
+    from llmhal.attention.state import RECURRENT_KINDS, explicit_backend_choice
+
+    choice = explicit_backend_choice(explicit)
+    entry = get_backend_entry(choice) if choice else None
+    return entry is not None and entry.kind in RECURRENT_KINDS
+
+
 class Attention(nn.Module):
     """Paged attention over this layer's KV cache, through the selected backend."""
 
@@ -49,7 +58,14 @@ class Attention(nn.Module):
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
         )
-        self.selection = select_attention_backend(self.requirements, explicit=cfg.attention_backend)
+        # A recurrent backend chosen for a hybrid model serves its recurrent layers; these layers
+        # select by kind, and the runner refuses a choice that serves no layer at all.
+        by_kind = _chose_recurrent_backend(cfg.attention_backend)
+        self.selection = select_attention_backend(
+            self.requirements,
+            explicit=None if by_kind else cfg.attention_backend,
+            ignore_explicit=by_kind,
+        )
         self.backend = self.selection.backend
         self.impl = self.backend.get_impl_cls()(
             num_heads,

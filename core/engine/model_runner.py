@@ -113,9 +113,8 @@ class ModelRunner:
                 f"{type(model).__name__} has neither llmhal Attention layers nor recurrent layers; "
                 "cannot allocate a cache"
             )
-        if self.state_layers:
-            selections = [m.selection for m in [*self.layers, *self.state_layers]]
-            check_explicit_choice(selections, config.attention_backend)
+        selections = [m.selection for m in [*self.layers, *self.state_layers]]
+        check_explicit_choice(selections, config.attention_backend)
         self.builders: dict[str, AttentionMetadataBuilder] = {}
         for layer in [*self.layers, *self.state_layers]:
             name = layer.backend.name

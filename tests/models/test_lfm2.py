@@ -134,3 +134,31 @@ def test_explicit_backend_applies_to_its_own_kind(tiny_models):
     assert [m.backend.name for m in runner.layers] == ["reference"]
     assert {m.backend.name for m in runner.state_layers} == {"short_conv_attn"}
     assert len(llm.generate(["Paris"], SamplingParams(max_tokens=3))[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize(
+    "arch,backend",
+    [("lfm2", "short_conv_attn"), ("bamba", "mamba2_attn"), ("minimax", "linear_attn")],
+)
+def test_explicit_recurrent_backend_serves_its_kind_in_a_hybrid(tiny_models, arch, backend):
+    """A recurrent backend chosen for a hybrid serves its layers; the softmax layers select by kind."""
+    from llmhal import LLM, SamplingParams
+
+    folder, _ = tiny_models(arch)
+    llm = LLM(folder, dtype="float32", attention_backend=backend, enforce_eager=True)
+    runner = llm.engine.runner
+    assert {m.backend.name for m in runner.state_layers} == {backend}
+    assert backend not in {m.backend.name for m in runner.layers}
+    assert len(llm.generate(["Paris"], SamplingParams(max_tokens=3))[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("arch,backend", [("lfm2", "linear_attn"), ("llama", "mamba2_attn")])
+def test_a_backend_that_serves_no_layer_is_refused(tiny_models, arch, backend):
+    from llmhal import LLM
+    from llmhal.attention.selector import AttentionBackendError
+
+    folder, _ = tiny_models(arch)
+    with pytest.raises(AttentionBackendError) as err:
+        LLM(folder, dtype="float32", attention_backend=backend, enforce_eager=True)
+    msg = str(err.value)
+    assert "this model's layers are of kind" in msg and "Backends that can serve them" in msg
