@@ -15,11 +15,13 @@ up front; :meth:`GGUFFile.weights` yields zero-copy views:
 Supported architectures: llama (also Mistral and SmolLM, which llama.cpp writes as llama), qwen2,
 qwen3, the mixture-of-experts ones: llama with ``expert_count`` (Mixtral), qwen2moe (with its
 shared expert), qwen3moe; lfm2 (short convolutions beside attention: KV heads per layer, 0 on
-convolution layers); and the state-space models mamba (also FalconMamba) and mamba2, whose
-differences live in :mod:`llmhal.model_loader.gguf_ssm`. The MoE files' experts are 3-D tensors
-(``ffn_gate_exps`` [E, I, H], ...), yielded per expert (``mlp.experts.<e>.gate_proj.weight``: one expert's raw rows) for the MoE layer
-(:mod:`llmhal.quantization.gguf_moe`). The tokenizer (with its chat template) is built by transformers from the file's vocabulary
-and merges; the HF config is built here from the metadata.
+convolution layers) and lfm2moe (experts after the leading dense layers); and the state-space
+models mamba (also FalconMamba) and mamba2, whose differences live in
+:mod:`llmhal.model_loader.gguf_ssm`. The MoE files' experts are 3-D tensors (``ffn_gate_exps``
+[E, I, H], ...), yielded per expert (``mlp.experts.<e>.gate_proj.weight``, LFM2-MoE's under
+``feed_forward``: one expert's raw rows) for the MoE layer (:mod:`llmhal.quantization.gguf_moe`).
+The tokenizer (with its chat template) is built by transformers from the file's vocabulary and
+merges; the HF config is built here from the metadata.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "lfm2": ("lfm2", "Lfm2ForCausalLM"),
+    "lfm2moe": ("lfm2_moe", "Lfm2MoeForCausalLM"),
     **SSM_ARCHITECTURES,
 }
 _MIXTRAL = ("mixtral", "MixtralForCausalLM")  # a llama file with experts
@@ -322,7 +325,7 @@ class GGUFFile:
             cfg["rope_scaling"] = scaling
         if self.is_moe:
             cfg.update(self._moe_config(model_type))
-        if model_type == "lfm2":
+        if model_type in ("lfm2", "lfm2_moe"):
             cfg.update(self._lfm2_config(cfg))
         return cfg
 
@@ -348,6 +351,8 @@ class GGUFFile:
                 f"{experts}"
             )
         out: dict[str, Any] = {"num_experts_per_tok": used}
+        if model_type == "lfm2_moe":
+            return {**out, **self._lfm2_moe_config(experts)}
         if model_type == "mixtral":
             out["num_local_experts"] = experts
             return out
@@ -361,6 +366,28 @@ class GGUFFile:
         norm = self._meta("expert_weights_norm")
         out["norm_topk_prob"] = bool(norm) if norm is not None else model_type == "qwen3_moe"
         return out
+
+    def _lfm2_moe_config(self, experts: int) -> dict[str, Any]:
+        """LFM2-MoE: sigmoid routing, ``leading_dense_block_count`` dense MLPs first, the choice
+        bias ``exp_probs_b``; the chosen weights renormalized and unscaled (transformers'
+        Lfm2MoeConfig defaults; llama.cpp's converter stores neither) unless the file says
+        otherwise."""
+        gating = self._meta("expert_gating_func")
+        if gating is not None and int(gating) != 2:
+            raise GGUFFormatError(
+                f"{self.path.name}: lfm2moe expert_gating_func {gating} is not sigmoid (2), the "
+                "only routing LFM2-MoE has"
+            )
+        dense = int(self._meta("leading_dense_block_count", 0))
+        norm, scale = self._meta("expert_weights_norm"), self._meta("expert_weights_scale")
+        return {
+            "num_experts": experts,
+            "moe_intermediate_size": int(self._meta("expert_feed_forward_length")),
+            "num_dense_layers": dense,
+            "use_expert_bias": f"blk.{dense}.exp_probs_b.bias" in self.tensors,
+            "norm_topk_prob": True if norm is None else bool(norm),
+            "routed_scaling_factor": 1.0 if scale is None else float(scale),
+        }
 
     def _rope_scaling(self) -> dict[str, Any] | None:
         kind = self._meta("rope.scaling.type")
@@ -429,7 +456,9 @@ class GGUFFile:
         n_layers = int(self._meta("block_count", 0))
         gmap = gguf.get_tensor_name_map(arch, n_layers)
         top, block = (
-            (_LFM2_TOP, _LFM2_BLOCK) if self.architecture == "lfm2" else (_HF_TOP, _HF_BLOCK)
+            (_LFM2_TOP, _LFM2_BLOCK)
+            if self.architecture in ("lfm2", "lfm2moe")
+            else (_HF_TOP, _HF_BLOCK)
         )
         hf = [*top, *(f"model.layers.{i}.{m}" for i in range(n_layers) for m in block)]
         if self.architecture in SSM_ARCHITECTURES:
@@ -440,8 +469,12 @@ class GGUFFile:
             if base is not None:
                 out[base] = name
         if self.is_moe:
+            # LFM2-MoE's MLP is feed_forward; its choice bias is one suffixed tensor.
+            ffn = "feed_forward." if self.architecture == "lfm2moe" else "mlp."
             for i in range(n_layers):
-                out.update({f"blk.{i}.{g}": f"model.layers.{i}.{h}" for g, h in _MOE_BLOCK.items()})
+                p = f"model.layers.{i}.{ffn}"
+                out.update({f"blk.{i}.{g}": p + h.removeprefix("mlp.") for g, h in _MOE_BLOCK.items()})  # fmt: skip
+                out[f"blk.{i}.exp_probs_b.bias"] = p + "expert_bias"
         return out
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -452,7 +485,7 @@ class GGUFFile:
         hidden, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
         heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
         hd = c.get("head_dim", hidden // heads)
-        if self.architecture == "lfm2":
+        if self.architecture in ("lfm2", "lfm2moe"):
             return self._lfm2_shapes(c, hd)
         out: dict[str, tuple[int, ...]] = {
             "model.embed_tokens.weight": (vocab, hidden),
@@ -518,6 +551,13 @@ class GGUFFile:
                     "self_attn.q_layernorm.weight": (hd,),
                     "self_attn.k_layernorm.weight": (hd,),
                 })  # fmt: skip
+            if self.is_moe and i >= c["num_dense_layers"]:  # LFM2-MoE: experts after the dense
+                for dense in ("w1", "w2", "w3"):
+                    del layer[f"feed_forward.{dense}.weight"]
+                moe = self._moe_shapes(c, hidden)
+                layer.update({"feed_forward." + k.removeprefix("mlp."): v for k, v in moe.items()})
+                if c["use_expert_bias"]:
+                    layer["feed_forward.expert_bias"] = (c["num_experts"],)
             out.update({p + k: v for k, v in layer.items()})
         return out
 
@@ -605,7 +645,7 @@ class GGUFFile:
             proj = hf.split(".")[-2]
             if self.architecture in _PERMUTED_ARCHS and proj in heads:
                 tensor = unpermute_rows(tensor, heads[proj])
-            if ".mlp.experts." in hf:  # [E, rows, ...]: one expert at a time, as checkpoints do
+            if ".experts." in hf:  # [E, rows, ...]: one expert at a time, as checkpoints do
                 module, _, part = hf.rpartition(".experts.")
                 for e in range(tensor.shape[0]):
                     yield f"{module}.experts.{e}.{part}", tensor[e]

@@ -26,6 +26,8 @@ from llmhal.testing.engine_parity import PROMPTS, compare_with_references, hf_re
 
 KW = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=8, enforce_eager=True)
 STEPS = 24
+EXPERT_PARAM = {"gate_proj.weight": "gate_up_proj", "up_proj.weight": "gate_up_proj",
+                "down_proj.weight": "down_proj"}  # fmt: skip
 
 
 def write_ssm_gguf(
@@ -130,8 +132,16 @@ def with_file_matrices(hf, path):
             qtype = gguf.GGMLQuantizationType(info.type_id)
             if qtype == gguf.GGMLQuantizationType.F32:
                 continue
-            back = gguf.quants.dequantize(f.raw(name).numpy(), qtype).astype(np.float32)
-            params[f.hf_name(name)].copy_(torch.from_numpy(back).view_as(params[f.hf_name(name)]))
+            back = torch.from_numpy(gguf.quants.dequantize(f.raw(name).numpy(), qtype))
+            hf_name = f.hf_name(name)
+            experts, found, part = hf_name.rpartition(".experts.")
+            if found:  # transformers' experts: gate and up stacked in one [E, 2I, H] tensor
+                target = params[f"{experts}.experts.{EXPERT_PARAM[part]}"]
+                rows = {"gate_proj.weight": slice(0, back.shape[1]),
+                        "up_proj.weight": slice(back.shape[1], None)}.get(part, slice(None))  # fmt: skip
+                target[:, rows].copy_(back)
+            else:
+                params[hf_name].copy_(back.view_as(params[hf_name]))
     return ref
 
 
@@ -176,6 +186,78 @@ def test_lfm2_file_runs_its_own_weights(tiny_models, tmp_path, monkeypatch, weig
     path = tmp_path / f"{weight_type}.gguf"
     write_lfm2_gguf(hf, path, weight_type)
     check_file_runs_its_weights(hf, path, folder, weight_type, monkeypatch)
+
+
+def write_lfm2_moe_gguf(hf, path, weight_type: str) -> None:
+    """LFM2-MoE as llama.cpp's converter writes it (``lfm2moe``): LFM2's layout and metadata, the
+    experts stacked per projection (``ffn_gate_exps`` from w1, ``ffn_up_exps`` from w3,
+    ``ffn_down_exps`` from w2), the choice bias as ``exp_probs_b.bias``, sigmoid gating, the router
+    in F32."""
+    import gguf
+
+    c = hf.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2MOE, c.num_hidden_layers)
+    w = gguf.GGUFWriter(str(path), "lfm2moe")
+    kv_heads = [0 if t == "conv" else c.num_key_value_heads for t in c.layer_types]
+    metadata = {
+        "context_length": c.max_position_embeddings, "embedding_length": c.hidden_size,
+        "block_count": c.num_hidden_layers, "feed_forward_length": c.intermediate_size,
+        "head_count": c.num_attention_heads, "head_count_kv": kv_heads,
+        "layer_norm_rms_eps": c.norm_eps, "rope_freq_base": c.rope_parameters["rope_theta"],
+        "vocab_size": c.vocab_size, "shortconv_l_cache": c.conv_L_cache,
+        "expert_count": c.num_experts, "expert_used_count": c.num_experts_per_tok,
+        "expert_feed_forward_length": c.moe_intermediate_size,
+        "leading_dense_block_count": c.num_dense_layers,
+        "expert_gating_func": gguf.ExpertGatingFuncType.SIGMOID,
+    }  # fmt: skip
+    for key, value in metadata.items():  # the writer's add_<key> methods
+        getattr(w, f"add_{key}")(value)
+    qtype = gguf.GGMLQuantizationType[weight_type]
+
+    def put(gname: str, arr: np.ndarray, quantize: bool) -> None:
+        if quantize and qtype != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(gname, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, arr)
+
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        arr = (t.squeeze(1) if name.endswith("conv.conv.weight") else t).float().numpy()
+        prefix, _, leaf = name.rpartition(".")
+        if name.endswith(".experts.gate_up_proj"):
+            blk = f"blk.{name.split('.')[2]}"
+            half = arr.shape[1] // 2
+            put(f"{blk}.ffn_gate_exps.weight", np.ascontiguousarray(arr[:, :half]), True)
+            put(f"{blk}.ffn_up_exps.weight", np.ascontiguousarray(arr[:, half:]), True)
+        elif name.endswith(".experts.down_proj"):
+            put(f"blk.{name.split('.')[2]}.ffn_down_exps.weight", arr, True)
+        elif leaf == "expert_bias":
+            put(f"{names.get_name(name)}.bias", arr, False)
+        else:
+            gname = f"{names.get_name(prefix)}.{leaf}"
+            router = gname.endswith("ffn_gate_inp.weight")
+            put(gname, arr, arr.ndim == 2 and arr.shape[1] % 32 == 0 and not router)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_lfm2_moe_file_matches_transformers(tiny_models, tmp_path, monkeypatch):
+    """LFM2-MoE (``lfm2moe``) with a random choice bias: the F32 file equals transformers, the
+    Q8_0 one (experts through the GGUF MoE method) transformers on the file's matrices."""
+    from llmhal import LLM
+
+    folder, hf = tiny_models("lfm2_moe", routed_scaling_factor=1.0, norm_topk_prob=True)
+    torch.manual_seed(1)
+    for layer in hf.model.layers[1:]:
+        layer.feed_forward.expert_bias.uniform_(-0.5, 0.5)
+    write_lfm2_moe_gguf(hf, tmp_path / "f32.gguf", "F32")
+    llm = LLM(str(tmp_path / "f32.gguf"), tokenizer=folder, **KW)
+    assert compare_with_references(llm, hf_references(hf, PROMPTS, STEPS)) == []
+    write_lfm2_moe_gguf(hf, tmp_path / "q8.gguf", "Q8_0")
+    check_file_runs_its_weights(hf, tmp_path / "q8.gguf", folder, "Q8_0", monkeypatch)
 
 
 def check_file_runs_its_weights(hf, path, folder, weight_type, monkeypatch) -> None:
