@@ -167,10 +167,17 @@ def _poison_unwritten_kv(engine, value=1e4):
     engine.step = poisoned
 
 
-def test_tree_greedy_equals_plain_and_rejected_kv_is_never_read(new_llm, base_llm, answers):
+@pytest.fixture(scope="module")
+def tree_llm(new_llm, answers):
+    """An engine verifying HiddenPathProposer's trees, its unwritten KV poisoned after each step."""
     llm = new_llm({"method": "test_hidden_path", "num_speculative_tokens": 3}, max_num_seqs=4)
-    assert llm.engine.runner.attention_backends == ["tree_attn"]
     _poison_unwritten_kv(llm.engine)
+    return llm
+
+
+def test_tree_greedy_equals_plain_and_rejected_kv_is_never_read(tree_llm, base_llm):
+    llm = tree_llm
+    assert llm.engine.runner.attention_backends == ["tree_attn"]
     for max_tokens in (40, 7):  # 7: trees cut to chains near max_tokens
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         plain = [o.outputs[0].token_ids for o in base_llm.generate(PROMPTS, params)]
@@ -181,12 +188,12 @@ def test_tree_greedy_equals_plain_and_rejected_kv_is_never_read(new_llm, base_ll
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
-def test_tree_rows_keep_their_own_history_and_logprobs(new_llm, base_llm, answers):
+def test_tree_rows_keep_their_own_history_and_logprobs(tree_llm, base_llm):
     """Penalties see each node's own path as history, and log-probabilities come from the rows
     of the accepted path (not the nodes that follow in node order)."""
-    llm = new_llm({"method": "test_hidden_path", "num_speculative_tokens": 3}, max_num_seqs=4)
+    llm = tree_llm
     for params in (
-        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3),
         SamplingParams(
             temperature=0,
             max_tokens=30,
