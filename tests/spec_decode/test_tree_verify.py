@@ -76,7 +76,22 @@ class HiddenPathProposer(Proposer):
         return out
 
 
+class HiddenRecordingProposer(HiddenPathProposer):
+    """The same trees, and a record of the target's hidden states handed over with each call."""
+
+    uses_target_hidden_states = True
+    records: list[tuple[list[int], int, torch.Tensor]] = []
+
+    def propose(self, requests):
+        for r in requests:
+            if r.hidden_states is not None:
+                ids = [*r.prompt_token_ids, *r.output_token_ids]
+                self.records.append((ids, r.hidden_start, r.hidden_states.clone()))
+        return super().propose(requests)
+
+
 register_proposer("test_hidden_path", HiddenPathProposer)
+register_proposer("test_hidden_path_recording", HiddenRecordingProposer)
 
 
 # ------------------------------------------------------------------------------- the rules
@@ -210,6 +225,29 @@ def test_tree_rows_keep_their_own_history_and_logprobs(tree_llm, base_llm):
                 assert la.keys() == lb.keys()
                 assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)
     assert llm.engine.speculator.stats.num_accepted_tokens > 0
+
+
+def test_hidden_states_after_a_tree_step_are_the_accepted_paths(new_llm, answers, tiny_models, monkeypatch):  # fmt: skip
+    """A proposer reading the target's hidden states gets, after a tree verification, the rows of
+    the accepted path (moved into place like its KV): equal to transformers' hidden states of the
+    committed tokens."""
+    import llmhal.spec_decode.speculator as speculator
+
+    moved = []
+    real = speculator.compact_path_kv
+    monkeypatch.setattr(speculator, "compact_path_kv", lambda *a: (moved.append(a[-1]), real(*a)))
+    HiddenRecordingProposer.records.clear()
+    llm = new_llm({"method": "test_hidden_path_recording", "num_speculative_tokens": 3})
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm.generate(PROMPTS[:2], params)
+    assert any(path != list(range(len(path))) for path in moved)  # branches were accepted
+    _, hf = tiny_models("llama")
+    records = HiddenRecordingProposer.records
+    assert len(records) > 4
+    with torch.no_grad():
+        for ids, start, rows in records:
+            ref = hf(torch.tensor([ids[:-1]]), output_hidden_states=True).hidden_states[-1][0]
+            assert torch.allclose(rows, ref[start:], atol=1e-4), (start, len(ids))
 
 
 def test_tree_with_preemption_chunked_prefill_and_trimmed_trees(new_llm, base_llm, answers):
