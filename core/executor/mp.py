@@ -84,9 +84,11 @@ def _worker_main(args: Any, parallel: Any, rank: int, init_method: str, conn: An
     os._exit(0)
 
 
-def _stop(procs: list[Any], conns: list[Any]) -> None:
+def _stop(procs: list[Any], conns: list[Any], stopping: threading.Event) -> None:
     """Stop the workers: close their pipes (an idle worker exits on that), then SIGTERM, then
-    SIGKILL what is left. Bounded: a few seconds at most."""
+    SIGKILL what is left. Bounded: a few seconds at most. ``stopping`` tells the monitor thread
+    that these exits are asked for (this also runs at interpreter exit, without shutdown())."""
+    stopping.set()
     for c in conns:
         try:
             c.send(("stop", None))
@@ -134,7 +136,8 @@ class MultiprocExecutor(Executor):
             self._procs.append(proc)
             self._conns.append(parent)
             self._locks.append(threading.Lock())
-        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns)
+        self._stopping = threading.Event()
+        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, self._stopping)
         for rank in range(1, par.world_size):
             try:
                 self._recv(rank, "joining")  # past imports and config: joining cannot hang
@@ -216,7 +219,7 @@ class MultiprocExecutor(Executor):
         """The monitor thread: the first worker to exit unasked fails the engine."""
         sentinels = {p.sentinel: rank for rank, p in enumerate(self._procs, start=1)}
         ready = wait([*sentinels, self._wake_r])
-        if self._closing or self._wake_r in ready:
+        if self._closing or self._stopping.is_set() or self._wake_r in ready:
             return
         self._record_exit(min(sentinels[s] for s in ready))
         logger.error("%s", self._failure)

@@ -274,3 +274,26 @@ def test_ngram_speculation_tp2_equals_one_process(tiny_models):
     prompts = ["1, 2, 3, 1, 2, 3, 1, 2, 3,"] + PROMPTS
     want = greedy_ids(folder, prompts)
     assert greedy_ids(folder, prompts, speculative_config=spec, tensor_parallel_size=2) == want
+
+
+def test_a_script_that_never_calls_shutdown_exits_quietly(tiny_models, tmp_path):
+    """The usual script: build, generate, fall off the end. Its workers stop at interpreter exit,
+    and stopping them is not reported as a rank failing."""
+    folder, _ = tiny_models("llama")
+    script = tmp_path / "run.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        from llmhal import LLM, SamplingParams
+        if __name__ == "__main__":
+            llm = LLM({folder!r}, kv_cache_memory_bytes={KV}, tensor_parallel_size=2)
+            out = llm.generate(["hi"], SamplingParams(max_tokens=2, ignore_eos=True))
+            print("pids", *llm.engine.executor.worker_pids)
+        """)
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert "ERROR" not in done.stderr, done.stderr
+    pids = [int(p) for p in done.stdout.split("pids", 1)[1].split()]
+    assert all(process_gone(pid) for pid in pids)
