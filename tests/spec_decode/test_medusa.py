@@ -135,3 +135,23 @@ def test_an_explicit_backend_that_cannot_verify_trees_is_refused(new_llm, heads)
     spec = {"method": "medusa", "model": heads, "num_speculative_tokens": 3}
     with pytest.raises(ValueError, match="kind 'tree'.*tree_attn"):
         new_llm(spec, attention_backend="reference")
+
+
+def test_heads_made_from_the_models_own_generations(new_llm, tmp_path, plain):
+    """llmhal.spec_decode.medusa_heads: hidden states kept while generating, residual blocks
+    fitted to later hidden states (closer than the untrained, echoing head), saved in vLLM's
+    layout with the target's LM head, and loaded back as exact drafts."""
+    from llmhal.spec_decode.medusa_heads import collect_hidden, make_heads, train_heads
+
+    llm = new_llm()
+    seqs = collect_hidden(llm, ["hello there", "a b c"], max_tokens=24)
+    assert len(seqs) == 2 and all(len(s) > 20 for s in seqs)
+    (head,) = train_heads(seqs, 1, steps=100)
+    x = torch.cat([s[:-1] for s in seqs])
+    y = torch.cat([s[1:] for s in seqs])
+    fitted = x + torch.nn.functional.silu(x @ head["weight"].T + head["bias"])
+    assert torch.nn.functional.mse_loss(fitted, y) < torch.nn.functional.mse_loss(x, y)
+    info = make_heads(tmp_path / "heads", llm=llm, prompts=["hello there"], max_tokens=16)
+    assert info["original_lm_head"] and info["samples"] > 10
+    spec = new_llm({"method": "medusa", "model": str(tmp_path / "heads"), "num_speculative_tokens": 3})  # fmt: skip
+    assert _ids(spec.generate(PROMPTS, GREEDY)) == plain
