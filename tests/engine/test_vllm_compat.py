@@ -25,8 +25,8 @@ def test_unknown_engine_arguments_are_an_error_not_ignored(tiny_models):
     folder, _ = tiny_models("llama")
     with pytest.raises(TypeError, match="does not support: enable_lora, gpu_memory_utilization"):
         LLM(folder, gpu_memory_utilization=0.5, enable_lora=True)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
-        LLM(folder, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="use 'mp', 'ray' or 'external_launcher'"):
+        LLM(folder, tensor_parallel_size=2, distributed_executor_backend="uni")
     llm = LLM(
         folder, dtype="float32", max_model_len=64, trust_remote_code=True, tensor_parallel_size=1
     )
