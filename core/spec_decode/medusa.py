@@ -10,10 +10,10 @@ LM head. The heads live in their own folder (``speculative_config["model"]``), i
 (a ``medusa_heads.`` prefix is accepted; with ``original_lm_head`` the one ``lm_heads.0.weight``
 serves every head).
 
-The draft is a tree (see :mod:`llmhal.spec_decode.tree_verify`): node path ``(r1, .., rd)`` holds
-head ``d - 1``'s rank-``rd`` token. The shape is ``medusa_choices`` in the speculative config (a
-list of rank paths, as in the Medusa repository), by default the top-1 chain plus the second
-choice at every depth. A tree whose every path is top-1 is a plain chain. A request that cannot
+The draft may be a tree (see :mod:`llmhal.spec_decode.tree_verify`): node path ``(r1, .., rd)``
+holds head ``d - 1``'s rank-``rd`` token. The shape is ``medusa_choices`` in the speculative config
+(a list of rank paths, as in the Medusa repository, e.g. :func:`default_tree`); without it the
+heads draft the top-1 chain (vLLM's behaviour), verified on the model's own attention backend. A request that cannot
 take the whole tree (``max_tokens`` or the context near, a structured-output grammar) drafts the
 top-1 chain instead.
 """
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from llmhal.spec_decode.proposer import DraftRequest, Proposer
-from llmhal.spec_decode.tree_verify import DraftTree, TreeDraft, default_tree
+from llmhal.spec_decode.tree_verify import DraftTree, TreeDraft
 
 
 class ResidualBlock(nn.Module):
@@ -126,7 +126,10 @@ class MedusaProposer(Proposer):
                 f"speculative_config['num_speculative_tokens']={k} but the Medusa checkpoint has "
                 f"{cfg['num_heads']} heads (one per draft position); use at most {cfg['num_heads']}"
             )
-        choices = config.extra.get("medusa_choices") or default_tree(k)
+        # A chain unless asked for a tree: tree steps go through tree_attn, whose float32 einsums
+        # round differently from the platform's decode kernel, which in bf16 can flip a near-tie
+        # (the default model drifted from plain decoding); the chain stays on the model's backend.
+        choices = config.extra.get("medusa_choices") or [(0,) * d for d in range(1, k + 1)]
         self.tree, self.ranks = DraftTree.from_paths(choices)
         self.top_k = 1 + max(r for path in self.ranks for r in path)
         self.heads: MedusaHeads | None = None

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from llmhal import SamplingParams
+from llmhal.spec_decode.tree_verify import default_tree
 
 PROMPTS = [
     {"prompt_token_ids": [5, 6, 7, 8, 5, 6, 7]},
@@ -81,8 +82,11 @@ def _ids(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
+TREE = [list(p) for p in default_tree(3)]  # the top-1 chain and the second choice at each depth
+
+
 def test_tree_drafts_verified_through_tree_attn_equal_plain_decoding(new_llm, heads, plain):
-    llm = new_llm({"method": "medusa", "model": heads, "num_speculative_tokens": 3})
+    llm = new_llm({"method": "medusa", "model": heads, "num_speculative_tokens": 3, "medusa_choices": TREE})  # fmt: skip
     assert llm.engine.runner.attention_backends == ["tree_attn"]  # chosen through the registry
     assert llm.engine.speculator.proposer.drafts_trees
     assert _ids(llm.generate(PROMPTS, GREEDY)) == plain
@@ -92,27 +96,29 @@ def test_tree_drafts_verified_through_tree_attn_equal_plain_decoding(new_llm, he
 
 
 def test_echo_heads_are_accepted_and_exact_in_tree_and_chain(new_llm, echo_heads, plain):
-    for choices in (None, [[0], [0, 0], [0, 0, 0]]):
+    for choices in (TREE, None):
         spec = {"method": "medusa", "model": echo_heads, "num_speculative_tokens": 3}
         if choices:
-            spec["medusa_choices"] = choices  # a chain: no tree, the model's own backend
+            spec["medusa_choices"] = choices  # else the top-1 chain, on the model's own backend
         llm = new_llm(spec)
         assert _ids(llm.generate(PROMPTS, GREEDY)) == plain
         stats = llm.engine.speculator.stats
         assert stats.num_accepted_tokens > 0
-        assert (llm.engine.runner.attention_backends == ["tree_attn"]) == (choices is None)
+        assert (llm.engine.runner.attention_backends == ["tree_attn"]) == (choices is not None)
 
 
-def test_preemption_and_batching_beside_plain_requests(new_llm, heads, plain):
-    # A KV cache of a few blocks: requests are preempted and resumed mid-generation.
+def test_preemption_and_batching_beside_plain_requests(new_llm, base_llm, heads, plain):
+    # A KV cache of 6 blocks and a small step budget: requests are preempted and resumed, and
+    # trees are trimmed to chains.
+    per_block = base_llm.engine.runner.kv_cache_bytes_per_block()
     llm = new_llm(
-        {"method": "medusa", "model": heads, "num_speculative_tokens": 3},
-        kv_cache_memory_bytes=40 * 16 * 2 * 2 * 2 * 32 * 4,  # ~40 blocks for every layer
-        max_num_seqs=4,
-    )
+        {"method": "medusa", "model": heads, "num_speculative_tokens": 3, "medusa_choices": TREE},
+        kv_cache_memory_bytes=6 * per_block, max_num_batched_tokens=16, max_num_seqs=4,
+    )  # fmt: skip
     params = [GREEDY, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), GREEDY, GREEDY]
     outs = llm.generate(PROMPTS, params)
     assert _ids(outs) == plain
+    assert llm.engine.stats.preemptions > 0
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
@@ -132,7 +138,7 @@ def test_bad_heads_are_refused_before_loading(new_llm, target, tmp_path):
 
 
 def test_an_explicit_backend_that_cannot_verify_trees_is_refused(new_llm, heads):
-    spec = {"method": "medusa", "model": heads, "num_speculative_tokens": 3}
+    spec = {"method": "medusa", "model": heads, "num_speculative_tokens": 3, "medusa_choices": TREE}
     with pytest.raises(ValueError, match="kind 'tree'.*tree_attn"):
         new_llm(spec, attention_backend="reference")
 
