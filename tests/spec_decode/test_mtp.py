@@ -5,28 +5,28 @@ models without MTP layers are refused before loading."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
 from llmhal import SamplingParams
 from llmhal.spec_decode.proposer import DraftRequest
 
+
+def _deepseek_common() -> dict:
+    """test_deepseek's tiny DeepSeek config (test folders are not packages here)."""
+    path = Path(__file__).parents[1] / "models" / "test_deepseek.py"
+    spec = importlib.util.spec_from_file_location("_deepseek_cases", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.COMMON
+
+
+# DeepSeek-V3's routing and a q LoRA, two decoder layers, and one MTP layer after them.
 CONFIG = {
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "moe_intermediate_size": 32,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "kv_lora_rank": 32,
-    "qk_nope_head_dim": 16,
-    "qk_rope_head_dim": 8,
-    "v_head_dim": 12,
-    "n_routed_experts": 8,
-    "num_experts_per_tok": 2,
-    "n_shared_experts": 1,
-    "first_k_dense_replace": 1,
-    "routed_scaling_factor": 1.5,
-    "initializer_range": 0.1,
+    **_deepseek_common(),
     "q_lora_rank": 24,
     "n_group": 4,
     "topk_group": 2,
