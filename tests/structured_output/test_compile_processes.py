@@ -142,3 +142,16 @@ def test_compiling_on_the_callers_thread_starts_no_process(tok):
         assert m.backend("outlines").compile(K.REGEX, "x+") is not None
     finally:
         m.destroy()
+
+
+def test_an_external_launcher_engine_compiles_on_the_callers_thread(tiny_models):
+    """vLLM turns the compile pool off for external_launcher (each rank compiles in step)."""
+    from llmhal import LLM
+
+    folder, _ = tiny_models("llama")
+    llm = LLM(folder, dtype="float32", max_model_len=64)
+    llm.engine.config.parallel.distributed_executor_backend = "external_launcher"
+    manager = llm.engine.structured_outputs()
+    assert manager.async_compile is False and manager.processes is None
+    pending = manager.request(S(regex="[ab]{2}"))
+    assert pending.ready() and manager._pool is None
