@@ -1,9 +1,10 @@
 """The structured-output compile process: where outlines-core builds its indexes and interegular
 (lm-format-enforcer's regex engine) its automata, away from the engine's interpreter.
 
-Both hold the GIL while they work (interegular is pure Python; outlines-core takes it back
-thousands of times a second), so on the engine's compile threads they slowed decoding of every
-running request. Here they have an interpreter of their own. What comes back is data, never
+On the engine's compile thread both competed for the GIL (interegular is pure Python): beside
+them the engine's own Python ran 1.4x (outlines-core) and 1.65x (interegular) slower with pauses
+of 0.3-0.6 s, and outlines-core's index took 62 s instead of 12 s (tiny model, a 4-email schema /
+a 25-fold email regex, shared 2-core host). Here they have an interpreter of their own. What comes back is data, never
 pickle: outlines-core's own binary form of its ``Index`` (read with ``Index.from_binary``) and an
 automaton as JSON.
 
