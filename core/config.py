@@ -50,6 +50,10 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # While requests decode, a step's prompt tokens are limited so it takes at most this many
+    # times a decode-only step, by the engine's measured costs (llmhal.engine.step_budget).
+    # 0: off, every step may fill its budget (offline batches; ``llmhal serve`` sets 2).
+    decode_pace_factor: float = 0.0
 
 
 @dataclass

@@ -32,6 +32,7 @@ from llmhal.engine.stat_loggers import (
     load_stat_loggers,
     record_all,
 )
+from llmhal.engine.step_budget import DecodePace
 from llmhal.logger import init_logger
 from llmhal.pooling.params import PoolingParams
 from llmhal.structured_output.manager import PendingGrammar, StructuredOutputManager
@@ -119,8 +120,14 @@ class LLMEngine:
         self.runner: ModelRunner = executor.runner
         self.kv = kv
         sched = config.scheduler
+        # Measured step costs; they limit prefill while requests decode when the factor is set.
+        self.pace = DecodePace(sched.decode_pace_factor)
         self.scheduler = Scheduler(
-            kv, sched.max_num_seqs, sched.max_num_batched_tokens, sched.enable_chunked_prefill
+            kv,
+            sched.max_num_seqs,
+            sched.max_num_batched_tokens,
+            sched.enable_chunked_prefill,
+            self.pace,
         )
         self.sampler = Sampler(torch.Generator().manual_seed(config.model.seed))
         self.stats = EngineStats()
@@ -416,6 +423,13 @@ class LLMEngine:
                 # Reported at once, as a step that ran nothing: an idle engine has no next step.
                 self._record_stats(0.0, [], [req], 0)
 
+    def set_decode_pace(self, factor: float) -> None:
+        """Limit prefill while requests decode: a step may take at most ``factor`` times a
+        decode-only step (0: off). The measured costs are kept."""
+        DecodePace(factor)  # refuses a factor in (0, 1] with the remedy
+        self.pace.factor = factor
+        self.config.scheduler.decode_pace_factor = factor
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._compiling)
 
@@ -445,6 +459,7 @@ class LLMEngine:
         finally:
             self.abort_request(rid)  # also forgets it (a finished one is already forgotten)
             self.stats = EngineStats()
+            self.pace.forget()  # its first steps ran several times their steady time
             if self.speculator is not None:
                 self.speculator.reset_stats()
             self.stat_loggers = loggers
@@ -527,6 +542,7 @@ class LLMEngine:
             self.speculator.propose(live, len(self.scheduler.running))
         # Decode speed counts tokens generated: a verified chunk computes drafts that are dropped.
         dt = self._account(t0, prefill, decoded if verifying else batch.num_tokens, len(batch.preempted))  # fmt: skip
+        self.pace.observe(prefill, batch.num_tokens - prefill, dt)
         if self.stat_loggers:
             sampled = list(zip(sample_reqs, before, strict=True))
             ended = [r for r in sample_reqs if r.status.finished]

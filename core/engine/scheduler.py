@@ -2,7 +2,9 @@
 
 Each step has a token budget (``max_num_batched_tokens``). Running requests are served first:
 decodes (one token each, plus any speculative drafts), then partially prefilled prompts, which
-continue with a chunk of what budget is left, each group in arrival order.
+continue with a chunk of what budget is left, each group in arrival order. While requests decode,
+an engine's :class:`~llmhal.engine.step_budget.DecodePace` may limit the prompt tokens a step adds
+further, so the streams keep their pace while new prompts prefill (never below a few tokens).
 Waiting requests are then admitted while budget, blocks and ``max_num_seqs`` allow, their prompts
 chunked to fit the budget. When a running request cannot get a block, the most recently admitted
 running request is preempted: its blocks are freed and it goes back to the front of the queue, to be
@@ -28,6 +30,7 @@ from typing import Any
 
 from llmhal.engine.kv_cache_manager import KVCacheManager
 from llmhal.engine.request import Request, RequestStatus
+from llmhal.engine.step_budget import DecodePace
 from llmhal.logger import init_logger
 
 POLICIES = ("fcfs", "priority")
@@ -70,8 +73,11 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         chunked_prefill: bool = True,
+        pace: DecodePace | None = None,
     ) -> None:
         self.kv = kv
+        # Limits a step's prompt tokens while requests decode (None: the budget alone).
+        self.pace = pace
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
@@ -129,13 +135,21 @@ class Scheduler:
         # Decodes first, then the prompts being prefilled in chunks, each group in arrival order:
         # a long prompt's chunk takes what budget the running streams leave, never their turn.
         scheduled: set[int] = set()
+        decode_tokens = 0
+        prefill_left: int | None = None  # the pace's limit, set once the decodes are in
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             if budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             known = req.num_tokens - req.num_computed_tokens
+            if known > 1 and prefill_left is None:
+                prefill_left = self._prefill_allowance(decode_tokens, budget)
             n = min(known + len(req.spec_token_ids), budget)
+            if known > 1:
+                n = min(n, prefill_left)  # type: ignore[type-var]
+                if n <= 0:
+                    break
             if n > known and not self.kv.allocate(req, n):
                 n = min(known, budget)  # no blocks for the drafts: verify none this step
             # Speculative drafts are verified after the last token, as far as the budget goes.
@@ -155,10 +169,16 @@ class Scheduler:
                 batch.items.append((req, n))
                 scheduled.add(id(req))
                 budget -= n
+                if known > 1:
+                    prefill_left -= n  # type: ignore[operator]
+                else:
+                    decode_tokens += n
+        if prefill_left is None:
+            prefill_left = self._prefill_allowance(decode_tokens, budget)
         if not batch.preempted:
             pending: set[bytes] | None = None  # blocks running requests are computing
             deferred: list[Request] = []  # waiting for those; they keep their place in line
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            while self.waiting and min(budget, prefill_left) > 0 and len(self.running) < self.max_num_seqs:  # fmt: skip
                 req = self.waiting[0]
                 prefix = self.kv.cached_prefix(req)
                 if self.kv.enable_prefix_caching:
@@ -172,7 +192,7 @@ class Scheduler:
                         continue
                 computed = req.num_computed_tokens + len(prefix) * self.kv.block_size
                 remaining = req.num_tokens - computed
-                n = min(remaining, budget)
+                n = min(remaining, budget, prefill_left)
                 if n < remaining and not self.chunked_prefill:
                     break
                 if not self.kv.allocate(req, n, prefix):
@@ -183,12 +203,21 @@ class Scheduler:
                 self.running.append(req)
                 batch.items.append((req, n))
                 budget -= n
+                prefill_left -= n
                 if pending is not None:
                     pending |= self.kv.pending_hashes([req])
             self.waiting.extendleft(reversed(deferred))
         # Backends expect decodes first; a stable sort keeps arrival order within each group.
         batch.items.sort(key=lambda item: item[1] != 1)
         return batch
+
+    def _prefill_allowance(self, decode_tokens: int, budget: int) -> int:
+        """Prompt tokens this step may still take: the budget, less while requests decode.
+        Without chunked prefill a prompt goes in whole, so the pace does not apply."""
+        if self.pace is None or not self.chunked_prefill:
+            return budget
+        allowed = self.pace.prefill_allowance(decode_tokens)
+        return budget if allowed is None else min(budget, allowed)
 
     def _victim(self, scheduled: set[int]) -> Request:
         if self.policy == "priority":

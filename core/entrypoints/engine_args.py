@@ -54,6 +54,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "moving while a long prompt is prefilled, at some prefill speed",
     )
     p.add_argument(
+        "--decode-pace-factor",
+        type=float,
+        metavar="F",
+        help="while requests decode, limit the prompt tokens a step adds so it takes at most F "
+        "times a decode-only step, by the engine's measured costs (at least 16 tokens a step; "
+        "0: off, every step fills its budget). Default: 2 for llmhal serve, off otherwise",
+    )
+    p.add_argument(
         "--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)"
     )
     p.add_argument(
@@ -141,7 +149,12 @@ def build_llm(prog: str, args: argparse.Namespace, **extra: Any) -> LLM | None:
 
     try:
         spec = getattr(args, "speculative_config", None)
-        return LLM(
+        pace = getattr(args, "decode_pace_factor", None)
+        if pace:
+            from llmhal.engine.step_budget import DecodePace
+
+            DecodePace(pace)  # a bad factor is refused before the model loads
+        llm = LLM(
             args.model, dtype=args.dtype, attention_backend=args.attention_backend,
             quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
             max_model_len=args.max_model_len, enforce_eager=getattr(args, "enforce_eager", False),
@@ -159,6 +172,9 @@ def build_llm(prog: str, args: argparse.Namespace, **extra: Any) -> LLM | None:
             distributed_executor_backend=getattr(args, "distributed_executor_backend", None),
             **extra,
         )  # fmt: skip
+        if pace:
+            llm.engine.set_decode_pace(pace)
+        return llm
     except (
         ValueError,
         OSError,

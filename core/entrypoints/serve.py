@@ -41,12 +41,18 @@ DEFAULT_MAX_CONNECTIONS = 2048
 # CPU platform a token costs about as much in a batch as alone, so a step's time is about its
 # token count: with a 2048-token budget one step stalled 16 streams for seconds.)
 SERVE_PREFILL_TOKENS_PER_STEP = 64
+# The server's --decode-pace-factor unless given: while streams decode, a step that also prefills
+# may take about twice a decode-only step (llmhal.engine.step_budget), so their inter-token gaps
+# stay near their decode pace while new prompts prefill.
+SERVE_DECODE_PACE_FACTOR = 2.0
 
 
 def apply_serving_defaults(args: argparse.Namespace) -> None:
     """The engine settings ``llmhal serve`` uses where the command line leaves them out."""
     if getattr(args, "max_num_batched_tokens", None) is None:
         args.max_num_batched_tokens = args.max_num_seqs + SERVE_PREFILL_TOKENS_PER_STEP
+    if getattr(args, "decode_pace_factor", None) is None:
+        args.decode_pace_factor = SERVE_DECODE_PACE_FACTOR
 
 
 class ApiServer:

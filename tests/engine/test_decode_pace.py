@@ -1,0 +1,145 @@
+"""Decode pace: while requests decode, a step's prompt tokens are limited by measured costs (fed
+here as fake step times, no model and no clock), never below a few tokens; with nothing decoding,
+and with the pace off, a step fills its budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmhal.engine.kv_cache_manager import KVCacheManager
+from llmhal.engine.request import Request
+from llmhal.engine.sampling_params import SamplingParams
+from llmhal.engine.scheduler import Scheduler
+from llmhal.engine.step_budget import MIN_PREFILL_TOKENS, DecodePace
+
+
+class _Detok:
+    text = ""
+
+
+def req(rid: str, prompt_len: int) -> Request:
+    return Request(rid, None, list(range(prompt_len)), SamplingParams(), 100, frozenset(), _Detok())  # type: ignore[arg-type]
+
+
+def run_step(sched: Scheduler) -> list[tuple[str, int]]:
+    batch = sched.schedule()
+    for r, n in batch.items:
+        r.num_computed_tokens += n
+        if r.num_computed_tokens == r.num_tokens:
+            r.output_token_ids.append(1)
+    return [(r.request_id, n) for r, n in batch.items]
+
+
+def measured(factor: float, decode_s_per_token: float, prefill_s_per_token: float) -> DecodePace:
+    """A pace that has seen decode-only steps of 1 and 8 tokens and one pure prefill step,
+    timed as a machine with these per-token costs would (no fixed cost per step)."""
+    pace = DecodePace(factor)
+    for d in (1, 8, 1, 8):
+        pace.observe(0, d, d * decode_s_per_token)
+    pace.observe(100, 0, 100 * prefill_s_per_token)
+    return pace
+
+
+def decoding_scheduler(pace: DecodePace | None, n_decoding: int, budget: int = 512) -> Scheduler:
+    """A scheduler whose ``n_decoding`` requests have their prompts computed and now decode."""
+    s = Scheduler(KVCacheManager(num_blocks=512, block_size=4), 64, budget, pace=pace)
+    for i in range(n_decoding):
+        s.add(req(f"d{i}", 3))
+    run_step(s)
+    return s
+
+
+def test_the_cost_model_follows_the_fed_step_times():
+    pace = DecodePace(2.0)
+    for d in (1, 4, 16, 1, 4, 16):
+        pace.observe(0, d, 0.010 + 0.002 * d)  # a fixed cost and a per-token one
+    assert pace.decode_step_seconds(8) == pytest.approx(0.026)
+    pace.observe(50, 8, 0.026 + 50 * 0.001)
+    assert pace.per_prefill == pytest.approx(0.001)
+    # Spare time of a step of 8 decodes: (2 - 1) * 26 ms, at 1 ms a prefill token.
+    assert pace.prefill_allowance(8) == 26
+
+
+def test_prefill_is_capped_while_requests_decode():
+    # Decode 4 ms a token, prefill 1 ms: 4 decodes leave (2 - 1) x 16 ms = 16 tokens, 8 leave 32.
+    pace = measured(2.0, 0.004, 0.001)
+    s = decoding_scheduler(pace, 8)
+    s.add(req("new", 200))
+    step = run_step(s)
+    assert step[:8] == [(f"d{i}", 1) for i in range(8)]
+    assert step[8:] == [("new", 32)]
+    # The prompt continues in capped chunks while the streams decode.
+    assert run_step(s)[8:] == [("new", 32)]
+    # A factor of 3 doubles the spare time.
+    pace.factor = 3.0
+    assert run_step(s)[8:] == [("new", 64)]
+
+
+def test_the_cap_covers_every_prompt_of_the_step_together():
+    pace = measured(2.0, 0.004, 0.001)
+    s = decoding_scheduler(pace, 8)
+    for i in range(3):
+        s.add(req(f"new{i}", 20))
+    step = run_step(s)
+    assert step[8:] == [("new0", 20), ("new1", 12)]  # 32 prompt tokens in all
+    assert [r.request_id for r in s.waiting] == ["new2"]
+
+
+def test_prefill_never_starves_however_slow_it_measures():
+    pace = measured(2.0, 0.001, 1.0)  # a prompt token costs a thousand decode tokens
+    s = decoding_scheduler(pace, 2)
+    s.add(req("new", 100))
+    assert run_step(s)[2:] == [("new", MIN_PREFILL_TOKENS)]
+    assert run_step(s)[2:] == [("new", MIN_PREFILL_TOKENS)]
+
+
+def test_nothing_decoding_means_the_whole_budget():
+    pace = measured(2.0, 0.004, 0.001)
+    s = Scheduler(KVCacheManager(num_blocks=512, block_size=4), 64, 512, pace=pace)
+    s.add(req("alone", 400))
+    assert run_step(s) == [("alone", 400)]
+
+
+def test_an_offline_batch_prefilling_at_once_keeps_the_full_budget():
+    # Every prompt arrives before the first step (LLM.generate): nothing decodes yet, so the
+    # first step fills the budget exactly as with the pace off.
+    def first_step(pace: DecodePace | None) -> list[tuple[str, int]]:
+        s = Scheduler(KVCacheManager(num_blocks=512, block_size=4), 64, 256, pace=pace)
+        for i in range(10):
+            s.add(req(f"p{i}", 40))
+        return run_step(s)
+
+    paced = first_step(measured(2.0, 0.004, 0.001))
+    assert paced == first_step(None)
+    assert sum(n for _, n in paced) == 256
+
+
+def test_off_unmeasured_or_without_chunking_the_budget_alone_decides():
+    for pace in (measured(0, 0.004, 0.001), DecodePace(2.0), None):
+        s = decoding_scheduler(pace, 8, budget=128)
+        s.add(req("new", 500))
+        assert run_step(s)[8:] == [("new", 120)]
+    # Without chunked prefill a prompt goes in whole or not at all: the pace must not hold it out.
+    s = Scheduler(KVCacheManager(num_blocks=512, block_size=4), 64, 512, chunked_prefill=False, pace=measured(2.0, 0.004, 0.001))  # fmt: skip
+    for i in range(8):
+        s.add(req(f"d{i}", 3))
+    run_step(s)
+    s.add(req("new", 100))
+    assert run_step(s)[8:] == [("new", 100)]
+
+
+def test_a_partly_prefilled_running_prompt_shares_the_cap():
+    pace = measured(2.0, 0.004, 0.001)
+    s = decoding_scheduler(pace, 8)
+    s.add(req("a", 100))
+    s.add(req("b", 100))
+    assert run_step(s)[8:] == [("a", 32)]
+    # a is running and partly prefilled: it takes the step's allowance, b waits its turn.
+    assert run_step(s)[8:] == [("a", 32)]
+    assert [r.request_id for r in s.waiting] == ["b"]
+
+
+def test_a_factor_that_cannot_hold_is_refused_with_the_remedy():
+    for bad in (1.0, 0.5, -2):
+        with pytest.raises(ValueError, match="above 1.*or 0 to turn"):
+            DecodePace(bad)
