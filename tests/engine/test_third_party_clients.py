@@ -88,6 +88,18 @@ def test_guidellm_chat_stream(served):
     _usage_stream(chunks, len(tok(templated, add_special_tokens=False).input_ids))
 
 
+def test_guidellm_0_4_chat_stream(served):
+    """guidellm 0.4's `guidellm benchmark` sends `"stop": null` and asks for the usage only at the
+    end (include_usage without continuous_usage_stats)."""
+    base, *_ = served
+    body = {"model": NAME, "stream": True, "stream_options": {"include_usage": True},
+            "max_completion_tokens": OUT, "stop": None, "ignore_eos": True,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": TEXT}]}]}  # fmt: skip
+    chunks = [data for _, data in sse_events(base + "/v1/chat/completions", body)]
+    assert [c for c in chunks[:-1] if c.get("usage")] == []
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == OUT
+
+
 def test_guidellm_completions_stream(served):
     base, _, _, tok = served
     body = {"model": NAME, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
@@ -122,6 +134,9 @@ def test_tokenizer_saved_for_guidellm_counts_like_the_server(served, tmp_path):
 
     base, llm, _, _ = served
     llm.get_tokenizer().save_pretrained(tmp_path)
+    # The docs' rename: transformers 4 (guidellm 0.4 needs it) has no class TokenizersBackend.
+    cfg = tmp_path / "tokenizer_config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"}))  # fmt: skip
     exported = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
     status, got = post_json(base + "/tokenize", {"prompt": TEXT, "add_special_tokens": False})
     assert status == 200 and got["tokens"] == exported(TEXT, add_special_tokens=False).input_ids
