@@ -189,17 +189,33 @@ def _check_model(state: ServerState, body: dict[str, Any]) -> None:
         raise ApiError(404, f"The model `{model}` does not exist; this server serves `{state.model_name}` (GET /v1/models)", "model")  # fmt: skip
 
 
+def _jsonable(value: Any, whole_tokens: bool = False) -> Any:
+    """``value`` as JSON. An added token is its text (``eos_token`` and the like, which clients read
+    as strings), or with ``whole_tokens`` its record as tokenizer_config.json writes it ({"content",
+    "special", ...}) so a client can rebuild the table; str() gave Python's repr, which parses as
+    nothing."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v, whole_tokens) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v, whole_tokens) for v in value]
+    if hasattr(value, "content") and hasattr(value, "__getstate__"):
+        record = value.__getstate__()
+        if isinstance(record, dict):
+            return _jsonable(record) if whole_tokens else str(record.get("content", value))
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return str(value)
+    return value
+
+
 def _tokenizer_info(state: ServerState) -> dict[str, Any]:
     tok = state.llm.get_tokenizer()
     info: dict[str, Any] = {"tokenizer_class": type(tok).__name__}
     for key, value in getattr(tok, "init_kwargs", {}).items():
         if key.endswith("_file") or key in ("vocab", "merges"):
             continue
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError):
-            value = str(value)
-        info[key] = value
+        info[key] = _jsonable(value, whole_tokens=key == "added_tokens_decoder")
     info["chat_template"] = getattr(tok, "chat_template", None)
     return info
 

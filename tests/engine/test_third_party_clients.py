@@ -211,6 +211,23 @@ def test_lm_eval_remote_tokenizer(served):
     assert rendered == tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
 
 
+def test_tokenizer_info_added_tokens_are_json(served):
+    """The added-token table comes as tokenizer_config.json writes it (it was Python's repr of
+    AddedToken objects, a string no client can parse), and special tokens as their text."""
+    from tokenizers import AddedToken
+
+    from llmhal.entrypoints.api_server import _jsonable
+
+    base, _, _, tok = served
+    _, info = get_json(base + "/tokenizer_info")
+    want = {str(i): t.__getstate__() for i, t in tok.added_tokens_decoder.items()}
+    assert info["added_tokens_decoder"] == want and want
+    # Tokenizers whose config holds special tokens as AddedToken objects still give their text.
+    eos = AddedToken("<|im_end|>", special=True)
+    assert _jsonable(eos) == "<|im_end|>" and _jsonable([eos]) == ["<|im_end|>"]
+    assert _jsonable({7: eos}, whole_tokens=True) == {"7": eos.__getstate__()}
+
+
 def test_lm_eval_local_chat_completions(served):
     """`--model local-chat-completions --apply_chat_template`: plain string content, lm-eval's stop
     list, and the `Authorization: Bearer ` it sends with an empty OPENAI_API_KEY."""
