@@ -52,7 +52,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # While requests decode, a step's prompt tokens are limited so it takes at most this many
     # times a decode-only step, by the engine's measured costs (llmhal.engine.step_budget).
-    # 0: off, every step may fill its budget (offline batches; ``llmhal serve`` sets 2).
+    # 0: off, every step may fill its budget (offline batches; ``llmhal serve`` sets 1.5).
     decode_pace_factor: float = 0.0
 
 

@@ -101,4 +101,5 @@ class DecodePace:
         if decode is None:
             return None
         spare = (self.factor - 1.0) * decode
-        return max(self.min_prefill_tokens, int(spare / self.per_prefill))
+        # The small term keeps float rounding (31.9999...) from costing a token.
+        return max(self.min_prefill_tokens, int(spare / self.per_prefill + 1e-6))

@@ -59,7 +59,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="F",
         help="while requests decode, limit the prompt tokens a step adds so it takes at most F "
         "times a decode-only step, by the engine's measured costs (at least 16 tokens a step; "
-        "0: off, every step fills its budget). Default: 2 for llmhal serve, off otherwise",
+        "0: off, every step fills its budget). Default: 1.5 for llmhal serve, off otherwise",
     )
     p.add_argument(
         "--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)"
