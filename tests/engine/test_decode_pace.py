@@ -143,3 +143,35 @@ def test_a_factor_that_cannot_hold_is_refused_with_the_remedy():
     for bad in (1.0, 0.5, -2):
         with pytest.raises(ValueError, match="above 1.*or 0 to turn"):
             DecodePace(bad)
+
+
+def test_the_engine_measures_its_costs_and_paced_output_equals_unpaced(tiny_models):
+    import argparse
+
+    from llmhal import LLM, SamplingParams
+    from llmhal.entrypoints.serve import SERVE_DECODE_PACE_FACTOR, apply_serving_defaults
+
+    folder, _ = tiny_models("llama")
+    # Two sequences at most: later prompts are admitted while earlier ones decode, under the pace.
+    llm = LLM(folder, dtype="float32", max_model_len=128, max_num_seqs=2, enable_prefix_caching=False)  # fmt: skip
+    assert llm.engine.pace.factor == 0  # offline: off unless asked
+    # Unequal lengths, so a slot frees while the other request still decodes.
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (3, 9, 5, 7, 4, 6)]  # fmt: skip
+    prompts = [{"prompt_token_ids": [(7 * i + k) % 50 + 3 for k in range(5 + 9 * i)]} for i in range(6)]  # fmt: skip
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    llm.engine.set_decode_pace(1.5)
+    paced = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert paced == plain
+    pace = llm.engine.pace
+    assert pace.per_prefill is not None and pace.per_prefill > 0
+    assert pace.decode_step_seconds(1) > 0  # type: ignore[operator]
+    with pytest.raises(ValueError, match="above 1"):
+        llm.engine.set_decode_pace(1.0)
+    assert pace.factor == 1.5
+    # The server's default, and an explicit 0 kept.
+    args = argparse.Namespace(max_num_seqs=8, max_num_batched_tokens=None, decode_pace_factor=None)
+    apply_serving_defaults(args)
+    assert args.decode_pace_factor == SERVE_DECODE_PACE_FACTOR
+    args.decode_pace_factor = 0
+    apply_serving_defaults(args)
+    assert args.decode_pace_factor == 0
