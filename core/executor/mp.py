@@ -167,12 +167,15 @@ class MultiprocExecutor(Executor):
         return [p.pid for p in self._procs]
 
     # ----------------------------------------------------------------------- messages
-    def _fail(self, rank: int, cause: str, detail: str = "") -> EngineDeadError:
+    def _fail(
+        self, rank: int, cause: str, detail: str = "", notify: bool = True
+    ) -> EngineDeadError:
         if self._failure is None:
             if detail:
                 logger.error("rank %d failed:\n%s", rank, detail)
             self._failure = EngineDeadError(rank, cause)
-            self._run_failure_callbacks()
+        if notify:
+            self._run_failure_callbacks()  # once: it empties the list
         return self._failure
 
     def _recv(self, rank: int, kind: str) -> Any:
@@ -206,14 +209,20 @@ class MultiprocExecutor(Executor):
             if proc.exitcode is not None:  # winner has stored the status
                 break
             time.sleep(0.01)
+        # Read and record under the pipe's lock: the monitor thread and a failed step can both get
+        # here, and the one that finds the pipe empty must not record "exited with status 1"
+        # before the other has recorded the error the worker sent.
         with self._locks[rank - 1]:
             try:
                 msg = conn.recv() if conn.poll() else None
             except (EOFError, OSError):
                 msg = None
-        if msg is not None and msg[0] == "error":
-            return self._fail(rank, *msg[1])
-        return self._fail(rank, describe_exit(proc.exitcode))
+            if msg is not None and msg[0] == "error":
+                failure = self._fail(rank, *msg[1], notify=False)
+            else:
+                failure = self._fail(rank, describe_exit(proc.exitcode), notify=False)
+        self._run_failure_callbacks()  # outside the lock: a callback may stop the engine
+        return failure
 
     def _watch(self) -> None:
         """The monitor thread: the first worker to exit unasked fails the engine."""
