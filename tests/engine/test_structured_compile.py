@@ -53,6 +53,9 @@ def xgrammar_llm(tiny_models):
 _GUIDANCE = pytest.param("guidance", marks=pytest.mark.xfail(reason="llguidance's matcher is made on a thread that keeps taking the GIL back: up to 2x slower steps under load", strict=False))  # fmt: skip
 
 
+# Timed (paces of a stream in 50 ms slices): in the slow tier, where a busy CI machine's noise
+# cannot fail the fast one; `llmhal bench structured` reports the same effect as numbers.
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", [_GUIDANCE if b == "guidance" else b for b in SLOW])
 def test_a_slow_compile_does_not_slow_a_running_stream(backend, tiny_models):
     pytest.importorskip({"outlines": "outlines_core", "lm-format-enforcer": "lmformatenforcer"}.get(backend, "xgrammar"))  # fmt: skip
@@ -116,7 +119,8 @@ def measure(engine, steps, finished, constraint) -> None:
     ends = steps(lambda: req.status is not RequestStatus.WAITING_FOR_FSM)
     # Up to the step that admitted the request (its prefill and first mask: the batch's work).
     during = steps_per_bin(t, ends[-2], ends[:-1])
-    assert len(during) >= 4, "the compile was too quick to measure anything"
+    if len(during) < 4:  # a fast host (or a warm compiler cache): nothing stalled to measure
+        pytest.skip(f"the compile took {len(during) * BIN:.2f} s: too quick to measure a stall")
     steps(lambda: slow in finished)
     # The stream alone again: with the pace before, the baseline (the shared machine's load
     # drifts over a compile of several seconds).
