@@ -124,6 +124,13 @@ def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
 
 
+def latent_query(q: torch.Tensor, dims: MLADims, w_uk: torch.Tensor) -> torch.Tensor:
+    """A full query [T, H, nope + rope] as the absorbed form attends with it: its nope part in
+    latent space beside its rope part, [T, H, kv_lora_rank + rope]."""
+    q_nope, q_pe = q.split([dims.qk_nope_head_dim, dims.qk_rope_head_dim], dim=-1)
+    return torch.cat([absorb_query(q_nope, w_uk), q_pe], dim=-1)
+
+
 def unabsorb_output(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     """Attention output in latent space [T, H, L] to per-head values [T, H, v] (``w_uv``
     [H, v, L])."""

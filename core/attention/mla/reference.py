@@ -18,8 +18,8 @@ from llmhal.attention.mla.common import (
     MLAAttention,
     MLABackend,
     MLAImpl,
-    absorb_query,
     decompress,
+    latent_query,
     read_latent,
     unabsorb_output,
     write_latent,
@@ -67,8 +67,7 @@ def absorbed_attention(
     ``latent`` [S, L + R], ``mask`` bool [t, S] -> [t, H, v]."""
     d = layer.dims
     w_uk, w_uv = layer.mla_weights(torch.float32, q.device)
-    q_nope, q_pe = q.float().split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
-    q_lat = torch.cat([absorb_query(q_nope, w_uk), q_pe], dim=-1)  # [t, H, L + R]
+    q_lat = latent_query(q.float(), d, w_uk)  # [t, H, L + R]
     scores = torch.einsum("thl,sl->hts", q_lat, latent) * scale
     scores = scores.masked_fill(~mask[None], float("-inf"))
     probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)

@@ -21,8 +21,8 @@ from llmhal.attention.mla.common import (
     MLAAttention,
     MLABackend,
     MLAImpl,
-    absorb_query,
     decompress,
+    latent_query,
     read_latent,
     unabsorb_output,
     write_latent,
@@ -131,8 +131,7 @@ class TorchMLAImpl(MLAImpl):
         w_uv: torch.Tensor,
     ) -> torch.Tensor:
         d = layer.dims
-        q_nope, q_pe = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
-        q_lat = torch.cat([absorb_query(q_nope, w_uk), q_pe], dim=-1)  # [B, H, L + R]
+        q_lat = latent_query(q, d, w_uk)  # [B, H, L + R]
         latent = read_latent(kv_cache, m.decode_slots, layer.k_scale, q.dtype)  # [B, S, L + R]
         scores = torch.bmm(q_lat, latent.transpose(1, 2)).float() * self.scale  # [B, H, S]
         scores = scores.masked_fill(~m.decode_valid[:, None, :], float("-inf"))

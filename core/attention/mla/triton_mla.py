@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from llmhal.attention.mla.common import MLAAttention, MLABackend, absorb_query, unabsorb_output
+from llmhal.attention.mla.common import MLAAttention, MLABackend, latent_query, unabsorb_output
 from llmhal.attention.mla.torch_mla import TorchMLAImpl, TorchMLAMetadata, TorchMLAMetadataBuilder
 from llmhal.utils.imports import require
 
@@ -44,8 +44,7 @@ class TritonMLAImpl(TorchMLAImpl):
         from llmhal.attention.mla.triton_mla_kernel import mla_decode
 
         d, nd = layer.dims, m.num_decodes
-        q_nope, q_pe = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
-        q_lat = torch.cat([absorb_query(q_nope, w_uk), q_pe], dim=-1)
+        q_lat = latent_query(q, d, w_uk)
         o_lat = mla_decode(
             q_lat, kv_cache, m.common.block_table[:nd], m.common.seq_lens[:nd], layer.k_scale,
             self.scale, d.kv_lora_rank, ieee=q.dtype == torch.float32,
