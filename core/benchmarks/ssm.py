@@ -17,6 +17,10 @@ quiet, multi-threaded run. The context rows are one request at a time in llmhal'
 prompt of each context length, then ``--new-tokens`` decode steps (prefill excluded). A Mamba-2 model's state
 is constant in size, so its time per token should not grow with the context; the hybrid's
 attention layers read a KV cache that does.
+
+``--dtype float32,bfloat16`` measures both systems in each dtype in turn, in the same run (both
+load the weights in it; llmhal's CPU Mamba kernels take bf16 activations and keep the state in
+fp32); the context rows are measured once, in bfloat16 when it is asked for.
 """
 
 from __future__ import annotations
@@ -158,7 +162,10 @@ def _llmhal_worker(a: argparse.Namespace) -> dict[str, Any]:
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
-    out: dict[str, Any] = {"attention": llm.load_report.attention_backends}
+    # The dtype the engine loaded the weights in, so the table cannot claim a precision it ran
+    # without.
+    out: dict[str, Any] = {"attention": llm.load_report.attention_backends,
+                           "dtype": str(engine.config.model.dtype).removeprefix("torch.")}  # fmt: skip
     out.update(_decode_rates(gen, vocab, a))
     step, decode_cpu = engine.step, [0.0]
 
@@ -201,13 +208,17 @@ def _hf_worker(a: argparse.Namespace) -> dict[str, Any]:
             model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
                            min_new_tokens=n, do_sample=False, pad_token_id=0)  # fmt: skip
 
-    return _decode_rates(gen, model.config.vocab_size, a)
+    weights = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return {"dtype": weights, **_decode_rates(gen, model.config.vocab_size, a)}
 
 
-def run_system(system: str, model: Path, a: argparse.Namespace, contexts: str = "") -> dict:
-    """Measure ``model`` with ``system`` ("llmhal" or "hf") in a fresh worker process."""
+def run_system(
+    system: str, model: Path, a: argparse.Namespace, contexts: str = "", dtype: str = "float32"
+) -> dict:
+    """Measure ``model`` with ``system`` ("llmhal" or "hf") loaded in ``dtype`` in a fresh
+    worker process."""
     cmd = [sys.executable, "-m", "llmhal.benchmarks.ssm", "--worker", system, "--model",
-           str(model), "--dtype", a.dtype, "--batch-sizes", ",".join(map(str, a.batch_sizes)),
+           str(model), "--dtype", dtype, "--batch-sizes", ",".join(map(str, a.batch_sizes)),
            "--prompt-len", str(a.prompt_len), "--new-tokens", str(a.new_tokens), "--repeat",
            str(a.repeat), "--contexts", contexts]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True)
@@ -224,10 +235,14 @@ def _fmt(x: float | None, unit: str = "") -> str:
     return "-" if x is None else f"{x:.2f}{unit}" if x < 100 else f"{x:.0f}{unit}"
 
 
-def report(results: dict[str, dict[str, Any]], batch_sizes: list[int], contexts: list[int]) -> str:
+def report(
+    results: dict[str, dict[str, Any]], batch_sizes: list[int], contexts: list[int], dtype: str = ""
+) -> str:
+    """One dtype's table: decode tok/s of both systems, then llmhal's context rows if measured."""
     lines = []
+    at = f" {dtype}" if dtype else ""
     for key, clock in (("decode_cpu", "CPU time"), ("decode", "wall time")):
-        lines += [_row(f"decode tok/s ({clock})", [f"batch {b}" for b in batch_sizes])]
+        lines += [_row(f"decode tok/s{at} ({clock})", [f"batch {b}" for b in batch_sizes])]
         for model in ("mamba2", "hybrid"):
             ours, theirs = results.get(model), results.get(f"hf_{model}")
             if ours is None:
@@ -242,9 +257,10 @@ def report(results: dict[str, dict[str, Any]], batch_sizes: list[int], contexts:
                     for o, t in zip(ours_tps, theirs_tps, strict=True)
                 ]))  # fmt: skip
         lines.append("")
-    if contexts:
+    has_ctx = any((results.get(m) or {}).get("context") for m in ("mamba2", "hybrid"))
+    if contexts and has_ctx:
         heads = [f"ctx {c}" for c in contexts] + ["last/first"]
-        lines.append(_row("llmhal decode ms/token", heads))
+        lines.append(_row(f"llmhal decode ms/token{at}", heads))
         for model in ("mamba2", "hybrid"):
             ctx = (results.get(model) or {}).get("context") or {}
             for clock, prefix in (("CPU", "cpu_"), ("wall", "")):
@@ -260,7 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="llmhal bench ssm", description=__doc__.split("\n\n")[0])
     for field_name, default in SsmShape.__dataclass_fields__.items():
         p.add_argument("--" + field_name.replace("_", "-"), type=int, default=default.default)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        help="float32, bfloat16, or both comma-separated (measured in turn in the same run); "
+        "both systems load the weights in it",
+    )
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=32)
@@ -279,6 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.batch_sizes = [int(x) for x in str(a.batch_sizes).split(",")]
+    dtypes = [d.strip() for d in str(a.dtype).split(",") if d.strip()]
+    if not dtypes or any(d not in ("float32", "bfloat16") for d in dtypes):
+        raise SystemExit(
+            f"--dtype {a.dtype!r}: use float32, bfloat16, or both comma-separated "
+            "(e.g. --dtype float32,bfloat16)"
+        )
     if a.worker:
         result = _llmhal_worker(a) if a.worker == "llmhal" else _hf_worker(a)
         print(json.dumps(result))
@@ -297,19 +324,26 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(tempfile.mkdtemp(prefix="llmhal_bench_ssm_"))
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
     ckpt = make_checkpoints(folder, shape, names)
-    results: dict[str, dict[str, Any]] = {}
-    for name in names:
-        jobs = {name: ("llmhal", ",".join(map(str, contexts)))}
-        if not a.no_hf:
-            jobs[f"hf_{name}"] = ("hf", "")
-        for key, (system, ctx) in jobs.items():
-            results[key] = run_system(system, ckpt[name], a, ctx)
-            # Each figure as it comes: a long run that fails later keeps what it measured.
-            print(f"{key}: {json.dumps(results[key])}", file=sys.stderr, flush=True)
+    # The context rows are measured once, in bfloat16 when it is asked for (the precision
+    # dtype=auto picks on a CPU with native bf16), else in the one dtype given.
+    ctx_dtype = "bfloat16" if "bfloat16" in dtypes else dtypes[0]
+    results: dict[str, dict[str, dict[str, Any]]] = {d: {} for d in dtypes}
+    for dtype in dtypes:
+        for name in names:
+            ctx = ",".join(map(str, contexts)) if dtype == ctx_dtype else ""
+            jobs = {name: ("llmhal", ctx)}
+            if not a.no_hf:
+                jobs[f"hf_{name}"] = ("hf", "")
+            for key, (system, c) in jobs.items():
+                results[dtype][key] = run_system(system, ckpt[name], a, c, dtype)
+                # Each figure as it comes: a long run that fails later keeps what it measured.
+                print(f"{dtype} {key}: {json.dumps(results[dtype][key])}", file=sys.stderr,
+                      flush=True)  # fmt: skip
     threads = os.environ.get("OMP_NUM_THREADS", "torch's default")
-    print(f"shape: {shape}\ndtype: {a.dtype}  new tokens: {a.new_tokens}  prompt: {a.prompt_len}"
+    print(f"shape: {shape}\nnew tokens: {a.new_tokens}  prompt: {a.prompt_len}"
           f"  threads: {threads}")  # fmt: skip
-    print(report(results, a.batch_sizes, contexts))
+    for dtype in dtypes:
+        print(report(results[dtype], a.batch_sizes, contexts, dtype) + "\n")
     if a.json_path:
         with open(a.json_path, "w") as f:
             json.dump({"shape": shape.__dict__, "results": results, "args": vars(a)}, f, indent=1)

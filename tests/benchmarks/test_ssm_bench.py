@@ -27,7 +27,7 @@ def test_checkpoints_and_table(tmp_path, monkeypatch, capsys):
     }  # fmt: skip
     seen = []
 
-    def run_system(system, model, a, contexts=""):
+    def run_system(system, model, a, contexts="", dtype="float32"):
         seen.append((system, str(model), contexts))
         arch = json.loads((model / "config.json").read_text())["architectures"][0]
         name = "mamba2" if arch == "Mamba2ForCausalLM" else "hybrid"
@@ -53,7 +53,57 @@ def test_checkpoints_and_table(tmp_path, monkeypatch, capsys):
     ctx = {" ".join(r[:2]): r[2:] for r in rows if r[:1] in (["mamba2"], ["hybrid"])}
     assert ctx == {"mamba2 (CPU)": ["2.00", "2.10", "1.05x"], "mamba2 (wall)": ["4.00", "4.40", "1.10x"],
                    "hybrid (wall)": ["5.00", "7.50", "1.50x"]}  # fmt: skip
-    assert json.loads(out.read_text())["results"]["hybrid"]["context"]["64"] == 7.5
+    assert json.loads(out.read_text())["results"]["float32"]["hybrid"]["context"]["64"] == 7.5
+
+
+def test_both_dtypes_in_one_run(tmp_path, monkeypatch, capsys):
+    """--dtype float32,bfloat16 loads both systems in each dtype in turn; the context rows are
+    measured once, in bfloat16."""
+    seen = []
+
+    def run_system(system, model, a, contexts="", dtype="float32"):
+        seen.append((dtype, system, model.name.split("-")[0], contexts))
+        scale = 2.0 if dtype == "bfloat16" else 1.0
+        rates = _rates((10 * scale, 40 * scale), (10 * scale, 40 * scale))
+        return {**rates, "context": {"32": 3.0, "64": 3.3}} if contexts else rates
+
+    monkeypatch.setattr(bench, "run_system", run_system)
+    out = tmp_path / "r.json"
+    args = [*TINY, "--no-hybrid", "--workdir", str(tmp_path), "--json", str(out)]
+    assert bench.main([*args, "--dtype", "float32,bfloat16"]) == 0
+    assert seen == [
+        ("float32", "llmhal", "mamba2", ""),
+        ("float32", "hf", "mamba2", ""),
+        ("bfloat16", "llmhal", "mamba2", "32,64"),
+        ("bfloat16", "hf", "mamba2", ""),
+    ]
+    table = capsys.readouterr().out
+    assert (
+        "decode tok/s float32 (CPU time)" in table and "decode tok/s bfloat16 (wall time)" in table
+    )
+    assert "ms/token bfloat16" in table and "ms/token float32" not in table
+    saved = json.loads(out.read_text())["results"]
+    assert saved["bfloat16"]["mamba2"]["decode_cpu"]["8"] == 80.0
+    assert saved["float32"]["hf_mamba2"]["decode"]["1"] == 10.0
+    with pytest.raises(SystemExit, match="float32,bfloat16"):
+        bench.main([*args, "--dtype", "float16"])
+
+
+def test_workers_run_in_bfloat16(tmp_path):
+    """Both workers load the tiny Mamba-2 in bfloat16 and decode (in-process: the subprocess
+    plumbing is the same for every dtype)."""
+    import argparse
+
+    shape = bench.SsmShape(hidden=64, layers=2, heads=4, head_dim=32, state=16, chunk=16,
+                           attn_every=2, attn_heads=2, attn_kv_heads=1, mlp=64)  # fmt: skip
+    model = bench.make_checkpoints(tmp_path, shape, ["mamba2"])["mamba2"]
+    a = argparse.Namespace(model=str(model), dtype="bfloat16", batch_sizes=[1, 2], prompt_len=8,
+                           new_tokens=4, repeat=1, contexts="16")  # fmt: skip
+    for worker in (bench._hf_worker, bench._llmhal_worker):
+        res = worker(a)
+        assert res["dtype"] == "bfloat16"
+        assert all(res[k][b] > 0 for k in ("decode", "decode_cpu") for b in ("1", "2")), res
+    assert res["context"]["16"] > 0 and res["context"]["cpu_16"] > 0
 
 
 def test_refuses_an_inner_width_that_is_not_a_multiple_of_hidden(tmp_path):
