@@ -44,7 +44,12 @@ from llmhal.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_param
 from llmhal.layers.vocab_embedding import ParallelLMHead, VocabEmbedding
 from llmhal.models.llama import LlamaDecoderLayer, LlamaMLP
 from llmhal.models.moe import _ExpertLoader
-from llmhal.models.utils import StackedParam, load_weights_by_name, packed_mapping
+from llmhal.models.utils import (
+    StackedParam,
+    load_weights_by_name,
+    offer_packed_mapping,
+    packed_mapping,
+)
 
 # Only the dense MLPs merge projections: DeepSeek's attention has no q/k/v projections to fuse.
 DEEPSEEK_STACKED: tuple[StackedParam, ...] = (
@@ -251,11 +256,7 @@ class DeepseekV2ForCausalLM(nn.Module):
     def __init__(self, hf_config: Any, prefix: str = "") -> None:
         super().__init__()
         self.config = hf_config
-        quant_config = get_current_config().quant_config
-        if quant_config is not None and not getattr(quant_config, "packed_modules_mapping", None):
-            quant_config.packed_modules_mapping = {
-                k: list(v) for k, v in self.packed_modules_mapping.items()
-            }
+        offer_packed_mapping(self.packed_modules_mapping)
         self.model = DeepseekModel(hf_config, prefix=_join(prefix, "model"))
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

@@ -30,6 +30,7 @@ from llmhal.models.utils import (
     LLAMA_STACKED,
     StackedParam,
     load_weights_by_name,
+    offer_packed_mapping,
     packed_mapping,
 )
 
@@ -125,10 +126,7 @@ class HybridForCausalLM(nn.Module):
     def __init__(self, hf_config: Any, prefix: str = "") -> None:
         super().__init__()
         self.config = hf_config
-        quant_config = get_current_config().quant_config
-        if quant_config is not None and not getattr(quant_config, "packed_modules_mapping", None):
-            # Quantization schemes name the checkpoint's modules; our merged ones stand for them.
-            quant_config.packed_modules_mapping = packed_mapping(self.stacked)
+        offer_packed_mapping(packed_mapping(self.stacked))
         model_prefix = join(prefix, "model")
         self.model = nn.Module()
         self.model.embed_tokens = VocabEmbedding(

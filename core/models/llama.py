@@ -44,6 +44,7 @@ from llmhal.models.utils import (
     LLAMA_STACKED,
     layer_sliding_window,
     load_weights_by_name,
+    offer_packed_mapping,
     packed_mapping,
 )
 
@@ -265,11 +266,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, hf_config: Any, prefix: str = "") -> None:
         super().__init__()
         self.config = hf_config
-        quant_config = get_current_config().quant_config
-        if quant_config is not None and not getattr(quant_config, "packed_modules_mapping", None):
-            quant_config.packed_modules_mapping = {
-                k: list(v) for k, v in self.packed_modules_mapping.items()
-            }
+        offer_packed_mapping(self.packed_modules_mapping)
         self.model = LlamaModel(hf_config, self.layer_options, prefix=_join(prefix, "model"))
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if not self.model.is_last_stage:

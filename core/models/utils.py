@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmhal.config import get_current_config
 from llmhal.layers.weights import WeightLoadError, copy_checked
 
 
@@ -44,6 +45,15 @@ def packed_mapping(stacked: Sequence[StackedParam]) -> dict[str, list[str]]:
     for sp in stacked:
         out.setdefault(sp.target, []).append(sp.source)
     return out
+
+
+def offer_packed_mapping(mapping: dict[str, list[str]]) -> None:
+    """Give the engine's quantization config (if any, and if it has none yet) the model's merged
+    modules: quantization schemes name the checkpoint's modules, and our merged ones stand for
+    them."""
+    quant_config = get_current_config().quant_config
+    if quant_config is not None and not getattr(quant_config, "packed_modules_mapping", None):
+        quant_config.packed_modules_mapping = {k: list(v) for k, v in mapping.items()}
 
 
 # Checkpoint tensors that are derived state, never weights.
