@@ -199,7 +199,8 @@ def add_responses_routes(app: FastAPI, state: Any) -> None:
         text = out.outputs[0].text
         if plan.output is None:
             return rp.output_items({"content": text})
-        msg, _ = plan.output.message(text, out.outputs[0].finish_reason)
+        # Its ids too, so a tool-call marker spelled in ordinary tokens stays text (as streamed).
+        msg, _ = plan.output.message(text, out.outputs[0].finish_reason, out.outputs[0].token_ids)
         return rp.output_items(msg)
 
     @app.post("/v1/responses", openapi_extra=_responses_body(), responses=srv._GEN_DOCS)

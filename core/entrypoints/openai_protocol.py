@@ -334,7 +334,10 @@ def full_response(
         if chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if output is not None:
-                message, finish = output.message(text, finish)
+                # The tool parser tells a marker the model produced as one special token from
+                # the same string spelled in ordinary tokens by the ids (an echoed prefix has none).
+                out_ids = out.outputs[0].token_ids if echo is None else None
+                message, finish = output.message(text, finish, out_ids)
             choice["message"] = message
         else:
             choice["text"] = text
