@@ -25,7 +25,7 @@ from llmhal.layers.layernorm import RMSNorm
 from llmhal.layers.lightning_attn import LightningAttention
 from llmhal.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters
 from llmhal.models.hybrid import HybridForCausalLM, SoftmaxAttention, head_dim_of, join
-from llmhal.models.moe import SparseMoeBlock, num_experts
+from llmhal.models.moe import topk_moe_block
 
 # Buffers transformers saves with the lightning layers; all follow from the layer's depth.
 _DERIVED = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
@@ -72,11 +72,7 @@ class MiniMaxDecoderLayer(nn.Module):
         self.attn_alpha, self.attn_beta = (float(getattr(config, f, 1.0)) for f in factors)
         self.mlp_alpha = float(getattr(config, "mlp_alpha_factor", 1.0))
         self.mlp_beta = float(getattr(config, "mlp_beta_factor", 1.0))
-        self.mlp = SparseMoeBlock(
-            config.hidden_size, num_experts(config), join(prefix, "mlp"),
-            top_k=config.num_experts_per_tok, intermediate_size=config.intermediate_size,
-            renormalize=True, activation=config.hidden_act,
-        )  # fmt: skip
+        self.mlp = topk_moe_block(config, join(prefix, "mlp"), renormalize=True)
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps=eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps)

@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-from llmhal.models.moe import MoeForCausalLM, SparseMoeBlock, num_experts
+from llmhal.models.moe import MoeForCausalLM, topk_moe_block
 
 
 class MixtralForCausalLM(MoeForCausalLM):
@@ -19,15 +19,7 @@ class MixtralForCausalLM(MoeForCausalLM):
 
     @classmethod
     def build_mlp(cls, config: Any, layer_idx: int, prefix: str) -> nn.Module:
-        return SparseMoeBlock(
-            config.hidden_size,
-            num_experts(config),
-            prefix,
-            top_k=config.num_experts_per_tok,
-            intermediate_size=config.intermediate_size,
-            renormalize=True,
-            activation=config.hidden_act,
-        )
+        return topk_moe_block(config, prefix, renormalize=True)
 
     def rename_checkpoint_tensor(self, name: str) -> str:
         return name.replace(".block_sparse_moe.", ".mlp.")

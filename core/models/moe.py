@@ -45,6 +45,21 @@ def num_experts(config: Any) -> int:
     raise ValueError("the model's config names no number of experts (num_local_experts, ...)")
 
 
+def topk_moe_block(config: Any, prefix: str, *, renormalize: bool) -> SparseMoeBlock:
+    """The plain sparse block of a config: all its experts at ``intermediate_size``, the
+    ``num_experts_per_tok`` best per token, its ``hidden_act`` (models differ only in whether the
+    chosen weights are renormalized)."""
+    return SparseMoeBlock(
+        config.hidden_size,
+        num_experts(config),
+        prefix,
+        top_k=config.num_experts_per_tok,
+        intermediate_size=config.intermediate_size,
+        renormalize=renormalize,
+        activation=config.hidden_act,
+    )
+
+
 class MoeForCausalLM(LlamaForCausalLM):
     """Base of the MoE decoders: subclasses implement :meth:`build_mlp` and may rename checkpoint
     tensors in :meth:`rename_checkpoint_tensor`."""

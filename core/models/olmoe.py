@@ -19,7 +19,7 @@ from torch import nn
 from llmhal.layers.layernorm import RMSNorm
 from llmhal.layers.rotary_embedding import RotaryEmbedding
 from llmhal.models.llama import LlamaAttention
-from llmhal.models.moe import MoeForCausalLM, SparseMoeBlock, num_experts
+from llmhal.models.moe import MoeForCausalLM, topk_moe_block
 
 
 class OlmoeAttention(LlamaAttention):
@@ -61,12 +61,5 @@ class OlmoeForCausalLM(MoeForCausalLM):
 
     @classmethod
     def build_mlp(cls, config: Any, layer_idx: int, prefix: str) -> nn.Module:
-        return SparseMoeBlock(
-            config.hidden_size,
-            num_experts(config),
-            prefix,
-            top_k=config.num_experts_per_tok,
-            intermediate_size=config.intermediate_size,
-            renormalize=bool(getattr(config, "norm_topk_prob", False)),
-            activation=config.hidden_act,
-        )
+        renormalize = bool(getattr(config, "norm_topk_prob", False))
+        return topk_moe_block(config, prefix, renormalize=renormalize)
