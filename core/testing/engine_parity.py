@@ -10,7 +10,8 @@ prefill and preemption happen, rather than layer by layer::
     assert not compare_with_references(llm, refs)
 
 :class:`StateModelParity` packages the two standard cases (chunked prefill; unchunked with
-preemptions) as pytest tests a test class inherits, naming the tiny architecture.
+preemptions), ``llmhal generate`` and a ``llmhal serve`` stream as pytest tests a test class
+inherits, naming the tiny architecture.
 """
 
 from __future__ import annotations
@@ -109,13 +110,35 @@ def preempting_budget(llm: Any, slots: int, blocks: int) -> int:
     return max(slots * per_slot + blocks * per_block, 2 * slots * per_slot)
 
 
+def serve_stream_problems(
+    llm: Any, model: str, prompt: str = "Paris is", steps: int = 8
+) -> list[str]:
+    """What differs between ``llmhal serve``'s greedy completion stream on ``llm`` and the
+    offline API's answer (empty: more than one event, adding up to the same text). A state
+    model's caches must survive the server's engine loop as they do ``LLM.generate``."""
+    from llmhal import SamplingParams
+    from llmhal.testing.http_client import post_json, running_server
+
+    offline = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=steps))[0]
+    body = {"model": model, "prompt": prompt, "max_tokens": steps, "temperature": 0, "stream": True}  # fmt: skip
+    with running_server(llm) as (url, _):
+        status, events = post_json(f"{url}/v1/completions", body, stream=True)
+    if status != 200:
+        return [f"status {status}: {events}"]
+    streamed = "".join(e["choices"][0]["text"] for e in events)
+    problems = [] if len(events) > 1 else [f"one event only: {events}"]
+    if streamed != offline.outputs[0].text:
+        problems.append(f"streamed {streamed!r} != offline {offline.outputs[0].text!r}")
+    return problems
+
+
 class StateModelParity:
     """Tests inherited by ``class TestX(StateModelParity): arch = "lfm2"`` (an arch of
     :func:`llmhal.testing.tiny_models.make_tiny_model`; needs the session ``tiny_models`` fixture
     of llmhal's tests/conftest.py): ``steps`` greedy steps of :data:`PROMPTS` equal transformers',
     once with 8-token prefill chunks beside decodes, once unchunked with so few KV blocks that
-    requests are preempted and recomputed; ``llmhal generate`` on the checkpoint. ``chunked_llm``
-    is left for the class's own tests."""
+    requests are preempted and recomputed; ``llmhal generate`` on the checkpoint; one short
+    ``llmhal serve`` stream. ``chunked_llm`` is left for the class's own tests."""
 
     arch: ClassVar[str]
     steps: ClassVar[int] = 64
@@ -174,6 +197,9 @@ class StateModelParity:
         assert generate.main(args) == 0
         lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
         assert len(lines[0]["token_ids"]) == 5
+
+    def test_serve_streams_what_the_offline_api_generates(self, checkpoint: Any, chunked_llm: Any):
+        assert serve_stream_problems(chunked_llm, checkpoint[0]) == []
 
     def test_prompt_logprobs_match_transformers(self, checkpoint: Any, chunked_llm: Any):
         """Every prompt position's log-probability of the next prompt token (prefilled in 8-token

@@ -1,12 +1,18 @@
 """Mamba-1 and FalconMamba through LLM against transformers on tiny random checkpoints (the
-helpers and the engine checks shared with Mamba-2 live in test_mamba2.py)."""
+helpers and the engine checks shared with Mamba-2 live in test_mamba2.py); Mamba-1 streamed by
+``llmhal serve``."""
 
 from __future__ import annotations
 
 import pytest
 
 from llmhal import LLM
-from llmhal.testing.engine_parity import PROMPTS, compare_with_references, hf_references
+from llmhal.testing.engine_parity import (
+    PROMPTS,
+    compare_with_references,
+    hf_references,
+    serve_stream_problems,
+)
 from tests.models.test_mamba2 import force_preemption
 
 
@@ -21,3 +27,9 @@ def test_greedy_tokens_and_logprobs_match_transformers(tiny_models, arch):
     force_preemption(whole, num_blocks=9)
     assert compare_with_references(whole, refs) == []  # whole prompts, across preemptions
     assert whole.engine.scheduler.num_preemptions > 0
+
+
+def test_serve_streams_what_the_offline_api_generates(tiny_models):
+    folder, _ = tiny_models("mamba")
+    llm = LLM(folder, dtype="float32", max_num_seqs=4, max_num_batched_tokens=8)
+    assert serve_stream_problems(llm, folder) == []
