@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +69,22 @@ def save_tiny_model(config: Any, folder: str | Path, *, seed: int = 0) -> Any:
     model = model.float().eval()
     model.save_pretrained(str(folder), safe_serialization=True)
     return model
+
+
+def saved_once(
+    tmp_path_factory: Any, save: Callable[[str, Path], tuple[Any, Any]]
+) -> Callable[[str], tuple[Any, Any]]:
+    """For a module-scoped fixture: ``get(case)`` returns ``save(case, folder)``'s (HF model,
+    checkpoint path), saving each case once into a fresh temporary folder, so that the tests of a
+    module share their checkpoints instead of each saving its own."""
+    made: dict[str, tuple[Any, Any]] = {}
+
+    def get(case: str) -> tuple[Any, Any]:
+        if case not in made:
+            made[case] = save(case, tmp_path_factory.mktemp(case))
+        return made[case]
+
+    return get
 
 
 def build_model(

@@ -11,7 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmhal.testing.model_parity import build_model, check_parity, save_tiny_model, tiny_config
+from llmhal.testing.model_parity import (
+    build_model,
+    check_parity,
+    save_tiny_model,
+    saved_once,
+    tiny_config,
+)
 
 COMMON = {
     "hidden_size": 64,
@@ -97,15 +103,7 @@ def _save(case: str, folder) -> object:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    made: dict[str, tuple[object, object]] = {}
-
-    def get(case: str):
-        if case not in made:
-            folder = tmp_path_factory.mktemp(case)
-            made[case] = (_save(case, folder), folder)
-        return made[case]
-
-    return get
+    return saved_once(tmp_path_factory, lambda case, folder: (_save(case, folder), folder))
 
 
 @pytest.mark.parametrize("case", FAST)

@@ -17,7 +17,7 @@ import torch
 
 from llmhal.model_loader.gguf_loader import unpermute_rows
 from llmhal.testing.gguf_files import GGUF_QUANTIZABLE, llama_cpp_permute, random_blocks
-from llmhal.testing.model_parity import compare_with_hf, save_tiny_model, tiny_config
+from llmhal.testing.model_parity import compare_with_hf, save_tiny_model, saved_once, tiny_config
 
 CASES = {
     # llama.cpp writes Mixtral as "llama" with expert metadata.
@@ -168,18 +168,13 @@ def build_from_gguf(path):
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    made: dict[str, tuple[object, object]] = {}
+    def save(case: str, folder):
+        arch, gguf_arch, kw = CASES[case]
+        hf = save_tiny_model(tiny_config(arch, initializer_range=0.1, **kw), folder)
+        write_moe_gguf(hf, gguf_arch, folder / "model.gguf")
+        return hf, folder / "model.gguf"
 
-    def get(case: str):
-        if case not in made:
-            arch, gguf_arch, kw = CASES[case]
-            folder = tmp_path_factory.mktemp(case)
-            hf = save_tiny_model(tiny_config(arch, initializer_range=0.1, **kw), folder)
-            write_moe_gguf(hf, gguf_arch, folder / "model.gguf")
-            made[case] = (hf, folder / "model.gguf")
-        return made[case]
-
-    return get
+    return saved_once(tmp_path_factory, save)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmhal.testing.model_parity import check_parity, save_tiny_model, tiny_config
+from llmhal.testing.model_parity import check_parity, save_tiny_model, saved_once, tiny_config
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -43,16 +43,12 @@ BACKENDS = ["reference", "cpu_attn"]
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """One saved checkpoint (and its HF model) per case, shared by the backends."""
-    made: dict[str, tuple[object, object]] = {}
 
-    def get(case: str):
-        if case not in made:
-            arch, kw = CASES[case]
-            folder = tmp_path_factory.mktemp(case)
-            made[case] = (save_tiny_model(tiny_config(arch, **kw), folder), folder)
-        return made[case]
+    def save(case: str, folder):
+        arch, kw = CASES[case]
+        return save_tiny_model(tiny_config(arch, **kw), folder), folder
 
-    return get
+    return saved_once(tmp_path_factory, save)
 
 
 def _skip_unless_usable(backend: str) -> None:

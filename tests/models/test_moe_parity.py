@@ -13,7 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmhal.testing.model_parity import build_model, check_parity, save_tiny_model, tiny_config
+from llmhal.testing.model_parity import (
+    build_model,
+    check_parity,
+    save_tiny_model,
+    saved_once,
+    tiny_config,
+)
 
 # A wider initialisation than HF's 0.02: the router's logits differ clearly between experts, so
 # the routing (not rounding noise) decides which experts run.
@@ -60,22 +66,40 @@ CASES = {
             **INIT,
         },
     ),  # fmt: skip
+    # OLMoE: whole-width q/k norms, and the clip_qkv clamp (0.5 is below most normed q/k values:
+    # the clamp changes the logits, so parity tests it).
+    "olmoe-top2-of-8-no-renorm": (
+        "OlmoeForCausalLM",
+        {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32, **INIT},
+    ),
+    "olmoe-renorm-clip-qkv": (
+        "OlmoeForCausalLM",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 48,
+            "norm_topk_prob": True,
+            "clip_qkv": 0.5,
+            **INIT,
+        },
+    ),  # fmt: skip
 }
-FAST = ["mixtral-sliding", "qwen3moe-dense-layer-no-renorm", "qwen2moe-shared-expert"]
+FAST = [
+    "mixtral-sliding",
+    "qwen3moe-dense-layer-no-renorm",
+    "qwen2moe-shared-expert",
+    "olmoe-top2-of-8-no-renorm",
+    "olmoe-renorm-clip-qkv",
+]
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    made: dict[str, tuple[object, object]] = {}
+    def save(case: str, folder):
+        arch, kw = CASES[case]
+        return save_tiny_model(tiny_config(arch, **kw), folder), folder
 
-    def get(case: str):
-        if case not in made:
-            arch, kw = CASES[case]
-            folder = tmp_path_factory.mktemp(case)
-            made[case] = (save_tiny_model(tiny_config(arch, **kw), folder), folder)
-        return made[case]
-
-    return get
+    return saved_once(tmp_path_factory, save)
 
 
 @pytest.mark.parametrize("case", FAST)
