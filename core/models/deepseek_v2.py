@@ -41,13 +41,14 @@ from llmhal.layers.fused_moe import FusedMoE
 from llmhal.layers.layernorm import RMSNorm
 from llmhal.layers.linear import ReplicatedLinear
 from llmhal.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters
-from llmhal.layers.vocab_embedding import ParallelLMHead, VocabEmbedding
+from llmhal.layers.vocab_embedding import VocabEmbedding
 from llmhal.models.llama import LlamaDecoderLayer, LlamaMLP
 from llmhal.models.moe import _ExpertLoader
 from llmhal.models.utils import (
     StackedParam,
     load_weights_by_name,
     offer_packed_mapping,
+    output_head,
     packed_mapping,
 )
 
@@ -258,13 +259,9 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.config = hf_config
         offer_packed_mapping(self.packed_modules_mapping)
         self.model = DeepseekModel(hf_config, prefix=_join(prefix, "model"))
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = ParallelLMHead(
-                hf_config.vocab_size, hf_config.hidden_size, prefix=_join(prefix, "lm_head")
-            )
+        self.tie_word_embeddings, self.lm_head = output_head(
+            hf_config, self.model.embed_tokens, _join(prefix, "lm_head")
+        )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

@@ -24,13 +24,14 @@ from llmhal.layers.fused_moe import FusedMoE
 from llmhal.layers.layernorm import RMSNorm
 from llmhal.layers.linear import QKVLinear, ReplicatedLinear
 from llmhal.layers.rotary_embedding import RotaryEmbedding, get_rope_from_hf_config
-from llmhal.layers.vocab_embedding import ParallelLMHead, VocabEmbedding
+from llmhal.layers.vocab_embedding import VocabEmbedding
 from llmhal.models.moe import _ExpertLoader as ExpertLoader
 from llmhal.models.utils import (
     LLAMA_STACKED,
     StackedParam,
     load_weights_by_name,
     offer_packed_mapping,
+    output_head,
     packed_mapping,
 )
 
@@ -141,13 +142,9 @@ class HybridForCausalLM(nn.Module):
         )
         norm = RMSNorm(hf_config.hidden_size, eps=getattr(hf_config, self.norm_eps_attr))
         self.model.add_module(self.final_norm_name, norm)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = ParallelLMHead(
-                hf_config.vocab_size, hf_config.hidden_size, prefix=join(prefix, "lm_head")
-            )
+        self.tie_word_embeddings, self.lm_head = output_head(
+            hf_config, self.model.embed_tokens, join(prefix, "lm_head")
+        )
 
     def build_rotary(self, config: Any, max_position: int | None) -> RotaryEmbedding:
         return get_rope_from_hf_config(config, head_dim_of(config), max_position=max_position)

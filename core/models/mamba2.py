@@ -15,8 +15,8 @@ from torch import Tensor, nn
 
 from llmhal.layers.layernorm import RMSNorm
 from llmhal.layers.mamba2_mixer import Mamba2Mixer
-from llmhal.layers.vocab_embedding import ParallelLMHead, VocabEmbedding
-from llmhal.models.utils import load_weights_by_name
+from llmhal.layers.vocab_embedding import VocabEmbedding
+from llmhal.models.utils import load_weights_by_name, output_head
 
 
 class MambaBlock(nn.Module):
@@ -63,13 +63,9 @@ class Mamba2ForCausalLM(nn.Module):
         super().__init__()
         self.config = hf_config
         self.backbone = MambaModel(hf_config, self.build_mixer)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head = self.backbone.embeddings
-        else:
-            self.lm_head = ParallelLMHead(
-                hf_config.vocab_size, hf_config.hidden_size, prefix="lm_head"
-            )
+        self.tie_word_embeddings, self.lm_head = output_head(
+            hf_config, self.backbone.embeddings, "lm_head"
+        )
 
     def build_mixer(self, config: Any, prefix: str) -> nn.Module:
         return Mamba2Mixer(

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from llmhal.config import get_current_config
+from llmhal.layers.vocab_embedding import ParallelLMHead
 from llmhal.layers.weights import WeightLoadError, copy_checked
 
 
@@ -54,6 +55,14 @@ def offer_packed_mapping(mapping: dict[str, list[str]]) -> None:
     quant_config = get_current_config().quant_config
     if quant_config is not None and not getattr(quant_config, "packed_modules_mapping", None):
         quant_config.packed_modules_mapping = {k: list(v) for k, v in mapping.items()}
+
+
+def output_head(hf_config: Any, embed_tokens: nn.Module, prefix: str) -> tuple[bool, nn.Module]:
+    """(whether the config ties the output head to the input embedding, the head): the embedding
+    itself when tied, else a new :class:`ParallelLMHead` named ``prefix``."""
+    if getattr(hf_config, "tie_word_embeddings", False):
+        return True, embed_tokens
+    return False, ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, prefix=prefix)
 
 
 # Checkpoint tensors that are derived state, never weights.
