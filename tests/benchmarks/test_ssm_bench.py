@@ -113,6 +113,7 @@ def test_refuses_an_inner_width_that_is_not_a_multiple_of_hidden(tmp_path):
 
 @pytest.mark.slow
 def test_real_run_on_a_tiny_shape(capsys):
-    assert bench.main(TINY) == 0
+    assert bench.main([*TINY, "--dtype", "float32,bfloat16"]) == 0
     table = capsys.readouterr().out
     assert "llmhal / transformers" in table and "last/first" in table and "(CPU)" in table
+    assert "decode tok/s bfloat16 (CPU time)" in table and "ms/token bfloat16" in table
