@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, ClassVar
 
 import pytest
@@ -62,7 +63,11 @@ def test_report_has_every_section_with_its_fields(cli_report):
         for row in report[section]:
             assert keys <= set(row), (section, row)
     # the variables set for the run, and the OpenMP spin that `import llmhal` chose
-    assert report["env"] == {"LLMHAL_LOGGING_LEVEL": "ERROR", "GOMP_SPINCOUNT": "2000"}
+    # (plus whatever the caller's shell set, e.g. LLMHAL_NUM_THREADS, shown as set)
+    chosen = {"LLMHAL_LOGGING_LEVEL": "ERROR", "GOMP_SPINCOUNT": "2000"}
+    inherited = {k: v for k, v in report["env"].items() if k not in chosen}
+    assert {k: report["env"].get(k) for k in chosen} == chosen
+    assert inherited == {k: os.environ[k] for k in inherited if k in os.environ}
     # a fresh process has made no selection; only the default model's would-be choice is listed
     assert [s for s in report["attention_selections"] if "model" not in s] == []
     backends = {b["name"]: b for b in report["attention_backends"]}
