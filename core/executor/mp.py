@@ -120,7 +120,7 @@ class MultiprocExecutor(Executor):
         self._procs: list[Any] = []
         self._conns: list[Any] = []
         self._locks: list[threading.Lock] = []
-        self._closing = False
+        self._stopping = threading.Event()  # set by _stop: the workers' exits are asked for
         self.steps, self.dispatch_seconds, self.dispatch_bytes = 0, 0.0, 0
         self._blocks: list[int] = []
         for rank in range(1, par.world_size):
@@ -136,7 +136,6 @@ class MultiprocExecutor(Executor):
             self._procs.append(proc)
             self._conns.append(parent)
             self._locks.append(threading.Lock())
-        self._stopping = threading.Event()
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, self._stopping)
         for rank in range(1, par.world_size):
             try:
@@ -228,7 +227,7 @@ class MultiprocExecutor(Executor):
         """The monitor thread: the first worker to exit unasked fails the engine."""
         sentinels = {p.sentinel: rank for rank, p in enumerate(self._procs, start=1)}
         ready = wait([*sentinels, self._wake_r])
-        if self._closing or self._stopping.is_set() or self._wake_r in ready:
+        if self._stopping.is_set() or self._wake_r in ready:
             return
         self._record_exit(min(sentinels[s] for s in ready))
         logger.error("%s", self._failure)
@@ -300,8 +299,7 @@ class MultiprocExecutor(Executor):
         return runner.finish(owners, out)
 
     def _shutdown_workers(self) -> None:
-        self._closing = True
-        self._finalizer()  # runs _stop once
+        self._finalizer()  # runs _stop once, which sets _stopping first
         wake = getattr(self, "_wake_w", None)
         if wake is not None:
             try:
