@@ -129,8 +129,14 @@ class Scheduler:
             self.waiting.appendleft(victim)
         logger.debug("Preempted request %s (KV cache full)", victim.request_id)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, busy: frozenset[str] = frozenset(), max_reqs: int | None = None) -> ScheduledBatch:  # fmt: skip
+        """The next step's batch. With pipeline parallelism several batches are in flight at
+        once: ``busy`` holds the ids of requests whose last step's output is not back yet (their
+        next token is unknown, and their KV is being written), which this batch skips and never
+        preempts; ``max_reqs`` caps the batch's requests, so the running ones are shared among
+        the batches in flight instead of all riding in the first."""
         batch = ScheduledBatch()
+        limit = self.max_num_seqs if max_reqs is None else max_reqs
         budget = self.max_num_batched_tokens
         # Decodes first, then the prompts being prefilled in chunks, each group in arrival order:
         # a long prompt's chunk takes what budget the running streams leave, never their turn.
@@ -138,10 +144,10 @@ class Scheduler:
         decode_tokens = 0
         prefill_left: int | None = None  # the pace's limit, set once the decodes are in
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
-            if budget <= 0:
+            if budget <= 0 or len(batch.items) >= limit:
                 break
-            if req.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this step
+            if req.status is not RequestStatus.RUNNING or req.request_id in busy:
+                continue  # preempted earlier in this step, or still in the pipeline
             known = req.num_tokens - req.num_computed_tokens
             if known > 1 and prefill_left is None:
                 prefill_left = self._prefill_allowance(decode_tokens, budget)
@@ -155,7 +161,7 @@ class Scheduler:
             # Speculative drafts are verified after the last token, as far as the budget goes.
             del req.spec_token_ids[max(0, n - known) :]
             while not self.kv.allocate(req, n):
-                victim = self._victim(scheduled)
+                victim = self._victim(scheduled, busy)
                 if id(victim) in scheduled:  # priority: a lower one scheduled earlier gives way
                     scheduled.discard(id(victim))
                     budget += next(k for r, k in batch.items if r is victim)
@@ -178,7 +184,7 @@ class Scheduler:
         if not batch.preempted:
             pending: set[bytes] | None = None  # blocks running requests are computing
             deferred: list[Request] = []  # waiting for those; they keep their place in line
-            while self.waiting and min(budget, prefill_left) > 0 and len(self.running) < self.max_num_seqs:  # fmt: skip
+            while self.waiting and min(budget, prefill_left) > 0 and len(self.running) < self.max_num_seqs and len(batch.items) < limit:  # fmt: skip
                 req = self.waiting[0]
                 prefix = self.kv.cached_prefix(req)
                 if self.kv.enable_prefix_caching:
@@ -219,11 +225,14 @@ class Scheduler:
         allowed = self.pace.prefill_allowance(decode_tokens)
         return budget if allowed is None else min(budget, allowed)
 
-    def _victim(self, scheduled: set[int]) -> Request:
+    def _victim(self, scheduled: set[int], busy: frozenset[str] = frozenset()) -> Request:
+        # A request in the pipeline never gives way (its step is writing its blocks); the one
+        # being scheduled is never busy, so there is always a candidate.
+        free = [r for r in self.running if r.request_id not in busy]
         if self.policy == "priority":
-            return max(self.running, key=self._order)
+            return max(free, key=self._order)
         # The most recently admitted request not scheduled in this step gives way.
-        return next(r for r in reversed(self.running) if id(r) not in scheduled)
+        return next(r for r in reversed(free) if id(r) not in scheduled)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
