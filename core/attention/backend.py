@@ -36,8 +36,9 @@ if TYPE_CHECKING:  # pragma: no cover
 # layer never gets flash_attn, and an MHA layer never gets a Mamba backend.
 ATTENTION_KINDS = ("mha", "mla", "mamba1", "mamba2", "linear", "short_conv", "tree")
 ATTENTION_TYPES = ("decoder", "encoder", "encoder_only", "encoder_decoder")
-# "auto" stores the KV cache in the model dtype; fp8 variants store scaled fp8 values.
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+# "auto" stores the KV cache in the model dtype; fp8 variants store scaled fp8 values; int8 and nvfp4
+# store quantized rows with their own scales (llmhal.attention.kv_formats describes each).
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "int8", "nvfp4")
 
 
 @dataclass(frozen=True)
@@ -251,16 +252,9 @@ class AttentionBackend(ABC):
     @classmethod
     def kv_cache_torch_dtype(cls, model_dtype: torch.dtype, cache_dtype: str) -> torch.dtype:
         """The element dtype of the KV cache tensor."""
-        import torch
+        from llmhal.attention.kv_formats import storage_dtype
 
-        if cache_dtype == "auto":
-            return model_dtype
-        table = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-        if cache_dtype not in table:
-            raise ValueError(
-                f"unknown kv_cache_dtype {cache_dtype!r}; valid: {', '.join(KV_CACHE_DTYPES)}"
-            )
-        return table[cache_dtype]
+        return storage_dtype(cache_dtype, model_dtype)
 
     @classmethod
     def availability(cls, platform: Platform) -> list[str]:
@@ -299,6 +293,12 @@ class AttentionBackend(ABC):
             reasons.append(
                 f"kv_cache_dtype {r.kv_cache_dtype} not supported (supported: {', '.join(cls.supported_kv_cache_dtypes)})"
             )
+        elif r.kv_cache_dtype != "auto":
+            from llmhal.attention.kv_formats import head_size_reason
+
+            fmt_reason = head_size_reason(r.kv_cache_dtype, r.head_size)
+            if fmt_reason:
+                reasons.append(fmt_reason)
         if cls.supported_block_sizes is not None and not any(
             (b.accepts(r.block_size) if isinstance(b, MultipleOf) else b == r.block_size)
             for b in cls.supported_block_sizes

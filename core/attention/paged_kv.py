@@ -10,6 +10,10 @@ fp8 storage (``kv_cache_dtype`` ``fp8_e4m3``/``fp8_e5m2``): a value ``x`` is sto
 ``fp8(clamp(x / scale))`` computed in float32, saturating at the fp8 type's largest finite value
 (a plain cast would turn overflow into NaN for e4m3fn); a stored ``q`` reads back as ``q * scale``.
 ``scale`` is the layer's ``k_scale``/``v_scale``.
+
+Packed formats (``int8``, ``nvfp4``; :mod:`llmhal.attention.kv_formats`) keep this layout with a
+longer or shorter last dimension (a row holds its values and their scales), so ``head_size`` above
+is then :func:`llmhal.attention.kv_formats.row_size`; the helpers below read and write them too.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from llmhal.attention import kv_formats
 
 if TYPE_CHECKING:  # pragma: no cover
     from llmhal.attention.backend import AttentionLayerState, CommonAttentionMetadata
@@ -42,13 +48,20 @@ class SharedKVLayout:
         head_size: int,
         cache_dtype: str = "auto",
     ) -> tuple[int, ...]:
-        return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+        from llmhal.attention.kv_formats import row_size
+
+        return kv_cache_shape(
+            num_blocks, block_size, num_kv_heads, row_size(cache_dtype, head_size)
+        )
 
 
 def quantize_to_cache(
     x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor
 ) -> torch.Tensor:
-    """``x`` as it is stored in a cache of ``cache_dtype`` (scaled and saturated when fp8)."""
+    """``x`` as it is stored in a cache of ``cache_dtype`` (scaled and saturated when fp8; rows of
+    the packed format of that element type when int8/uint8)."""
+    if cache_dtype in (torch.int8, torch.uint8):
+        return kv_formats.encode(x, cache_dtype, scale)
     if cache_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         return x.to(cache_dtype)
     fmax = torch.finfo(cache_dtype).max
@@ -58,7 +71,10 @@ def quantize_to_cache(
 def dequantize_from_cache(
     x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """Stored cache values as ``dtype`` (fp8 values are multiplied by ``scale`` in float32)."""
+    """Stored cache values as ``dtype`` (fp8 values are multiplied by ``scale`` in float32; packed
+    rows are decoded, so the last dimension becomes the head size)."""
+    if kv_formats.stored_format(x) is not None:
+        return kv_formats.decode(x, scale, dtype)
     if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         return (x.float() * scale.float()).to(dtype)
     return x.to(dtype)
@@ -139,7 +155,7 @@ def kv_token_slots(
 
 def gather_kv(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values stored at ``slots`` (int64 [n]) as they are stored: [n, num_kv_heads,
-    head_size] each, in the cache dtype (a copy, as varlen kernels take contiguous tokens)."""
+    head_size] (or packed rows) each, in the cache dtype (a copy, as varlen kernels take contiguous tokens)."""
     kv_heads, head_size = kv_cache.shape[-2], kv_cache.shape[-1]
     k = kv_cache[0].reshape(-1, kv_heads, head_size)[slots]
     v = kv_cache[1].reshape(-1, kv_heads, head_size)[slots]
@@ -158,7 +174,7 @@ def read_kv(
     Returns two tensors of shape ``slots.shape + (num_kv_heads, head_size)``.
     """
     k, v = gather_kv(kv_cache, slots.reshape(-1).long())
-    shape = (*slots.shape, *k.shape[1:])
+    shape = (*slots.shape, k.shape[1], -1)  # a packed row decodes to fewer or more values
     return (
         dequantize_from_cache(k, k_scale, dtype).view(shape),
         dequantize_from_cache(v, v_scale, dtype).view(shape),

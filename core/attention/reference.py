@@ -177,7 +177,7 @@ class ReferenceAttentionBackend(paged_kv.SharedKVLayout, AttentionBackend):
     name = "reference"
     kind = "mha"
     supported_dtypes = ("float32", "bfloat16", "float16")
-    supported_kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2")
+    supported_kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2", "int8", "nvfp4")
     supports_sliding_window = True
     supports_logits_soft_cap = True
 

@@ -75,6 +75,10 @@ class LoadReport:
     # Sequences of max_model_len tokens that fit at once (KV blocks, state slots, max_num_seqs).
     max_concurrency: int | None = None
     num_state_slots: int = 0  # recurrent layers' state cache (0: none)
+    kv_cache_dtype: str = "auto"
+    # What one token's keys and values take in the paged cache, every attention layer together (the
+    # formula is llmhal.attention.kv_formats.kv_bytes_per_token; recurrent state is per request).
+    kv_cache_bytes_per_token: int = 0
 
 
 def resolve_dtype(
@@ -206,17 +210,14 @@ def _check_counts(args: EngineArgs) -> None:
 
 def build_engine(args: EngineArgs) -> tuple[Any, LoadReport]:
     """Build an :class:`~llmhal.engine.llm_engine.LLMEngine` (and a report of what was built)."""
-    from llmhal.attention.backend import KV_CACHE_DTYPES
+    from llmhal.attention.kv_formats import canonical_kv_cache_dtype
     from llmhal.default_model import default_model_path
     from llmhal.model_loader.source import resolve_source
     from llmhal.platforms import get_current_platform
     from llmhal.plugins import load_general_plugins
 
     _check_counts(args)
-    if args.kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(
-            f"kv_cache_dtype={args.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}"
-        )
+    args.kv_cache_dtype = canonical_kv_cache_dtype(args.kv_cache_dtype)
     t0 = time.perf_counter()
     load_general_plugins()  # before the speculative config: a plugin may register its method
     if args.speculative_config is not None:
@@ -408,7 +409,8 @@ def _build(
     report = LoadReport(
         str(source.path), config.model.architecture, config.model.dtype, config.model.quantization,
         runner.attention_backends, weight_bytes, kv_bytes, num_blocks, time.perf_counter() - t0,
-        concurrency, runner.num_state_slots,
+        concurrency, runner.num_state_slots, config.cache.kv_cache_dtype,
+        runner.kv_cache_bytes_per_block() // config.cache.block_size,
     )  # fmt: skip
     return engine, report
 

@@ -14,7 +14,8 @@ kv_lora_rank + qk_rope_head_dim]`` per layer, the token in slot ``s`` at ``view(
 ``kv_lora_rank + qk_rope_head_dim`` (DeepSeek-V3: 576 values a token a layer, against 2 x 128 heads x
 192 = 49152 for the same attention with its keys and values expanded). With an fp8
 ``kv_cache_dtype`` the latent is stored scaled by the layer's ``k_scale`` (the shared paged-KV rule,
-:mod:`llmhal.attention.paged_kv`).
+:mod:`llmhal.attention.paged_kv`); ``int8`` and ``nvfp4`` store it as one packed row of
+:mod:`llmhal.attention.kv_formats` (int8: one scale for the token's whole latent).
 
 **Two equal forms of the same attention** (backends use both, as vLLM does):
 
@@ -88,7 +89,9 @@ class LatentKVLayout:
             raise ValueError(
                 f"the MLA latent cache has one KV head (the shared latent), not {num_kv_heads}"
             )
-        return (num_blocks, block_size, head_size)
+        from llmhal.attention.kv_formats import row_size
+
+        return (num_blocks, block_size, row_size(cache_dtype, head_size))
 
 
 def write_latent(
@@ -162,7 +165,13 @@ class MLABackend(LatentKVLayout, AttentionBackend):
 
     kind = "mla"
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
-    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto", "fp8_e4m3", "fp8_e5m2")
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = (
+        "auto",
+        "fp8_e4m3",
+        "fp8_e5m2",
+        "int8",
+        "nvfp4",
+    )
 
     @classmethod
     def supports_combination(cls, requirements: AttentionRequirements) -> str | None:

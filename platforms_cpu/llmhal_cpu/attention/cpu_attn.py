@@ -4,8 +4,11 @@ One call serves a whole step (decodes first, then prefills and prefill chunks):
 
 * **KV cache**: one tensor [2, num_blocks, block_size, num_kv_heads, head_size] per layer (the
   shared layout of :mod:`llmhal.attention.paged_kv`), in the model dtype or fp8 (``fp8_e4m3``/
-  ``fp8_e5m2``: stored value = real / scale). The native kernel stores the step's new keys and
-  values in the same call that attends; fp8 values are quantized and stored by torch first.
+  ``fp8_e5m2``: stored value = real / scale), or packed ``int8``/``nvfp4`` rows (see
+  :mod:`llmhal.attention.kv_formats`). The native kernel stores the step's new keys and values in
+  the same call that attends; fp8 values are quantized and stored by torch first. The kernel does
+  not read packed rows: with ``int8``/``nvfp4`` every request runs through the torch paths below,
+  which decode the blocks they gather to the model dtype.
 * **Decodes and short query chunks** (up to :data:`KERNEL_MAX_QUERY_LEN` new tokens, e.g. draft
   verification) go to the native kernel (``paged_attention.cpp``): every request in one call,
   threads over (token, key split), each reading its keys straight out of the paged blocks, so
@@ -26,7 +29,7 @@ from typing import Any
 
 import torch
 
-from llmhal.attention import paged_kv
+from llmhal.attention import kv_formats, paged_kv
 from llmhal.attention.backend import (
     AttentionBackend,
     AttentionImpl,
@@ -176,8 +179,10 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata]):
             out[n:].zero_()  # padding rows
             query, key, value = query[:n], key[:n], value[:n]
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        # The kernel reads rows of head_size contiguous elements (any other stride is fine).
-        lib = native.load_kernel() if k_cache.stride(-1) == 1 else None
+        # The kernel reads rows of head_size contiguous elements (any other stride is fine), in
+        # the model dtype or fp8; packed int8/nvfp4 rows are decoded by the torch paths instead.
+        packed = kv_formats.stored_format(kv_cache) is not None
+        lib = native.load_kernel() if k_cache.stride(-1) == 1 and not packed else None
         # The kernel stores the new keys/values itself (one call, no torch ops) when they are
         # stored as they are; fp8 quantization, and the no-kernel case, go through torch.
         kernel_stores = (
@@ -233,7 +238,7 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata]):
     ) -> None:
         if meta.write_index is not None:
             x = x[meta.write_index]
-        flat = cache.view(-1, self.num_kv_heads, self.head_size)
+        flat = cache.view(-1, self.num_kv_heads, cache.shape[-1])  # a packed row's length
         x = paged_kv.quantize_to_cache(x, cache.dtype, scale)
         if cache.dtype.itemsize == 1:  # index_copy_ has no fp8 kernel; bytes are bytes
             flat, x = flat.view(torch.uint8), x.view(torch.uint8)
@@ -288,7 +293,7 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata]):
             x = cache[spec.first_block + b0 : spec.first_block + len(spec.blocks)]
         else:
             x = cache.index_select(0, spec.blocks[b0:])
-        x = x.view(-1, self.num_kv_heads, self.head_size)[: spec.seq_len - key_start]
+        x = x.view(-1, self.num_kv_heads, cache.shape[-1])[: spec.seq_len - key_start]
         return paged_kv.dequantize_from_cache(x, scale, dtype)
 
     def _prefill_mask(
@@ -319,7 +324,7 @@ class CpuAttentionBackend(paged_kv.SharedKVLayout, AttentionBackend):
     supported_dtypes = ("float32", "bfloat16", "float16")
     supported_head_sizes = None
     supported_block_sizes = None
-    supported_kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2")
+    supported_kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2", "int8", "nvfp4")
     supported_attn_types = ("decoder",)
     supports_sliding_window = True
     supports_logits_soft_cap = True

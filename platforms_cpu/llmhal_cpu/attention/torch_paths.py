@@ -180,7 +180,8 @@ def _short_group(
     # Row i of request j is its token qsl[j] + i (padding rows repeat its first token).
     valid = rows[None, :] < q_lens[:, None]
     tok = torch.where(valid, qsl[:-1, None] + rows[None, :], qsl[:-1, None])
-    q = query[tok.flatten()].view(r, len(rows), query.shape[1], d)
+    # The query keeps its own head size (d is the cache row, longer or shorter when packed).
+    q = query[tok.flatten()].view(r, len(rows), *query.shape[1:])
     qpos = seq_lens[:, None].to(torch.int64) - q_lens[:, None] + rows[None, :]  # [r, lq]
     kpos = first_block[:, None] * bs + torch.arange(lk)[None, :]  # [r, lk]
     mask = causal_window_mask(qpos[:, :, None], kpos[:, None, :], window)[:, None]
