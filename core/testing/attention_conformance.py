@@ -34,6 +34,7 @@ import torch
 
 from llmhal.attention.backend import AttentionBackend, AttentionRequirements
 from llmhal.attention.batch import build_common_metadata
+from llmhal.attention.kv_formats import packed_format
 
 if TYPE_CHECKING:  # pragma: no cover
     from llmhal.platforms import Platform
@@ -299,12 +300,18 @@ class _Runner:
             num_blocks, case.block_size, case.num_kv_heads, case.head_size, case.kv_cache_dtype
         )
         cache_dtype = backend_cls.kv_cache_torch_dtype(case.torch_dtype, case.kv_cache_dtype)
-        n = 1
-        for s in shape:
-            n *= s
-        flat = garbage.repeat(-(-n // garbage.numel()))[:n]
-        self.kv_cache = flat.view(shape).to(device=device, dtype=cache_dtype)
         self.layer = _LayerState(device, case.kv_cache_dtype != "auto")
+        fmt = packed_format(case.kv_cache_dtype)
+        # Packed rows hold scales: raw garbage bytes would be NaN scales, which no engine cache
+        # holds (it starts zeroed, then holds written rows); fill with garbage rows instead.
+        values = (*shape[:-1], case.head_size) if fmt else shape
+        n = 1
+        for s in values:
+            n *= s
+        flat = garbage.repeat(-(-n // garbage.numel()))[:n].view(values)
+        if fmt is not None:
+            flat = fmt.encode(flat, self.layer.k_scale.cpu())
+        self.kv_cache = flat.to(device=device, dtype=cache_dtype)
 
     def step(self, common: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.builder.build(common)
