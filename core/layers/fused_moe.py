@@ -24,22 +24,29 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmhal.layers.linear import ReplicatedLinear
 from llmhal.layers.weights import WeightLoadError, copy_checked
 from llmhal.quantization.base import QuantizationConfig, QuantizeMethodBase
 
 ShardId = tuple[int | None, str]
 
-_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+# A per-expert tensor: ``weight``, or a quantized format's tensors (``qweight``, ``scales``, ...).
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.(\w+)$")
 _FUSED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 _PART = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2": "w2", "down_proj": "w2"}
 
 
 def route_expert_tensor(name: str) -> tuple[str, ShardId] | None:
-    """(our parameter name, shard id) for a checkpoint expert tensor; None for any other tensor."""
+    """(our parameter name, shard id) for a checkpoint expert tensor; None for any other tensor.
+
+    Per-expert tensor ``<t>`` of a projection maps to ``w13_<t>`` (gate, up) or ``w2_<t>`` (down):
+    ``w13_weight`` for plain weights; a quantized checkpoint's ``experts.<e>.w1.qweight`` to
+    ``w13_qweight``, which a method either registers or loads through its
+    ``load_expert_tensor`` (:class:`FusedMoEMethodBase`)."""
     m = _PER_EXPERT.match(name)
     if m:
         part = _PART[m.group(3)]
-        param = "w2_weight" if part == "w2" else "w13_weight"
+        param = f"{'w2' if part == 'w2' else 'w13'}_{m.group(4)}"
         return f"{m.group(1)}.{param}", (int(m.group(2)), part)
     m = _FUSED.match(name)
     if m:
@@ -62,6 +69,13 @@ def expert_rows(param: torch.Tensor, shard: ShardId, intermediate: int) -> torch
     return param[expert]
 
 
+class RouterLinear(ReplicatedLinear):
+    """A MoE block's router (``gate``: one logit per expert). Weight-only integer methods (GPTQ,
+    AWQ, compressed-tensors) leave it unquantized whatever their rules say, as vLLM does:
+    checkpoints keep it in float (its few weights decide every token's experts), and its width
+    (the number of experts) is rarely a multiple of their packing."""
+
+
 class FusedMoEMethodBase(QuantizeMethodBase):
     """How a :class:`FusedMoE` layer stores and runs its experts (a quantization method's MoE side).
 
@@ -69,6 +83,12 @@ class FusedMoEMethodBase(QuantizeMethodBase):
     ``w13_weight`` and ``w2_weight`` (and what else the method keeps) with a ``weight_loader(param,
     tensor, shard_id)`` taking the shard ids of :func:`route_expert_tensor`; ``apply(layer, x,
     router_logits)`` returns the layer's output.
+
+    A method whose experts are not stacked parameters (each expert its own quantized layer) may
+    instead define ``load_expert_tensor(layer, name, tensor, shard_id) -> str``: the model's loader
+    calls it for each per-expert checkpoint tensor (``name`` the routed name, e.g. ``w13_qweight``)
+    that matches no parameter of the layer; it returns the name (under the layer) of the parameter
+    it filled.
     """
 
     def create_weights(  # type: ignore[override]
@@ -252,11 +272,19 @@ class FusedMoE(nn.Module):
         router_logits: torch.Tensor,
         **scales: torch.Tensor | None,
     ) -> torch.Tensor:
-        """``fused_moe`` with this layer's routing (for quantization methods' ``apply``)."""
+        """``fused_moe`` with this layer's routing (for quantization methods' ``apply``).
+
+        Experts held as :class:`~llmhal.ops.expert_kernels.ExpertKernels` go to the platform's op
+        only when it accepts that form, else to core's reference (which always does)."""
         if self._op is None:
+            from llmhal.ops.expert_kernels import accepts_expert_kernels
             from llmhal.ops.registry import get_op
 
             self._op = get_op("fused_moe")
+            if not isinstance(w13, torch.Tensor) and not accepts_expert_kernels(self._op):
+                from llmhal.ops.fused_moe import fused_moe
+
+                self._op = fused_moe
         return self._op(
             x,
             w13,

@@ -37,7 +37,7 @@ from torch import nn
 
 from llmhal.attention.mla.common import MLAAttention, MLADims
 from llmhal.config import get_current_config
-from llmhal.layers.fused_moe import FusedMoE
+from llmhal.layers.fused_moe import FusedMoE, RouterLinear
 from llmhal.layers.layernorm import RMSNorm
 from llmhal.layers.linear import ReplicatedLinear
 from llmhal.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters
@@ -168,7 +168,7 @@ class DeepseekMoE(nn.Module):
         v3 = is_v3(config)
         grouped = v3 or getattr(config, "topk_method", "greedy") == "group_limited_greedy"
         # The router stays float32 (DeepSeek keeps gate.weight in fp32 in every dtype).
-        self.gate = ReplicatedLinear(
+        self.gate = RouterLinear(
             config.hidden_size, n, params_dtype=torch.float32, prefix=_join(prefix, "gate")
         )
         self.experts = FusedMoE(

@@ -15,8 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmhal.layers.fused_moe import FusedMoE, ShardId, route_expert_tensor
-from llmhal.layers.linear import ReplicatedLinear
+from llmhal.layers.fused_moe import FusedMoE, RouterLinear, ShardId, route_expert_tensor
 from llmhal.layers.weights import WeightLoadError
 from llmhal.models.llama import LlamaForCausalLM, LlamaMLP
 from llmhal.models.utils import LLAMA_STACKED, load_weights_by_name
@@ -27,7 +26,7 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, hidden_size: int, num_experts: int, prefix: str, **moe: Any) -> None:
         super().__init__()
-        self.gate = ReplicatedLinear(hidden_size, num_experts, prefix=f"{prefix}.gate")
+        self.gate = RouterLinear(hidden_size, num_experts, prefix=f"{prefix}.gate")
         self.experts = FusedMoE(
             num_experts, hidden_size=hidden_size, prefix=f"{prefix}.experts", **moe
         )
@@ -102,6 +101,7 @@ class _ExpertLoader:
         self.params = dict(model.named_parameters())
         self.layers = {n: m for n, m in model.named_modules() if isinstance(m, FusedMoE)}
         self.shards: dict[str, set[ShardId]] = {}
+        self.unstacked: set[str] = set()  # parameters filled through load_expert_tensor
 
     def split(
         self, weights: Iterable[tuple[str, torch.Tensor]]
@@ -113,22 +113,41 @@ class _ExpertLoader:
                 continue
             target, shard = routed
             param = self.params.get(target)
-            if param is None:
-                raise WeightLoadError(
-                    f"checkpoint tensor {name!r} is an expert weight, but the model has no MoE "
-                    f"layer {target.rpartition('.')[0]!r} (MoE layers: "
-                    f"{', '.join(self.layers) or 'none'})"
-                )
-            loader: Callable[..., None] = param.weight_loader  # type: ignore[attr-defined]
             try:
-                loader(param, tensor, shard)
+                if param is None:
+                    self.unstacked.add(self._load_unstacked(name, target, tensor, shard))
+                else:
+                    loader: Callable[..., None] = param.weight_loader  # type: ignore[attr-defined]
+                    loader(param, tensor, shard)
             except WeightLoadError as e:
                 raise WeightLoadError(f"checkpoint tensor {name!r} -> {target}: {e}") from None
             self.shards.setdefault(target, set()).add(shard)
 
+    def _load_unstacked(self, name: str, target: str, tensor: torch.Tensor, shard: ShardId) -> str:
+        """An expert tensor with no stacked parameter: the layer's method loads it, if it can;
+        returns the name of the parameter it filled."""
+        layer_name, _, tensor_name = target.rpartition(".")
+        layer = self.layers.get(layer_name)
+        if layer is None:
+            raise WeightLoadError(
+                f"checkpoint tensor {name!r} is an expert weight, but the model has no MoE "
+                f"layer {layer_name!r} (MoE layers: {', '.join(self.layers) or 'none'})"
+            )
+        load = getattr(layer.quant_method, "load_expert_tensor", None)
+        if load is None:
+            raise WeightLoadError(
+                f"the experts of {layer_name} load as {layer.quant_method.describe(layer)}, which "
+                f"has no tensor {tensor_name!r}: the checkpoint's experts are stored in a format "
+                "its quantization_config does not give them (or that llmhal cannot read for "
+                "experts: see docs/quantization.md)"
+            )
+        return f"{layer_name}.{load(layer, tensor_name, tensor, shard)}"
+
     def finish(self) -> set[str]:
         for name, layer in self.layers.items():
             for param, parts in (("w13_weight", ("w1", "w3")), ("w2_weight", ("w2",))):
+                if f"{name}.{param}" not in self.params:
+                    continue  # per-expert layers: each checks its own tensors after loading
                 got = self.shards.get(f"{name}.{param}", set())
                 if (None, parts[0] if len(parts) == 1 else "w13") in got:
                     continue
@@ -140,4 +159,4 @@ class _ExpertLoader:
                         f"{name}: the checkpoint lacks expert tensors {', '.join(missing[:8])}"
                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
                     )
-        return set(self.shards)
+        return {n for n in self.shards if n in self.params} | self.unstacked

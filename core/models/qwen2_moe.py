@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmhal.layers.linear import ReplicatedLinear
+from llmhal.layers.fused_moe import RouterLinear
 from llmhal.models.moe import MoeForCausalLM, SparseMoeBlock, num_experts
 from llmhal.models.qwen3_moe import QwenMoeForCausalLM, qwen_moe_args
 
@@ -23,7 +23,7 @@ class Qwen2MoeSparseBlock(SparseMoeBlock):
         self.shared_expert = MoeForCausalLM.dense_mlp(
             config, f"{prefix}.shared_expert", config.shared_expert_intermediate_size
         )
-        self.shared_expert_gate = ReplicatedLinear(
+        self.shared_expert_gate = RouterLinear(
             config.hidden_size, 1, prefix=f"{prefix}.shared_expert_gate"
         )
 

@@ -10,7 +10,9 @@ Signature (dispatched through :func:`llmhal.ops.registry.get_op`; a platform ker
 [E, H, I] its down projection; ``router_logits`` [T, E]. Each token goes to ``top_k`` experts and
 the result is ``sum_k weight_k * w2[e_k] @ act(w13[e_k, :I] @ x) * (w13[e_k, I:] @ x)`` in the
 dtype of ``hidden``. With ``w13_scale`` [E, 2I] / ``w2_scale`` [E, H] the weights are int8 with one
-scale per output row (``w = q * scale``, the ``experts_int8`` layout).
+scale per output row (``w = q * scale``, the ``experts_int8`` layout). ``w13``/``w2`` may also be
+:class:`~llmhal.ops.expert_kernels.ExpertKernels` (quantized experts as per-expert kernels; the
+op's ``accepts_expert_kernels`` attribute says whether an implementation takes them).
 
 Routing (:func:`select_experts`) follows the published models: ``softmax`` (Mixtral, Qwen-MoE) or
 ``sigmoid`` (DeepSeek-V3) scores in float32; with ``num_expert_group`` the experts are split in
@@ -102,6 +104,8 @@ def select_experts(
 
 def project(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """``x @ w.T`` for one expert's rows; with ``scale``, ``w`` is int8 with one scale per row."""
+    if not isinstance(w, torch.Tensor):  # one expert of ExpertKernels: the kernel runs itself
+        return w(x)
     if scale is None:
         return F.linear(x, w)
     # int8 rows: (x @ q.T) * s equals x @ (q * s).T up to rounding; the conversion is exact.
@@ -194,3 +198,6 @@ def fused_moe(
         w13_scale=w13_scale,
         w2_scale=w2_scale,
     )
+
+
+fused_moe.accepts_expert_kernels = True  # type: ignore[attr-defined]

@@ -92,6 +92,12 @@ class AWQConfig(QuantizationConfig):
         )
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        from llmhal.quantization.moe_wna16 import declines_router, is_moe_layer, moe_method
+
+        if is_moe_layer(layer):
+            return moe_method(self, layer, prefix)
+        if declines_router(layer):
+            return None
         if not quantizes_linear(
             layer, prefix, self.modules_to_not_convert, self.packed_modules_mapping
         ):

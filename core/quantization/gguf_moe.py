@@ -9,9 +9,10 @@ llama.cpp's quantizer writes them) and ``w2_weight`` [E, H, row_bytes(I)].
 After loading, each expert's two projections become the same kernels a GGUF linear layer gets
 (:meth:`~llmhal.quantization.gguf.GGUFLinearMethod` rules: the platform's ``quant_linear`` on the
 exact grouped form where it applies, else exact dequantization in row chunks; ``LLMHAL_GGUF_KERNEL``
-applies). The forward is core's grouped MoE algorithm (route, sort tokens by expert, run only the
-chosen experts) with those kernels as the per-expert matmul: an expert no token chose is never
-read, and none is expanded to floats in memory.
+applies). The forward is the ``fused_moe`` op with the experts as
+:class:`~llmhal.ops.expert_kernels.ExpertKernels` (the platform's op when it accepts that form, else
+core's grouped algorithm): tokens sorted by expert, only the chosen experts' kernels run, so an
+expert no token chose is never read, and none is expanded to floats in memory.
 """
 
 from __future__ import annotations
@@ -24,29 +25,12 @@ from torch import nn
 
 from llmhal.layers.fused_moe import FusedMoEMethodBase, ShardId, expert_param, expert_rows
 from llmhal.layers.weights import WeightLoadError, copy_checked
+from llmhal.ops.expert_kernels import ExpertKernels
 from llmhal.quantization.gguf_dequant import GGMLType
 
 # The HF module names a GGUF file's expert types are recorded under (see GGUFFile.quant_config):
 # ``<experts prefix>.<part>``.
 EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
-
-
-class KernelStack:
-    """Per-expert kernels, indexable like the stacked weights core's grouped algorithm reads."""
-
-    def __init__(self, kernels: list[Any]) -> None:
-        self.kernels = kernels
-        self.shape = (len(kernels),)
-
-    def __getitem__(self, e: int) -> Any:
-        return self.kernels[e]
-
-    def weight_bytes(self) -> int:
-        return sum(k.weight_bytes() for k in self.kernels)
-
-
-def _run_kernel(x: torch.Tensor, kernel: Any, scale: torch.Tensor | None) -> torch.Tensor:
-    return kernel(x)
 
 
 class GGUFMoEMethod(FusedMoEMethodBase):
@@ -109,11 +93,11 @@ class GGUFMoEMethod(FusedMoEMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         from llmhal.quantization.gguf import GGUFLinearMethod
 
-        def stack(t: GGMLType, w: torch.Tensor, k: int) -> KernelStack:
+        def stack(t: GGMLType, w: torch.Tensor, k: int) -> ExpertKernels:
             # The linear method's kernel choice reads only these two attributes of its layer.
             shape = SimpleNamespace(input_size=k, params_dtype=self.params_dtype)
             method = GGUFLinearMethod([t], self.mode)
-            return KernelStack([method._kernel(shape, t, w[e]) for e in range(w.shape[0])])
+            return ExpertKernels([method._kernel(shape, t, w[e]) for e in range(w.shape[0])])
 
         layer.gguf_experts = (
             stack(self.t13, layer.w13_weight.data, layer.hidden_size),
@@ -125,19 +109,8 @@ class GGUFMoEMethod(FusedMoEMethodBase):
     def apply(  # type: ignore[override]
         self, layer: nn.Module, x: torch.Tensor, router_logits: torch.Tensor
     ) -> torch.Tensor:
-        from llmhal.ops.fused_moe import gated_activation, grouped_experts, select_experts
-
         k13, k2 = layer.gguf_experts
-        weights, ids = select_experts(
-            router_logits,
-            layer.top_k,
-            e_score_correction_bias=layer.e_score_correction_bias,
-            **layer.routing,
-        )
-        return grouped_experts(
-            x, k13, k2, weights, ids,
-            act_and_mul=gated_activation(layer.activation), matmul=_run_kernel,
-        )  # fmt: skip
+        return layer.run_op(x, k13, k2, router_logits)
 
     def weight_bytes(self, layer: nn.Module) -> int:
         kept = sum(s.weight_bytes() for s in getattr(layer, "gguf_experts", ()))

@@ -28,6 +28,9 @@ LINEAR_SUFFIXES = (
     "q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
     "gate_proj.weight", "up_proj.weight", "down_proj.weight",
 )  # fmt: skip
+# A MoE checkpoint's expert projections besides those (Mixtral's spelling; the router ``gate``
+# is not among them).
+EXPERT_SUFFIXES = ("w1.weight", "w2.weight", "w3.weight")
 PROMPTS = [[5, 17, 42], [7, 100, 23, 9, 88, 64, 3, 250, 31], [300, 12]]
 KV_CACHE_BYTES = 4 << 20
 
@@ -59,16 +62,17 @@ def write_pair(
     quantization_config: dict[str, Any] | None,
     *,
     base: Path | None = None,
+    suffixes: tuple[str, ...] = LINEAR_SUFFIXES,
 ) -> tuple[Path, Path]:
     """Write ``folder/quantized`` and ``folder/reference`` from the tiny Llama in ``base`` (default:
-    :func:`shared_tiny_llama`)."""
+    :func:`shared_tiny_llama`), quantizing the tensors whose names end with one of ``suffixes``."""
     from safetensors.torch import load_file, save_file
 
     base = base or shared_tiny_llama()
     state = load_file(str(base / "model.safetensors"))
     quant, ref = {}, {}
     for name, tensor in state.items():
-        if name.endswith(LINEAR_SUFFIXES):
+        if name.endswith(suffixes):
             module = name.removesuffix(".weight")
             tensors, deq = quantize(name, tensor)
             quant.update({f"{module}.{k}": v.contiguous() for k, v in tensors.items()})

@@ -12,8 +12,9 @@ active expert) with two CPU-specific pieces:
   multiplying. With float32 activations that kernel was slower than converting (49-113 ms vs
   26-27 ms), so float32 keeps core's path.
 
-Quantized experts of other formats (GGUF, GPTQ) through the CPU's quantized GEMM are not written
-yet: no MoE layout of those formats loads today.
+Quantized experts of other formats (GGUF, GPTQ, AWQ, compressed-tensors) arrive as per-expert
+``quant_linear`` kernels (:class:`~llmhal.ops.expert_kernels.ExpertKernels`), which the grouped
+algorithm calls as each expert's matmul.
 """
 
 from __future__ import annotations
@@ -61,4 +62,7 @@ def fused_moe(
     )
 
 
+# Experts held as ExpertKernels (GGUF, GPTQ, AWQ, compressed-tensors) run their own kernels inside
+# core's grouped algorithm, which this op is built on.
+fused_moe.accepts_expert_kernels = True  # type: ignore[attr-defined]
 fused_moe.status = cpu_ops.fused_ops.status  # type: ignore[attr-defined]  # shown by llmhal doctor

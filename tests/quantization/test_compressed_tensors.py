@@ -319,11 +319,13 @@ def test_platform_kernel(preset):
     assert relative_error(layer_output(layer, x), x.double() @ qkv_reference(reference).T) < 1e-2
 
 
-def quantize_linear(w: torch.Tensor, preset: str):
-    """One nn.Linear quantized and compressed by the library: (tensors, library dequantization)."""
+def quantize_linear(w: torch.Tensor, preset: str | dict[str, Any]):
+    """One nn.Linear quantized and compressed by the library: (tensors, library dequantization).
+    ``preset``: a preset name, or a scheme's arguments as make_checkpoint takes them."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationConfig,
+        QuantizationScheme,
         QuantizationStatus,
         apply_quantization_config,
         preset_name_to_scheme,
@@ -333,7 +335,11 @@ def quantize_linear(w: torch.Tensor, preset: str):
     root.add_module("proj", nn.Linear(w.shape[1], w.shape[0], bias=False))
     root.proj.weight.data = w.clone()
     qc = QuantizationConfig(
-        config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])},
+        config_groups={
+            "group_0": preset_name_to_scheme(preset, ["Linear"])
+            if isinstance(preset, str)
+            else QuantizationScheme(targets=["Linear"], **preset)
+        },
         quantization_status=QuantizationStatus.FROZEN,
     )
     apply_quantization_config(root, qc, show_progress=False)
