@@ -1,8 +1,16 @@
 """The ``guidance`` structured-output backend (``pip install llguidance``).
 
 llguidance takes JSON schemas (with features xgrammar refuses, e.g. ``patternProperties``),
-regexes, choices and grammars in Lark or GBNF syntax, and builds each token mask lazily, so a
-constraint needs no compile step beyond parsing.
+regexes, choices and grammars in Lark or GBNF syntax. Its compile is the matcher's construction
+(the grammar's lexer and parser: 0.18 s of CPU for a 1000-property schema of emails); the token
+masks it builds lazily, as decoding reaches them. So the compile step makes one matcher per
+constraint, which the manager caches and never advances, and each request gets a ``deep_copy`` of
+it (64 us for that schema, against 0.18 s for a new matcher; the compiled grammar is shared).
+
+llguidance gives Python's lock back for the whole construction and takes it once at the end (a
+breakpoint on CPython's ``take_gil`` fired once per matcher), so on the manager's compile thread,
+below the engine's priority, it competes with decoding for a core only, as xgrammar does; a
+compile process would gain nothing, since a matcher cannot cross to another process.
 """
 
 from __future__ import annotations
@@ -85,8 +93,7 @@ class GuidanceBackend(StructuredOutputBackend):
                 f"llguidance cannot compile this {request_type.value} constraint: "
                 f"{matcher.get_error()}"
             )
-        return grammar
+        return matcher  # the prototype: copied per request, never advanced itself
 
     def grammar(self, compiled: Any) -> StructuredOutputGrammar:
-        # llguidance builds masks lazily: a matcher per request is all there is to make.
-        return GuidanceGrammar(self._llg.LLMatcher(self.ll_tokenizer, compiled, log_level=0), self._fill)  # fmt: skip
+        return GuidanceGrammar(compiled.deep_copy(), self._fill)
