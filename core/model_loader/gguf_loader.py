@@ -14,7 +14,7 @@ up front; :meth:`GGUFFile.weights` yields zero-copy views:
 
 Supported architectures: llama (also Mistral and SmolLM, which llama.cpp writes as llama), qwen2,
 qwen3, the mixture-of-experts ones: llama with ``expert_count`` (Mixtral), qwen2moe (with its
-shared expert), qwen3moe; lfm2 (short convolutions beside attention: KV heads per layer, 0 on
+shared expert), qwen3moe, deepseek2 (DeepSeek-V2/V3, :mod:`llmhal.model_loader.gguf_deepseek`); lfm2 (short convolutions beside attention: KV heads per layer, 0 on
 convolution layers) and lfm2moe (experts after the leading dense layers); and the state-space
 models mamba (also FalconMamba) and mamba2, whose differences live in
 :mod:`llmhal.model_loader.gguf_ssm`. The MoE files' experts are 3-D tensors (``ffn_gate_exps``
@@ -36,6 +36,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from llmhal.model_loader.gguf_deepseek import (
+    DEEPSEEK2,
+    SPLIT_KV_B,
+    deepseek_arch,
+    deepseek_config,
+    deepseek_names,
+    deepseek_shapes,
+    kv_b_from_split,
+    kv_b_types,
+    split_kv_b,
+)
 from llmhal.model_loader.gguf_ssm import (
     SSM_ARCHITECTURES,
     hf_names,
@@ -266,10 +277,13 @@ class GGUFFile:
             return _MIXTRAL
         if self.architecture in SSM_ARCHITECTURES:
             return ssm_arch(self)
+        if self.architecture == DEEPSEEK2:
+            return deepseek_arch(self)
         if self.architecture not in ARCHITECTURES:
             raise GGUFFormatError(
                 f"{self.path.name}: GGUF architecture {self.architecture!r} is not supported; "
-                f"supported: {', '.join(ARCHITECTURES)} (Mistral files are written as llama)"
+                f"supported: {', '.join([*ARCHITECTURES, DEEPSEEK2])} (Mistral files are written "
+                "as llama)"
             )
         return ARCHITECTURES[self.architecture]
 
@@ -323,6 +337,8 @@ class GGUFFile:
         scaling = self._rope_scaling()
         if scaling is not None:
             cfg["rope_scaling"] = scaling
+        if self.architecture == DEEPSEEK2:
+            return deepseek_config(self, cfg)
         if self.is_moe:
             cfg.update(self._moe_config(model_type))
         if model_type in ("lfm2", "lfm2_moe"):
@@ -442,6 +458,8 @@ class GGUFFile:
             base, _, suffix = name.rpartition(".")
             if suffix == "weight" and len(info.shape) in (2, 3):  # 3-D: a MoE layer's experts
                 types[self.name_map[base]] = self.tensor_type(name).type_id
+        if self.architecture == DEEPSEEK2 and split_kv_b(self):
+            types = kv_b_types(types)
         return GGUFConfig(types, tie_word_embeddings="output.weight" not in self.tensors)
 
     # -- names, shapes, weights -------------------------------------------------------------------
@@ -455,6 +473,8 @@ class GGUFFile:
         arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == self.architecture)
         n_layers = int(self._meta("block_count", 0))
         gmap = gguf.get_tensor_name_map(arch, n_layers)
+        if self.architecture == DEEPSEEK2:
+            return deepseek_names(gmap, n_layers)
         top, block = (
             (_LFM2_TOP, _LFM2_BLOCK)
             if self.architecture in ("lfm2", "lfm2moe")
@@ -482,6 +502,8 @@ class GGUFFile:
         c = self.config_dict()
         if self.architecture in SSM_ARCHITECTURES:
             return ssm_shapes(self.architecture, c)
+        if self.architecture == DEEPSEEK2:
+            return deepseek_shapes(self, c)
         hidden, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
         heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
         hd = c.get("head_dim", hidden // heads)
@@ -641,6 +663,11 @@ class GGUFFile:
         heads = {"q_proj": c.get("num_attention_heads"), "k_proj": c.get("num_key_value_heads")}
         for name in self.tensors:
             hf = self.hf_name(name)
+            if self.architecture == DEEPSEEK2 and hf.endswith(SPLIT_KV_B):
+                rebuilt = kv_b_from_split(self, hf)  # the two halves of kv_b_proj, put back
+                if rebuilt is not None:
+                    yield rebuilt
+                continue
             tensor = self.raw(name)
             proj = hf.split(".")[-2]
             if self.architecture in _PERMUTED_ARCHS and proj in heads:

@@ -46,7 +46,8 @@ def hf_names(n_layers: int) -> list[str]:
     return [*_TOP, *(f"backbone.layers.{i}.{m}" for i in range(n_layers) for m in _BLOCK)]
 
 
-def _need(f: Any, key: str) -> int:
+def need_meta(f: Any, key: str) -> int:
+    """A metadata value the file's architecture requires (the GGUF modules share it)."""
     value = f._meta(key)
     if value is None:
         from llmhal.model_loader.gguf_loader import GGUFFormatError
@@ -74,8 +75,8 @@ def ssm_config(f: Any, common: dict[str, Any]) -> dict[str, Any]:
     keep = ("architectures", "vocab_size", "tie_word_embeddings", "bos_token_id", "eos_token_id",
             "pad_token_id", "unk_token_id")  # fmt: skip
     cfg = {k: common[k] for k in keep if k in common}
-    hidden, inner = _need(f, "embedding_length"), _need(f, "ssm.inner_size")
-    rank = _need(f, "ssm.time_step_rank")
+    hidden, inner = need_meta(f, "embedding_length"), need_meta(f, "ssm.inner_size")
+    rank = need_meta(f, "ssm.time_step_rank")
     if inner % hidden:
         # llmhal's mixers take the inner width as expand x hidden (llama.cpp's converter asserts
         # expand 2).
@@ -84,9 +85,9 @@ def ssm_config(f: Any, common: dict[str, Any]) -> dict[str, Any]:
         )
     cfg.update(
         hidden_size=hidden,
-        num_hidden_layers=_need(f, "block_count"),
-        state_size=_need(f, "ssm.state_size"),
-        conv_kernel=_need(f, "ssm.conv_kernel"),
+        num_hidden_layers=need_meta(f, "block_count"),
+        state_size=need_meta(f, "ssm.state_size"),
+        conv_kernel=need_meta(f, "ssm.conv_kernel"),
         expand=inner // hidden,
         layer_norm_epsilon=_f32_decimal(f._meta("attention.layer_norm_rms_epsilon", 1e-5)),
         use_bias="blk.0.ssm_in.bias" in f.tensors,

@@ -57,6 +57,31 @@ def quantized_rows(name: str, rows: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.from_numpy(random_blocks(name, rows * k // block, seed).reshape(rows, -1))
 
 
+def store_tensor(writer: Any, name: str, data: torch.Tensor, qtype: str | None) -> torch.Tensor:
+    """Add ``data`` to a ``gguf.GGUFWriter`` as tensor ``name`` of GGUF type ``qtype`` (None: F32;
+    K-quants, which gguf cannot quantize, as random blocks of small finite scales); return the
+    values the file now holds, in float32 and ``data``'s shape (for the reference model)."""
+    import gguf
+
+    arr = data.detach().float().contiguous().numpy()
+    if qtype is None:
+        writer.add_tensor(name, arr)
+        return torch.from_numpy(arr.copy())
+    t = gguf.GGMLQuantizationType[qtype]
+    if qtype == "F16":
+        half = arr.astype(np.float16)
+        writer.add_tensor(name, half)
+        return torch.from_numpy(half.astype(np.float32))
+    if qtype in GGUF_QUANTIZABLE:
+        raw = gguf.quants.quantize(arr, t)
+    else:
+        block = gguf.GGML_QUANT_SIZES[t][0]
+        raw = random_blocks(qtype, arr.size // block, seed=arr.size, scale=5e-4)
+        raw = raw.reshape(*arr.shape[:-1], -1)
+    writer.add_tensor(name, raw, raw_dtype=t)
+    return torch.from_numpy(gguf.quants.dequantize(raw, t).astype(np.float32)).view(data.shape)
+
+
 def llama_cpp_permute(t: torch.Tensor, n_head: int) -> torch.Tensor:
     """The row order llama.cpp's converter writes llama q/k weights in (per head: the first half
     of the rows interleaved with the second half)."""

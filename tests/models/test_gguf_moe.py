@@ -11,12 +11,11 @@ and batched decode steps.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from llmhal.model_loader.gguf_loader import unpermute_rows
-from llmhal.testing.gguf_files import GGUF_QUANTIZABLE, llama_cpp_permute, random_blocks
+from llmhal.testing.gguf_files import llama_cpp_permute, store_tensor
 from llmhal.testing.model_parity import compare_with_hf, save_tiny_model, saved_once, tiny_config
 
 CASES = {
@@ -88,20 +87,7 @@ def write_moe_gguf(hf, arch: str, path, expert_types: dict[str, str] = EXPERT_TY
 
     def put(name: str, param: torch.nn.Parameter, qtype: str | None, permute: int = 0) -> None:
         data = param.detach().float()
-        stored = llama_cpp_permute(data, permute) if permute else data
-        arr = stored.contiguous().numpy()
-        if qtype is None:
-            w.add_tensor(name, arr)
-            return
-        t = gguf.GGMLQuantizationType[qtype]
-        if qtype in GGUF_QUANTIZABLE:
-            raw = gguf.quants.quantize(arr, t)
-        else:  # K-quants, which gguf cannot quantize: random blocks of small finite scales
-            block = gguf.GGML_QUANT_SIZES[t][0]
-            blocks = random_blocks(qtype, arr.size // block, seed=arr.size, scale=5e-4)
-            raw = blocks.reshape(*arr.shape[:-1], -1)
-        w.add_tensor(name, raw, raw_dtype=t)
-        back = torch.from_numpy(gguf.quants.dequantize(raw, t).astype(np.float32))
+        back = store_tensor(w, name, llama_cpp_permute(data, permute) if permute else data, qtype)
         if permute:  # the reference keeps HF's row order
             back = unpermute_rows(back, permute)
         with torch.no_grad():
