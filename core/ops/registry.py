@@ -33,6 +33,8 @@ CORE_OPS: dict[str, str] = {
     "silu_and_mul": "llmhal.ops.native:silu_and_mul",
     # A kernel class, not a function: see llmhal.ops.quant_linear for the contract.
     "quant_linear": "llmhal.ops.quant_linear:NativeQuantLinear",
+    # A preparer of unquantized weights, not a function: see llmhal.ops.dense_linear.
+    "dense_linear": "llmhal.ops.dense_linear:prepare",
     # Routing plus the experts' gated MLPs: see llmhal.ops.fused_moe for the signature.
     "fused_moe": "llmhal.ops.fused_moe:fused_moe",
     # State-space and short-convolution ops: see llmhal.ops.mamba_ops for the signatures.

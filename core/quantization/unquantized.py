@@ -1,4 +1,5 @@
-"""The default method: weights in the model dtype, ``torch.nn.functional.linear``."""
+"""The default method: weights in the model dtype, ``torch.nn.functional.linear``, or the platform's
+``dense_linear`` kernel when it offers a faster form of the weight (:mod:`llmhal.ops.dense_linear`)."""
 
 from __future__ import annotations
 
@@ -30,13 +31,35 @@ class UnquantizedLinearMethod(QuantizeMethodBase):
         set_weight_attrs(weight, {"output_dim": 0, "input_dim": 1, **extra})
         layer.register_parameter("weight", weight)
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        # A vocabulary table's rows are looked up too (and a tied head shares them): kept as is.
+        if hasattr(layer, "num_embeddings") or "weight" not in layer._parameters:
+            return
+        from llmhal.ops.registry import get_op
+
+        kernel = get_op("dense_linear")(layer.weight.data)
+        if kernel is not None:
+            # The kernel holds the weight in its own layout; the parameter would be a second copy.
+            layer.dense_kernel = kernel
+            del layer._parameters["weight"]
+
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
+        kernel = layer.__dict__.get("dense_kernel")
+        if kernel is not None:
+            return kernel(x, bias)
         return F.linear(x, layer.weight, bias)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, layer.weight)
 
+    def weight_bytes(self, layer: nn.Module) -> int:
+        kernel = layer.__dict__.get("dense_kernel")
+        return super().weight_bytes(layer) + (0 if kernel is None else kernel.weight_bytes())
+
     def describe(self, layer: nn.Module) -> str:
+        kernel = layer.__dict__.get("dense_kernel")
+        if kernel is not None:
+            return f"unquantized -> {kernel.name}"
         return f"unquantized {str(layer.weight.dtype).removeprefix('torch.')}"

@@ -37,6 +37,7 @@ class CpuPlatform(Platform):
         "rotary_embedding": "llmhal_cpu.ops:rotary_embedding",
         "silu_and_mul": "llmhal_cpu.ops:silu_and_mul",
         "quant_linear": "llmhal_cpu.kernels.quant_linear:CpuQuantLinear",
+        "dense_linear": "llmhal_cpu.kernels.dense_linear:prepare",
         "fused_moe": "llmhal_cpu.moe:fused_moe",
         "causal_conv1d_fn": "llmhal_cpu.mamba_kernels:causal_conv1d_fn",
         "causal_conv1d_update": "llmhal_cpu.mamba_kernels:causal_conv1d_update",

@@ -1,0 +1,83 @@
+"""The CPU platform's ``dense_linear`` (``kernels/dense_linear.py``): bf16 weights packed once for
+oneDNN give exactly ``F.linear``'s results; other dtypes keep ``F.linear``; a layer that takes the
+kernel drops its parameter, and reports the bytes and the kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmhal_cpu.kernels import dense_linear
+
+needs_onednn = pytest.mark.skipif(not dense_linear._enabled(), reason=dense_linear.status())
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [0, 1, 8, 37])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_bf16_is_bit_identical_to_f_linear(rows, bias):
+    g = _gen(rows)
+    w = torch.randn(96, 80, generator=g).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16() if bias else None
+    x = torch.randn(rows, 80, generator=g).bfloat16()
+    kernel = dense_linear.prepare(w)
+    assert kernel is not None and kernel.weight_bytes() == w.numel() * 2
+    assert torch.equal(kernel(x, b), F.linear(x, w, b))
+    # Leading dimensions are kept, as F.linear keeps them.
+    x3 = torch.randn(2, 3, 80, generator=g).bfloat16()
+    assert torch.equal(kernel(x3, b), F.linear(x3, w, b))
+
+
+def test_other_dtypes_are_not_packed():
+    for dtype in (torch.float32, torch.float16):
+        assert dense_linear.prepare(torch.randn(8, 8).to(dtype)) is None
+
+
+@needs_onednn
+def test_a_wrong_activation_dtype_names_the_remedy():
+    kernel = dense_linear.prepare(torch.randn(8, 16).bfloat16())
+    with pytest.raises(ValueError, match="LLMHAL_CPU_DENSE_KERNEL=0"):
+        kernel(torch.randn(2, 16), None)
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("LLMHAL_CPU_DENSE_KERNEL", "0")
+    dense_linear._enabled.cache_clear()
+    try:
+        assert dense_linear.prepare(torch.randn(8, 8).bfloat16()) is None
+        assert "off" in dense_linear.status()
+    finally:
+        monkeypatch.undo()
+        dense_linear._enabled.cache_clear()
+
+
+@needs_onednn
+def test_a_layer_takes_the_kernel_and_drops_its_parameter():
+    from llmhal.testing.quant_layers import build_linear, finish, layer_output, weight_bytes
+
+    layer = build_linear(None, "replicated", dtype=torch.bfloat16, bias=True, in_features=80,
+                         out_features=48)  # fmt: skip
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(48, 80, generator=_gen(3)))
+        layer.bias.copy_(torch.randn(48, generator=_gen(4)))
+    w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
+    x = torch.randn(5, 80, generator=_gen(5)).bfloat16()
+    before = weight_bytes(layer)
+    finish(layer)
+    assert "weight" not in dict(layer.named_parameters())
+    assert weight_bytes(layer) == before
+    assert "onednn" in layer.quant_method.describe(layer)
+    assert torch.equal(layer_output(layer, x), F.linear(x, w, b))
+
+
+@needs_onednn
+def test_vocabulary_tables_keep_their_rows():
+    from llmhal.testing.quant_layers import build_linear, finish
+
+    head = finish(build_linear(None, "lm_head", dtype=torch.bfloat16, vocab=64, hidden=32))
+    assert "weight" in dict(head.named_parameters())  # looked up by id, and tied heads share it
