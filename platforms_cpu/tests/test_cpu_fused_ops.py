@@ -1,5 +1,6 @@
-"""The native float32 kernels of the small ops (``kernels/fused_ops.cpp``) against the native
-definitions, on the shapes and layouts the kernels take and the ones they hand back to torch."""
+"""The native kernels of the small ops (``kernels/fused_ops.cpp``) against the native definitions,
+float32 and bfloat16, on the shapes and layouts the kernels take and the ones they hand back to
+torch."""
 
 from __future__ import annotations
 
@@ -94,9 +95,11 @@ def test_rotary_position_out_of_range_changes_nothing_and_torch_raises():
 
 
 def test_other_dtypes_and_layouts_go_to_torch():
-    x16 = torch.randn(4, 32).bfloat16()
-    assert fused_ops.rms_norm(x16, torch.ones(32).bfloat16(), 1e-6) is None
+    x16 = torch.randn(4, 32).half()
+    assert fused_ops.rms_norm(x16, torch.ones(32).half(), 1e-6) is None
     assert fused_ops.silu_and_mul(x16) is None
+    # float32 activations with a bf16 weight: torch's promotion decides the result's dtype.
+    assert fused_ops.rms_norm(torch.randn(4, 32), torch.ones(32).bfloat16(), 1e-6) is None
     x3 = torch.randn(2, 32, 3).transpose(1, 2)  # rows with a stride: not contiguous
     assert fused_ops.rms_norm(x3, torch.ones(32), 1e-6) is None
     assert fused_ops.rms_norm(torch.randn(2, 3, 4, 32), torch.ones(32), 1e-6) is None
@@ -121,6 +124,56 @@ def test_without_a_compiler_the_reason_is_reported(monkeypatch):
     torch.testing.assert_close(
         ops.rms_norm(x, torch.ones(8), 1e-6), native.rms_norm(x, torch.ones(8), 1e-6)
     )
+
+
+@needs_kernel
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens,hidden", [(1, 576), (8, 768), (5, 37), (300, 576)])
+def test_bf16_norms_round_as_torch_does(tokens, hidden, weight_dtype):
+    """bf16 in and out, rounded where torch's bf16 path rounds: the residual sum exactly, the
+    normed rows within one bf16 ulp where the row's sum order tips a rounding (rarely)."""
+    g = _gen(tokens + hidden)
+    x = (torch.randn(tokens, hidden, generator=g) * 3).bfloat16()
+    res = torch.randn(tokens, hidden, generator=g).bfloat16()
+    w = torch.randn(hidden, generator=g).to(weight_dtype)
+    got = ops.rms_norm(x, w, 1e-5)
+    want = native.rms_norm(x, w, 1e-5)
+    assert got.dtype == torch.bfloat16 and fused_ops.rms_norm(x, w, 1e-5) is not None
+    bf16_ulp = dict(atol=0, rtol=2**-7)
+    torch.testing.assert_close(got, want, **bf16_ulp)
+    assert (got != want).float().mean() < 1e-3
+    normed, summed = ops.fused_add_rms_norm(x, res, w, 1e-5)
+    ref_normed, ref_summed = native.fused_add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(summed, ref_summed)
+    torch.testing.assert_close(normed, ref_normed, **bf16_ulp)
+
+
+@needs_kernel
+@pytest.mark.parametrize("tokens,d", [(1, 1536), (8, 2048), (3, 13)])
+def test_bf16_silu_and_mul_rounds_as_torch_does(tokens, d):
+    x = (torch.randn(tokens, 2 * d, generator=_gen(d)) * 4).bfloat16()
+    x[0, :3] = torch.tensor([-100.0, 100.0, 0.0])
+    got, want = ops.silu_and_mul(x), native.silu_and_mul(x)
+    assert got.dtype == torch.bfloat16 and fused_ops.silu_and_mul(x) is not None
+    # silu's exp is 1 ulp off torch's at most: a product rounds differently very rarely. Below
+    # -87 the exp saturates: ~1e-37 instead of -0.0 (as in float32).
+    torch.testing.assert_close(got, want, atol=1e-30, rtol=2**-7)
+    assert (got[:, 1:] != want[:, 1:]).float().mean() < 1e-3  # past the saturated element
+
+
+@needs_kernel
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("head_size,rot", [(64, 64), (80, 32), (18, 6)])
+def test_bf16_rotary_is_bit_identical_to_native(is_neox, head_size, rot, cache_dtype):
+    g = _gen(head_size + rot)
+    pos = torch.randint(0, 50, (7,), generator=g)
+    cache = torch.randn(50, rot, generator=g).to(cache_dtype)
+    q = torch.randn(7, 4 * head_size, generator=g).bfloat16()
+    k = torch.randn(7, 2 * head_size, generator=g).bfloat16()
+    want_q, want_k = native.rotary_embedding(pos, q.clone(), k.clone(), cache, head_size, is_neox)
+    assert fused_ops.rotary_(pos, q, k, cache, head_size, is_neox)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
 
 
 @needs_kernel

@@ -1,5 +1,8 @@
-"""The native float32 kernels of the small custom ops (``fused_ops.cpp``): loading and calls.
+"""The native kernels of the small custom ops (``fused_ops.cpp``): loading and calls.
 
+Every kernel takes float32 or bfloat16 activations (a bf16 norm's weight and a bf16 rotary's cache
+float32 or bf16; float32 activations need float32 ones). With bf16 taken natively, a
+bf16 model's decode step makes no torch call for these ops, so it can be recorded as a step graph.
 Each function takes the op's arguments (see :mod:`llmhal.ops.native`) and returns the result, or
 None when the call is not one the kernel takes (another dtype, a layout it does not read, the
 library unavailable), so :mod:`llmhal_cpu.ops` falls back to its torch kernels. The library is
@@ -18,6 +21,8 @@ from llmhal_cpu import native_build, step_graph
 
 SOURCE = Path(__file__).with_name("fused_ops.cpp")
 _F32 = torch.float32
+_BF16 = torch.bfloat16
+_ACTS = (_F32, _BF16)
 
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
@@ -27,7 +32,7 @@ class RmsNormArgs(ctypes.Structure):  # mirrors fused_ops.cpp
     _fields_ = [
         ("x", _p), ("x_s", _i64), ("residual", _p), ("r_s", _i64), ("sum", _p), ("out", _p),
         ("w", _p), ("t", _i64), ("h", _i64), ("inner", _i64), ("x_s2", _i64), ("eps", _f32),
-        ("threads", _i32),
+        ("threads", _i32), ("bf16", _i32), ("w_bf16", _i32),
     ]  # fmt: skip
 
 
@@ -36,12 +41,15 @@ class RotaryArgs(ctypes.Structure):
         ("positions", _p), ("q", _p), ("q_s", _i64), ("k", _p), ("k_s", _i64), ("cache", _p),
         ("cache_s", _i64), ("max_pos", _i64), ("t", _i64), ("q_heads", _i32),
         ("k_heads", _i32), ("head_size", _i32), ("rot", _i32), ("neox", _i32),
-        ("threads", _i32),
+        ("threads", _i32), ("bf16", _i32), ("cache_bf16", _i32),
     ]  # fmt: skip
 
 
 class SiluAndMulArgs(ctypes.Structure):
-    _fields_ = [("x", _p), ("x_s", _i64), ("out", _p), ("t", _i64), ("d", _i64), ("threads", _i32)]
+    _fields_ = [
+        ("x", _p), ("x_s", _i64), ("out", _p), ("t", _i64), ("d", _i64), ("threads", _i32),
+        ("bf16", _i32),
+    ]  # fmt: skip
 
 
 def _setup(lib: ctypes.CDLL) -> None:
@@ -76,19 +84,22 @@ def status() -> str:
         return "torch (LLMHAL_CPU_OPS_KERNEL=0)"
     lib = LIBRARY.get()
     return (
-        "native fused_ops (float32; torch for other dtypes)" if lib else f"torch ({LIBRARY.status})"
+        "native fused_ops (float32 and bfloat16; torch for other dtypes)"
+        if lib
+        else f"torch ({LIBRARY.status})"
     )
 
 
-def _rows(x: torch.Tensor, dim: int = 2) -> bool:
-    """``dim``-D float32 host memory with contiguous rows: the layout the kernels read."""
+def _rows(x: torch.Tensor, dim: int = 2, dtypes: tuple[torch.dtype, ...] = (_F32,)) -> bool:
+    """``dim``-D host memory of one of ``dtypes`` with contiguous rows: the layout the kernels
+    read."""
     # is_cpu, not device.type: building the device object costs ~1 us, ~10 checks a layer.
-    return x.dtype == _F32 and x.dim() == dim and x.stride(-1) == 1 and x.is_cpu
+    return x.dtype in dtypes and x.dim() == dim and x.stride(-1) == 1 and x.is_cpu
 
 
 def _vector(x: torch.Tensor, n: int) -> bool:
-    """A contiguous float32 host vector of n elements."""
-    return x.dtype == _F32 and x.numel() == n and x.is_contiguous() and x.is_cpu
+    """A contiguous float32 or bfloat16 host vector of n elements."""
+    return x.dtype in _ACTS and x.numel() == n and x.is_contiguous() and x.is_cpu
 
 
 def rms_norm(
@@ -98,24 +109,30 @@ def rms_norm(
 
     ``x`` is [t, h] with contiguous rows, or (without ``residual``) a [t, heads, h] view with
     contiguous rows such as the per-head q/k norms of Qwen3 on a slice of the fused q/k/v output;
-    ``normed`` is contiguous in ``x``'s shape.
+    ``normed`` is contiguous in ``x``'s shape and dtype. float32 ``x`` needs a float32 weight; a
+    bfloat16 ``x`` (and residual) takes a weight of either dtype.
     """
     lib = _loaded()
     if lib is None or not _vector(weight, x.shape[-1]):
         return None
-    if residual is None and _rows(x, 3):
+    dt = x.dtype
+    if dt not in _ACTS or (dt == _F32 and weight.dtype != _F32):
+        return None
+    acts = (dt,)
+    if residual is None and _rows(x, 3, acts):
         inner, x_s2 = x.shape[1], x.stride(1)
-    elif _rows(x):
+    elif _rows(x, 2, acts):
         inner, x_s2 = 1, 0
     else:
         return None
-    if residual is not None and (not _rows(residual) or residual.shape != x.shape):
+    if residual is not None and (not _rows(residual, 2, acts) or residual.shape != x.shape):
         return None
     h = x.shape[-1]
     t = x.numel() // h if h else 0
-    # Explicit dtype and device: the kernel writes float32 host memory whatever torch's defaults.
-    out = torch.empty(x.shape, dtype=_F32, device="cpu")
-    summed = None if residual is None else torch.empty(t, h, dtype=_F32, device="cpu")
+    # Explicit dtype and device: the kernel writes host memory of x's dtype whatever torch's
+    # defaults.
+    out = torch.empty(x.shape, dtype=dt, device="cpu")
+    summed = None if residual is None else torch.empty(t, h, dtype=dt, device="cpu")
     args = RmsNormArgs(
         x.data_ptr(),
         x.stride(0),
@@ -130,6 +147,8 @@ def rms_norm(
         x_s2,
         eps,
         torch.get_num_threads(),
+        int(dt == _BF16),
+        int(weight.dtype == _BF16),
     )
     step_graph.launch(lib.llmhal_rms_norm_call, args)
     return out, summed
@@ -146,7 +165,10 @@ def rotary_(
     """Rotate ``query`` and ``key`` in place; False (nothing done) when the kernel does not take
     these arguments."""
     lib = _loaded()
-    if lib is None or not (_rows(query) and _rows(key) and _rows(cos_sin_cache)):
+    dt = query.dtype
+    if lib is None or dt not in _ACTS or not (_rows(query, 2, (dt,)) and _rows(key, 2, (dt,))):
+        return False
+    if not _rows(cos_sin_cache, 2, (_F32,) if dt == _F32 else _ACTS):
         return False
     if positions.dtype != torch.int64 or not positions.is_contiguous():
         return False
@@ -177,19 +199,23 @@ def rotary_(
         rot=rot,
         neox=int(is_neox),
         threads=torch.get_num_threads(),
+        bf16=int(dt == _BF16),
+        cache_bf16=int(cos_sin_cache.dtype == _BF16),
     )
     return step_graph.launch(lib.llmhal_rotary_call, args) == 0
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
-    """``silu(x[:, :d]) * x[:, d:]``, or None when the kernel does not take ``x``."""
+    """``silu(x[:, :d]) * x[:, d:]`` (float32 or bfloat16), or None when the kernel does not take
+    ``x``."""
     lib = _loaded()
-    if lib is None or not _rows(x) or x.shape[1] % 2:
+    if lib is None or not _rows(x, 2, _ACTS) or x.shape[1] % 2:
         return None
     t, d2 = x.shape
-    out = torch.empty(t, d2 // 2, dtype=_F32, device="cpu")
+    out = torch.empty(t, d2 // 2, dtype=x.dtype, device="cpu")
     args = SiluAndMulArgs(
-        x.data_ptr(), x.stride(0), out.data_ptr(), t, d2 // 2, torch.get_num_threads()
-    )
+        x.data_ptr(), x.stride(0), out.data_ptr(), t, d2 // 2, torch.get_num_threads(),
+        int(x.dtype == _BF16),
+    )  # fmt: skip
     step_graph.launch(lib.llmhal_silu_and_mul_call, args)
     return out
