@@ -14,8 +14,11 @@ class_path, supported, reasons}], ``structured_output_backends`` [{name, availab
 ``attention_selections`` [{name, selected_by, reason, requirements}] (this process's selections, then
 the one the default model would get, marked ``model``: its dtype and block size come from the engine's
 own rules, after the platform's ``check_and_update_config``), ``slow_paths`` [str] (where the default
-model would run core's pure-torch reference code, with the cost), ``env`` {name: value}, ``errors``
-[str].
+model would run core's pure-torch reference code, with the cost), ``kv_cache`` {model, dtype,
+kv_cache_dtype, bytes_per_token, formula, backend, formats: [{kv_cache_dtype, bytes_per_token,
+formula, served, reasons}]} (the default model's KV cache per token in each format, by
+:func:`llmhal.attention.kv_formats.kv_bytes_per_token`; None without a default model), ``env``
+{name: value}, ``errors`` [str].
 """
 
 from __future__ import annotations
@@ -259,35 +262,63 @@ def _selections_section() -> list[dict[str, Any]]:
     ]
 
 
-def _default_model_config(path: str, platform: Any) -> Any:
+def _default_model_config(path: str, platform: Any, kv_cache_dtype: str = "auto") -> Any:
     """The engine config the default model would get here: the engine's auto dtype, then the
-    platform's ``check_and_update_config`` (which may change the block size, cache dtype, ...)."""
-    from llmhal.config import EngineConfig, ModelConfig
+    platform's ``check_and_update_config`` (which may change the block size, cache dtype, ...).
+    Reads only the GGUF header or the folder's config.json (no weights)."""
+    from llmhal.attention.kv_formats import canonical_kv_cache_dtype
+    from llmhal.config import CacheConfig, EngineConfig, ModelConfig
     from llmhal.engine.builder import derive_max_model_len, resolve_dtype
-    from llmhal.model_loader.gguf_loader import GGUFFile
+    from llmhal.model_loader.checkpoint import open_checkpoint
+    from llmhal.model_loader.source import GGUF, resolve_source
 
-    cfg = GGUFFile(path).hf_config()
+    source = resolve_source(path)
+    ckpt = open_checkpoint(source)
+    cfg = ckpt.hf_config
     model = ModelConfig(
         model=path,
         hf_config=cfg,
-        dtype=resolve_dtype("auto", cfg, platform, is_gguf=True),
+        dtype=resolve_dtype("auto", cfg, platform, is_gguf=source.kind == GGUF),
         architecture=(getattr(cfg, "architectures", None) or ["?"])[0],
         max_model_len=derive_max_model_len(cfg, None),
-        quantization="gguf",
-        gguf_file=path,
+        quantization=ckpt.quant_method,
+        gguf_file=source.gguf_file,
     )
-    config = EngineConfig(model=model)
+    cache = CacheConfig(kv_cache_dtype=canonical_kv_cache_dtype(kv_cache_dtype))
+    config = EngineConfig(model=model, cache=cache)
     platform.check_and_update_config(config)
     return config
 
 
-def _default_model_selection(platform: Any) -> tuple[dict[str, Any], Any] | None:
-    """The attention backend the default model would get here (honours VLLM_ATTENTION_BACKEND), and
-    the selection itself (None when refused).
-
-    Reads only the GGUF header (no weights); None when the default model is not installed.
-    """
+def _model_requirements(config: Any, kv_cache_dtype: str) -> Any:
+    """What the model's attention layers ask of a backend (an MLA model: one latent KV head)."""
     from llmhal.attention.backend import AttentionRequirements
+
+    cfg = config.model.hf_config
+    heads = cfg.num_attention_heads
+    common = dict(
+        num_heads=heads, dtype=config.model.dtype, kv_cache_dtype=kv_cache_dtype,
+        block_size=config.cache.block_size,
+    )  # fmt: skip
+    if getattr(cfg, "kv_lora_rank", None):
+        latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        return AttentionRequirements(head_size=latent, num_kv_heads=1, kind="mla", **common)
+    return AttentionRequirements(
+        head_size=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        **common,
+    )
+
+
+def _default_model_selection(
+    platform: Any, kv_cache_dtype: str = "auto"
+) -> tuple[dict[str, Any], Any, dict[str, Any] | None] | None:
+    """The attention backend the default model (``LLMHAL_MODEL`` or the installed one) would get
+    here (honours VLLM_ATTENTION_BACKEND), the selection itself (None when refused), and its KV
+    cache section (:func:`_kv_cache_section`; None when the model could not be read).
+
+    Reads only the GGUF header or config.json (no weights); None when no default model is installed.
+    """
     from llmhal.attention.selector import select_attention_backend
     from llmhal.default_model import FILENAME, default_model_path
 
@@ -297,17 +328,12 @@ def _default_model_selection(platform: Any) -> tuple[dict[str, Any], Any] | None
         return None
     entry: dict[str, Any] = {"model": FILENAME if path.endswith(FILENAME) else path}
     try:
-        config = _default_model_config(path, platform)
-        cfg = config.model.hf_config
-        heads = cfg.num_attention_heads
-        req = AttentionRequirements(
-            head_size=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-            num_heads=heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-            dtype=config.model.dtype,
-            kv_cache_dtype=config.cache.kv_cache_dtype,
-            block_size=config.cache.block_size,
-        )
+        config = _default_model_config(path, platform, kv_cache_dtype)
+        req = _model_requirements(config, config.cache.kv_cache_dtype)
+    except Exception as e:
+        entry.update(name=None, selected_by=None, reason=_error(e), requirements="")
+        return entry, None, None
+    try:
         sel = select_attention_backend(req, explicit=config.attention_backend)
         entry.update(
             name=sel.name,
@@ -317,8 +343,39 @@ def _default_model_selection(platform: Any) -> tuple[dict[str, Any], Any] | None
         )
     except Exception as e:  # a refused explicit choice is information, not a doctor failure
         entry.update(name=None, selected_by=None, reason=_error(e), requirements="")
-        return entry, None
-    return entry, sel
+        return entry, None, _kv_cache_section(entry["model"], config, None)
+    return entry, sel, _kv_cache_section(entry["model"], config, sel)
+
+
+def _kv_cache_section(model: str, config: Any, selection: Any) -> dict[str, Any]:
+    """The model's KV bytes per token in its configured ``kv_cache_dtype`` and in every format,
+    by the formula the engine's load report matches, and whether the selected backend serves each."""
+    from llmhal.attention.backend import KV_CACHE_DTYPES
+    from llmhal.attention.kv_formats import kv_bytes_per_token
+
+    cfg, dtype = config.model.hf_config, config.model.dtype
+    rows = []
+    for name in KV_CACHE_DTYPES:
+        size = kv_bytes_per_token(cfg, name, dtype)
+        reasons = (
+            selection.backend.validate(_model_requirements(config, name))
+            if selection is not None
+            else ["no attention backend was selected"]
+        )
+        rows.append(
+            dict(kv_cache_dtype=name, bytes_per_token=size.bytes, formula=size.formula,
+                 served=not reasons, reasons=reasons)
+        )  # fmt: skip
+    chosen = next(r for r in rows if r["kv_cache_dtype"] == config.cache.kv_cache_dtype)
+    return {
+        "model": model,
+        "dtype": str(dtype).removeprefix("torch."),
+        "kv_cache_dtype": chosen["kv_cache_dtype"],
+        "bytes_per_token": chosen["bytes_per_token"],
+        "formula": chosen["formula"],
+        "backend": selection.name if selection is not None else None,
+        "formats": rows,
+    }
 
 
 def _slow_paths(platform: Any, selection: Any, errors: list[str]) -> list[str]:
@@ -331,8 +388,9 @@ def _slow_paths(platform: Any, selection: Any, errors: list[str]) -> list[str]:
         return []
 
 
-def collect() -> dict[str, Any]:
-    """The whole report (see the module docstring). Never raises for a broken installation."""
+def collect(kv_cache_dtype: str = "auto") -> dict[str, Any]:
+    """The whole report (see the module docstring). Never raises for a broken installation.
+    ``kv_cache_dtype`` is the cache format the default model's rows describe."""
     from llmhal import envs
     from llmhal.plugins import load_general_plugins
 
@@ -355,6 +413,7 @@ def collect() -> dict[str, Any]:
         "ops": [],
         "attention_selections": [],
         "slow_paths": [],
+        "kv_cache": None,
         "env": envs.in_effect(),
         "errors": errors,
     }
@@ -396,9 +455,10 @@ def collect() -> dict[str, Any]:
         report["ops"] = _ops_section()
     report["attention_selections"] = _selections_section()
     if usable:
-        model = _default_model_selection(platform)
+        model = _default_model_selection(platform, kv_cache_dtype)
         if model is not None:
             report["attention_selections"].append(model[0])
+            report["kv_cache"] = model[2]
         report["slow_paths"] = _slow_paths(platform, model and model[1], errors)
     return report
 
@@ -502,6 +562,19 @@ def format_report(report: dict[str, Any]) -> str:
                 for s in report["attention_selections"]
             ]
         )
+    kv = report.get("kv_cache")
+    if kv:
+        lines += [
+            "",
+            f"KV cache of {kv['model']} ({kv['dtype']}, --kv-cache-dtype {kv['kv_cache_dtype']}):",
+        ]
+        lines.append(f"  {kv['bytes_per_token']} bytes per token = {kv['formula']}")
+        lines += _table(
+            [[r["kv_cache_dtype"], f"{r['bytes_per_token']} B/token",
+              ("yes" if r["served"] else "no") + f" ({kv['backend'] or 'no backend'})",
+              "; ".join(r["reasons"])]
+             for r in kv["formats"]]
+        )  # fmt: skip
     if report["slow_paths"]:
         lines += ["", "Slow paths (core's pure-torch reference code runs here):"]
         lines += [f"  - {note}" for note in report["slow_paths"]]
@@ -521,8 +594,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Show installed plugins, the selected platform and why, and what works here.",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="the KV cache format the default model's rows describe (auto, fp8_e4m3, fp8_e5m2, "
+        "int8, nvfp4); every format's bytes per token are listed either way",
+    )
     args = parser.parse_args(argv)
-    report = collect()
+    report = collect(args.kv_cache_dtype)
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:

@@ -252,15 +252,15 @@ def kv_bytes_per_token(
     module docstring.
     """
     layers = int(hf_config.num_hidden_layers)
-    kind = storage_dtype(cache_dtype, model_dtype)
-    item = str(kind).removeprefix("torch.")
+    item = str(storage_dtype(cache_dtype, model_dtype)).removeprefix("torch.")
+    as_stored = cache_dtype if cache_dtype != "auto" else f"auto = {item}"
     if getattr(hf_config, "kv_lora_rank", None):
         latent = int(hf_config.kv_lora_rank) + int(hf_config.qk_rope_head_dim)
         row = row_bytes(cache_dtype, latent, model_dtype)
         return KVBytesPerToken(
             layers * row,
             f"{layers} layers x 1 latent row of {hf_config.kv_lora_rank} + "
-            f"{hf_config.qk_rope_head_dim} values ({row} B as {cache_dtype}/{item})",
+            f"{hf_config.qk_rope_head_dim} values ({as_stored}: {row} B)",
         )
     heads = int(hf_config.num_attention_heads)
     kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
@@ -269,5 +269,5 @@ def kv_bytes_per_token(
     return KVBytesPerToken(
         2 * layers * kv_heads * row,
         f"2 (K, V) x {layers} layers x {kv_heads} KV heads x a row of {head_dim} values "
-        f"({row} B as {cache_dtype}/{item})",
+        f"({as_stored}: {row} B)",
     )
