@@ -141,6 +141,20 @@ def _decode_rates(gen: Callable[[list[list[int]], int], None], vocab: int, a: An
     return out
 
 
+def add_decode_args(p: argparse.ArgumentParser) -> None:
+    """The options :func:`_decode_rates` reads, and ``--dtype`` (shared with ``bench moe``)."""
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        help="float32, bfloat16, or both comma-separated (measured in turn in the same run); "
+        "every system loads the weights in it",
+    )
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--repeat", type=int, default=2, help="timed runs per figure; the least counts")
+
+
 def _prompts(vocab: int, batch: int, length: int) -> list[list[int]]:
     rng = random.Random(batch * 7919 + length)
     return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(batch)]
@@ -276,16 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="llmhal bench ssm", description=__doc__.split("\n\n")[0])
     for field_name, default in SsmShape.__dataclass_fields__.items():
         p.add_argument("--" + field_name.replace("_", "-"), type=int, default=default.default)
-    p.add_argument(
-        "--dtype",
-        default="float32",
-        help="float32, bfloat16, or both comma-separated (measured in turn in the same run); "
-        "both systems load the weights in it",
-    )
-    p.add_argument("--batch-sizes", default="1,8")
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--repeat", type=int, default=2, help="timed runs per figure; the least counts")
+    add_decode_args(p)
     p.add_argument(
         "--contexts", default="256,1024,4096", help="prompt lengths of the ms/token rows"
     )

@@ -33,3 +33,99 @@ def test_matches_the_reference(dtype, int8, tokens):
     assert got.dtype == dtype and got.shape == ref.shape
     scale = ref.float().abs().max().clamp_min(1.0)
     assert float((got.float() - ref.float()).abs().max() / scale) < TOL[dtype]
+
+
+# The native kernel (kernels/moe_experts.cpp) against core's grouped path in float64: sizes that
+# leave vector tails (h=70, inter=37), an expert chosen by more tokens than one block of 8.
+KH, KI, KE = 70, 37, 5
+
+
+def _float64_reference(x, weights, ids, w13, w2, s13=None, s2=None):
+    w13, w2 = w13.double(), w2.double()
+    if s13 is not None:
+        w13, w2 = w13 * s13.double()[..., None], w2 * s2.double()[..., None]
+    act = core_moe.gated_activation("silu")
+    return core_moe.grouped_experts(x.double(), w13, w2, weights.double(), ids, act_and_mul=act)
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+def test_native_kernel_matches_float64(wdtype, xdtype):
+    from llmhal_cpu.kernels import moe_experts
+
+    if moe_experts.LIBRARY.get() is None:
+        pytest.skip(f"native kernel unavailable: {moe_experts.LIBRARY.status}")
+    g = torch.Generator().manual_seed(1)
+    tokens, k = 11, 3
+    x = torch.randn(tokens, KH, generator=g).to(xdtype)
+    weights, ids = core_moe.select_experts(torch.randn(tokens, KE, generator=g), k)
+    ids[:, 0] = 2  # expert 2 gets all 11 tokens: two blocks
+    scales = [None, None]
+    if wdtype == torch.int8:
+        w13 = torch.randint(-127, 128, (KE, 2 * KI, KH), dtype=torch.int8, generator=g)
+        w2 = torch.randint(-127, 128, (KE, KH, KI), dtype=torch.int8, generator=g)
+        scales = [
+            torch.rand(KE, 2 * KI, generator=g) * 1e-3,
+            torch.rand(KE, KH, generator=g) * 1e-2,
+        ]
+    else:
+        w13 = (torch.randn(KE, 2 * KI, KH, generator=g) * 0.2).to(wdtype)
+        w2 = (torch.randn(KE, KH, KI, generator=g) * 0.2).to(wdtype)
+    got = moe_experts.moe_experts(x, weights, ids, w13, w2, *scales)
+    ref = _float64_reference(x, weights, ids, w13, w2, *scales)
+    assert got is not None and got.dtype == torch.float32
+    # float32 accumulation of float32 products: only summation order differs from float64
+    assert float((got.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+def test_native_kernel_threads_split_rows_without_changing_the_result():
+    from llmhal_cpu.kernels import moe_experts
+
+    if moe_experts.LIBRARY.get() is None:
+        pytest.skip(f"native kernel unavailable: {moe_experts.LIBRARY.status}")
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 256, generator=g)
+    w13, w2 = torch.randn(3, 256, 256, generator=g), torch.randn(3, 256, 128, generator=g)
+    weights, ids = core_moe.select_experts(torch.randn(4, 3, generator=g), 2)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = moe_experts.moe_experts(x, weights, ids, w13, w2)
+        torch.set_num_threads(2)  # 256 * 256 rows x cols: above the kernel's parallel threshold
+        two = moe_experts.moe_experts(x, weights, ids, w13, w2)
+    finally:
+        torch.set_num_threads(before)
+    assert one is not None and torch.equal(one, two)  # each row's dot is computed the same way
+
+
+def test_native_kernel_rejects_an_expert_id_out_of_range():
+    from llmhal_cpu.kernels import moe_experts
+
+    if moe_experts.LIBRARY.get() is None:
+        pytest.skip(f"native kernel unavailable: {moe_experts.LIBRARY.status}")
+    w13, w2 = torch.zeros(2, 8, 16), torch.zeros(2, 16, 4)
+    ids = torch.tensor([[0, 2]])
+    with pytest.raises(IndexError, match="outside 0..1"):
+        moe_experts.moe_experts(torch.zeros(1, 16), torch.ones(1, 2), ids, w13, w2)
+
+
+def test_kernel_for_decode_sizes_torch_for_prefill(monkeypatch):
+    """fused_moe takes the kernel while the pairs per expert are few, core's GEMMs beyond."""
+    from llmhal_cpu.kernels import moe_experts
+
+    calls = []
+    real = moe_experts.moe_experts
+    monkeypatch.setattr(
+        moe_experts, "moe_experts", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw)
+    )
+    w13, w2 = torch.randn(4, 16, 32) * 0.1, torch.randn(4, 32, 8) * 0.1
+    limit = moe.KERNEL_ROWS_PER_EXPERT * 4 // 2  # tokens at top-2
+    for tokens in (1, limit, limit + 1):
+        x, logits = torch.randn(tokens, 32), torch.randn(tokens, 4)
+        got = moe.fused_moe(x, w13, w2, logits, 2)
+        ref = core_moe.fused_moe(x, w13, w2, logits, 2)
+        assert float((got - ref).abs().max()) < 1e-5
+    assert calls == [1, limit]
+    calls.clear()
+    moe.fused_moe(torch.randn(2, 32), w13, w2, torch.randn(2, 4), 2, activation="gelu")
+    assert calls == []  # the kernel computes silu only
