@@ -12,6 +12,7 @@ import torch
 from llmhal import doctor
 from llmhal.attention.backend import KV_CACHE_DTYPES
 from llmhal.attention.kv_formats import row_bytes
+from llmhal.testing.kv_accuracy import save_tiny_mla
 
 
 def test_the_default_models_bytes_per_token_in_each_format(capsys, monkeypatch):
@@ -32,20 +33,7 @@ def test_the_default_models_bytes_per_token_in_each_format(capsys, monkeypatch):
 
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
-    from llmhal.testing.model_parity import save_tiny_model, tiny_config
-    from llmhal.testing.tiny_models import make_tokenizer
-
-    folder = tmp_path_factory.mktemp("deepseek_doctor")
-    cfg = tiny_config(
-        "DeepseekV2ForCausalLM", vocab_size=384, hidden_size=64, intermediate_size=96,
-        moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
-        qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=4,
-        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=None,
-        topk_method="greedy",
-    )  # fmt: skip
-    save_tiny_model(cfg, folder)
-    make_tokenizer(cfg.vocab_size).save_pretrained(str(folder))
-    return str(folder)
+    return save_tiny_mla(tmp_path_factory.mktemp("deepseek_doctor"))[0]
 
 
 @pytest.mark.parametrize("name", ["auto", "int8"])

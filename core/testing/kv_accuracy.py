@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -104,3 +105,21 @@ def _measure(
     return KVAccuracy(
         fmt, bytes_per_token, tuple(agreement), tuple(gaps), max(diffs), sum(diffs) / len(diffs)
     )
+
+
+def save_tiny_mla(folder: str | Path) -> tuple[str, Any]:
+    """A tiny random DeepSeek-V2 checkpoint (3 layers, MLA with a latent of 32 + 16 values, 4
+    routed experts) and tokenizer saved in ``folder``: (the folder, its HF config)."""
+    from llmhal.testing.model_parity import save_tiny_model, tiny_config
+    from llmhal.testing.tiny_models import make_tokenizer
+
+    cfg = tiny_config(
+        "DeepseekV2ForCausalLM", vocab_size=384, hidden_size=64, intermediate_size=96,
+        moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=None,
+        topk_method="greedy", initializer_range=0.1,
+    )  # fmt: skip
+    save_tiny_model(cfg, folder)
+    make_tokenizer(cfg.vocab_size).save_pretrained(str(folder))
+    return str(folder), cfg

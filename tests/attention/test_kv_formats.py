@@ -20,7 +20,7 @@ from llmhal.attention.backend import AttentionRequirements
 from llmhal.attention.kv_formats import INT8, NVFP4, kv_bytes_per_token
 from llmhal.attention.mla.common import LatentKVLayout
 from llmhal.attention.reference import ReferenceAttentionBackend
-from llmhal.testing.kv_accuracy import compare_kv_formats
+from llmhal.testing.kv_accuracy import compare_kv_formats, save_tiny_mla
 
 ONE = torch.tensor(1.0)
 PROMPTS = [[5, 17, 42], [7, 100, 23, 9, 88, 64, 3, 250, 31], [300], list(range(11, 29))]
@@ -227,20 +227,7 @@ def test_a_backend_without_the_format_is_refused_naming_those_it_has(llama):
 # ------------------------------------------------------------------------ MLA latent cache
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
-    from llmhal.testing.model_parity import save_tiny_model, tiny_config
-    from llmhal.testing.tiny_models import make_tokenizer
-
-    folder = tmp_path_factory.mktemp("deepseek_kv")
-    cfg = tiny_config(
-        "DeepseekV2ForCausalLM", vocab_size=384, hidden_size=64, intermediate_size=96,
-        moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
-        qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=4,
-        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=None,
-        topk_method="greedy", initializer_range=0.1,
-    )  # fmt: skip
-    save_tiny_model(cfg, folder)
-    make_tokenizer(cfg.vocab_size).save_pretrained(str(folder))
-    return str(folder), cfg
+    return save_tiny_mla(tmp_path_factory.mktemp("deepseek_kv"))
 
 
 def test_the_mla_latent_cache_in_int8_and_nvfp4(deepseek):
