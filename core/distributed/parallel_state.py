@@ -17,6 +17,7 @@ the platform's device communicator (:mod:`llmhal.distributed.communicator`).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,9 @@ class GroupCoordinator:
         self.cpu_group = cpu_group
         self.communicator = communicator
         self.device = device
+        # Seconds spent in recv_tensor_dict: a pipeline stage waiting for the previous one (what
+        # llmhal.distributed.pipeline.StageClock takes out of a stage's busy time).
+        self.recv_wait_seconds = 0.0
 
     # ------------------------------------------------------------------------------- position
     @property
@@ -153,8 +157,11 @@ class GroupCoordinator:
         self._check_p2p()
         src = self.prev_rank if src is None else src
         box: list[Any] = [None]
+        t0 = time.perf_counter()
         dist.recv_object_list(box, src=self.ranks[src], group=self.cpu_group)
-        return {name: self.recv(shape, dtype, src) for name, shape, dtype in box[0]}
+        got = {name: self.recv(shape, dtype, src) for name, shape, dtype in box[0]}
+        self.recv_wait_seconds += time.perf_counter() - t0
+        return got
 
     def _check_p2p(self) -> None:
         if self.world_size == 1:

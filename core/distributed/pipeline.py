@@ -16,6 +16,8 @@ stage's record as ``intermediate_tensors`` and ignores ``input_ids``.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -73,3 +75,23 @@ class PPMissingLayer(nn.Module):
         raise RuntimeError(
             "this layer belongs to another pipeline stage; the stage's model must skip it"
         )
+
+
+class StageClock:
+    """How long this rank's pipeline stage computed: each step's time less what it spent waiting
+    for the previous stage's tensors. Busy seconds over wall seconds is the stage's busy fraction
+    (``llmhal bench distributed`` reports it to show whether the stages overlap)."""
+
+    def __init__(self) -> None:
+        self.busy_seconds = 0.0
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        from llmhal.distributed.parallel_state import get_pp_group
+
+        group = get_pp_group()
+        waited, t0 = group.recv_wait_seconds, time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            elapsed = time.perf_counter() - t0
+            self.busy_seconds += elapsed - (group.recv_wait_seconds - waited)

@@ -154,6 +154,8 @@ class LLMEngine:
             parser = ReasoningParserManager.get_reasoning_parser(config.structured_outputs_reasoning_parser)  # fmt: skip
             self.reasoner = parser(tokenizer)  # a model without the parser's tags fails here
         self._structured_lock = threading.Lock()
+        # Batches in flight through pipeline stages (llmhal.engine.batch_queue); made on first use.
+        self._batch_queue: Any = None
         # A token's own text (special tokens included), for log-probability entries; one decode
         # per id. The server's OpenAI shapes use it too.
         self.token_text = functools.lru_cache(maxsize=65536)(
@@ -431,7 +433,9 @@ class LLMEngine:
         self.config.scheduler.decode_pace_factor = factor
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._compiling)
+        # A batch in flight counts too: its output must be taken even if its requests were aborted.
+        in_flight = self._batch_queue is not None and bool(self._batch_queue.pending)
+        return self.scheduler.has_unfinished() or bool(self._compiling) or in_flight
 
     def warmup(self) -> None:
         """Run one tiny greedy request (a 4-token prefill, then decodes) so one-time costs are
@@ -478,22 +482,66 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; return the outputs of the requests that progressed or finished."""
         failed = self._admit_compiled(wait=not self.scheduler.has_unfinished()) if self._compiling else []  # fmt: skip
-        batch = self.scheduler.schedule()
+        # Pipeline stages each hold a batch (see llmhal.engine.batch_queue); not while speculating:
+        # a request's drafts come from its previous step's output.
+        if self.executor.max_concurrent_batches > 1 and self.speculator is None:
+            return failed + self._step_pipelined()
+        batch, prefix_stats = self._schedule()
+        if not batch:
+            self._check_progress()
+            return failed
+        t0 = time.perf_counter()
+        with self.platform.inference_mode():
+            results = self.executor.execute_model(batch)
+        return self._process(batch, results, t0, prefix_stats, failed)
+
+    def _schedule(self, busy: frozenset[str] = frozenset(), max_reqs: int | None = None) -> Any:
+        """The next batch, and the prefix-cache statistics its scheduling took."""
+        batch = self.scheduler.schedule(busy, max_reqs)
         # Taken every step, so lookups made while no stat logger listens are never reported late.
         prefix_stats = self.kv.take_stats()
         if prefix_stats is not None:
             self.stats.cached_prompt_tokens += prefix_stats.hits
-        if not batch:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError(
-                    "the scheduler made no progress with requests waiting (KV cache too small?)"
-                )
-            return failed
-        t0 = time.perf_counter()
+        return batch, prefix_stats
+
+    def _check_progress(self) -> None:
+        if self.scheduler.has_unfinished():
+            raise RuntimeError(
+                "the scheduler made no progress with requests waiting (KV cache too small?)"
+            )
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """vLLM's step with a batch queue: submit a batch while the queue has room (returning at
+        once if it still has, to schedule another behind it), else take the oldest's output."""
+        from llmhal.engine.batch_queue import BatchQueue, drop_finished
+
+        if self._batch_queue is None:
+            self._batch_queue = BatchQueue()
+        queue, size = self._batch_queue, self.executor.max_concurrent_batches
+        if len(queue.pending) < size:
+            batch, prefix_stats = self._schedule(frozenset(queue.busy), queue.share(self.scheduler, size))  # fmt: skip
+            if batch:
+                with self.platform.inference_mode():
+                    queue.push(batch, self.executor.submit_model(batch), prefix_stats)
+                if len(queue.pending) < size:
+                    return []
+        if not queue.pending:
+            self._check_progress()
+            return []
+        flight, t0 = queue.pop()
+        with self.platform.inference_mode():
+            batch, results = drop_finished(flight.batch, flight.future.result())
+        outputs = self._process(batch, results, t0, flight.prefix_stats, []) if batch else []
+        queue.done()
+        return outputs
+
+    def _process(self, batch: Any, results: Any, t0: float, prefix_stats: Any, failed: list[Any]) -> list[RequestOutput]:  # fmt: skip
+        """Hand a step's results (what the executor's execute_model returns) to its requests:
+        sample, append, stop, account; ``t0`` is when the step's cost started."""
+        logits, sample_reqs, prompt_lps = results
         # Speculative drafts being verified this step (the scheduler trimmed them to what runs).
         verifying = any(r.spec_token_ids for r, _ in batch.items)
         with self.platform.inference_mode():
-            logits, sample_reqs, prompt_lps = self.executor.execute_model(batch)
             if verifying:
                 verified = self.speculator.verify(logits, sample_reqs, self.sampler, self._apply_grammars)  # type: ignore[union-attr]  # fmt: skip
                 result = None

@@ -12,6 +12,14 @@ Members, in the order the engine calls them:
 ``execute_model(batch) -> (logits, sampled requests, prompt log-probabilities)``
     Run one scheduled step on every rank (``ModelRunner.execute``'s result, on the rank that owns
     the requests). Raises :class:`EngineDeadError` once any rank has failed.
+``max_concurrent_batches`` (an int attribute)
+    How many steps may be in flight at once: 1, or the number of pipeline stages where the
+    executor can overlap them (vLLM's name). The engine reads it each step; setting it to 1
+    runs one batch at a time (the benchmark's baseline).
+``submit_model(batch) -> StepFuture``
+    Start a step and return before its output is back (after this process ran its own stage,
+    where it runs the first one): ``future.result()`` is what ``execute_model`` returns. Futures
+    are resolved in the order they were submitted. By default the step runs to the end here.
 ``check_health()``
     Raise :class:`EngineDeadError` if a rank has failed.
 ``shutdown()``
@@ -41,6 +49,24 @@ class EngineDeadError(RuntimeError):
         self.cause = cause
 
 
+class StepFuture:
+    """A submitted step (vLLM's future from ``execute_model(non_block=True)``); :meth:`result`
+    waits for its output and raises :class:`EngineDeadError` if a rank failed meanwhile."""
+
+    def result(self) -> Any:
+        raise NotImplementedError
+
+
+class DoneStep(StepFuture):
+    """A step whose output is already here."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def result(self) -> Any:
+        return self.value
+
+
 class Executor(ABC):
     """Runs the model's ranks. ``config`` is the engine's config (``config.parallel`` the layout;
     this process's rank in it), ``args`` the EngineArgs it came from."""
@@ -52,6 +78,7 @@ class Executor(ABC):
         self._failure_callbacks: list[Callable[[], None]] = []
         self._failure: EngineDeadError | None = None
         self._joined = False  # this executor joined the process's group (so it leaves it)
+        self.max_concurrent_batches = 1
 
     @property
     def failure(self) -> EngineDeadError | None:
@@ -77,6 +104,9 @@ class Executor(ABC):
 
     @abstractmethod
     def execute_model(self, batch: Any) -> Any: ...
+
+    def submit_model(self, batch: Any) -> StepFuture:
+        return DoneStep(self.execute_model(batch))
 
     def check_health(self) -> None:
         if self._failure is not None:

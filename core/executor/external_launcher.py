@@ -4,7 +4,10 @@ Every rank runs the whole engine on the same prompts: the scheduler is determini
 rank schedules the same steps and runs its shard of each, and the collectives pair them up. The
 world comes from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR``/``MASTER_PORT``). With pipeline stages, the last stage's first rank broadcasts
-each step's output to every rank, so every rank samples the same tokens. Process-0-only plugins
+each step's output to every rank, so every rank samples the same tokens. Batches run one at a
+time (``max_concurrent_batches`` stays 1): every rank runs its stage inside the engine's own step
+and then joins the broadcast, so a second batch in flight would not overlap the stages, only
+delay the first batch's broadcast until the last stage had computed the second. Process-0-only plugins
 (IO processors, stat loggers) load in rank 0 alone.
 """
 

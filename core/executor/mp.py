@@ -3,7 +3,9 @@
 Each step rank 0 pickles the step's inputs once (a ModelRunner ``StepInput``: token ids, lengths,
 block tables; a few hundred bytes for a decode) and writes them to every worker's pipe, then runs
 its own shard; the collectives inside the model pair the ranks up. With pipeline stages, the last
-stage's first rank sends the step's output back through its pipe.
+stage's first rank sends the step's output back through its pipe, and up to one step per stage is
+in flight (:meth:`MultiprocExecutor.submit_model`): rank 0 computes the first stage of step k + 1
+while the later stages work on step k.
 
 Faults: a monitor thread waits on the workers' process sentinels. A worker that dies (or raises:
 it reports the traceback through its pipe, then exits) is recorded with its rank and cause, and
@@ -18,6 +20,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import queue
 import signal
 import threading
 import time
@@ -27,7 +30,7 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
-from llmhal.executor.base import EngineDeadError, Executor
+from llmhal.executor.base import DoneStep, EngineDeadError, Executor, StepFuture
 from llmhal.logger import init_logger
 
 logger = init_logger(__name__)
@@ -37,6 +40,9 @@ logger = init_logger(__name__)
 _MAX_ERROR_CHARS = 8000
 # How long rank 0, after a collective failed, waits for the monitor to name the worker behind it.
 _BLAME_WAIT_S = 5.0
+# How long a failing worker waits for its error report to be read before it exits anyway (rank 0
+# reads it when it next waits for this worker; it may be blocked elsewhere until this one exits).
+_ERROR_FLUSH_S = 5.0
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -50,25 +56,56 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exited with status {exitcode}"
 
 
+class _Outbox:
+    """A worker's messages to rank 0, written by a thread of their own. With batches in flight,
+    the last stage may finish step k while rank 0 computes the first stage of step k + 1 and then
+    hands its tensors to the next stage: an output larger than the pipe holds (logits are
+    vocabulary-sized) written by the worker's own thread would wait for rank 0 to read it, while
+    rank 0 waits for this rank to take the tensors."""
+
+    def __init__(self, conn: Any) -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, args=(conn,), daemon=True)
+        self._thread.start()
+
+    def send(self, message: Any) -> None:
+        self._queue.put(message)
+
+    def _loop(self, conn: Any) -> None:
+        while (message := self._queue.get()) is not None:
+            try:
+                conn.send(message)
+            except OSError:  # rank 0 is gone; the worker's reads say so too
+                return
+
+    def flush(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` seconds: rank 0 may not be reading) for what was sent."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+
 def _worker_main(args: Any, parallel: Any, rank: int, init_method: str, conn: Any) -> None:
     """A worker process's life: load, then run what rank 0 sends until its pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from llmhal.executor.worker import Worker
 
     worker = Worker(args, parallel, rank, init_method)
+    outbox = _Outbox(conn)
     # The last stage's first rank reports each step's output (rank 0 itself with one stage).
     reports = rank == (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
     try:
-        blocks = worker.load(before_join=lambda: conn.send(("joining", None)))
-        conn.send(("ready", blocks))
+        blocks = worker.load(before_join=lambda: outbox.send(("joining", None)))
+        outbox.send(("ready", blocks))
         while True:
             kind, payload = conn.recv()  # EOFError: rank 0 has gone
             if kind == "step":
                 out = worker.execute(payload)
                 if reports:
-                    conn.send(("output", out))
+                    outbox.send(("output", out))
             elif kind == "alloc":
-                conn.send(("allocated", worker.allocate(payload)))
+                outbox.send(("allocated", worker.allocate(payload)))
+            elif kind == "busy":
+                outbox.send(("busy", worker.clock.busy_seconds))
             elif kind == "stop":
                 break
     except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -77,9 +114,11 @@ def _worker_main(args: Any, parallel: Any, rank: int, init_method: str, conn: An
         text = "".join(traceback.format_exception(e))[-_MAX_ERROR_CHARS:]
         cause = f"raised {type(e).__name__}: {e}"
         try:
-            conn.send(("error", (cause[:_MAX_ERROR_CHARS], text)))
+            outbox.send(("error", (cause[:_MAX_ERROR_CHARS], text)))
+            outbox.flush(_ERROR_FLUSH_S)
         finally:
             os._exit(1)  # skip interpreter teardown: a process group with dead peers can hang it
+    outbox.flush(_ERROR_FLUSH_S)
     worker.close()
     os._exit(0)
 
@@ -122,6 +161,9 @@ class MultiprocExecutor(Executor):
         self._locks: list[threading.Lock] = []
         self._stopping = threading.Event()  # set by _stop: the workers' exits are asked for
         self.steps, self.dispatch_seconds, self.dispatch_bytes = 0, 0.0, 0
+        from llmhal.distributed.pipeline import StageClock
+
+        self.clock = StageClock()  # rank 0's busy seconds (llmhal bench distributed)
         self._blocks: list[int] = []
         for rank in range(1, par.world_size):
             parent, child = ctx.Pipe()
@@ -159,6 +201,10 @@ class MultiprocExecutor(Executor):
         self._monitor.start()
         # The last stage's first rank reports each step's output (rank 0 when there is one stage).
         self._output_rank = (par.pipeline_parallel_size - 1) * par.tensor_parallel_size
+        # One step per stage in flight: rank 0 runs the first stage of the next while the later
+        # stages work on earlier ones. Outputs come back in order (the step counts check it).
+        self.max_concurrent_batches = par.pipeline_parallel_size
+        self._submitted = self._collected = 0
 
     @property
     def worker_pids(self) -> list[int]:
@@ -271,6 +317,12 @@ class MultiprocExecutor(Executor):
         return own
 
     def execute_model(self, batch: Any) -> Any:
+        return self.submit_model(batch).result()
+
+    def submit_model(self, batch: Any) -> StepFuture:
+        """Send the step to every worker and run rank 0's own part; with pipeline stages that is
+        the first stage, and the step's output comes later through the last stage's pipe (the
+        future's result), so rank 0 can start the next step meanwhile."""
         self.check_health()
         runner = self.runner
         step, owners = runner.prepare(batch)  # uni does this too
@@ -281,10 +333,29 @@ class MultiprocExecutor(Executor):
         self.dispatch_seconds += time.perf_counter() - t0
         self.dispatch_bytes += len(data)
         self.steps += 1
+        out = self._guarded(self.clock.run, runner.run, step)
+        if out is not None:
+            return DoneStep(runner.finish(owners, out))
+        # An earlier pipeline stage: the last one reports the output.
+        self._submitted += 1
+        return _PipelineStep(self, owners, self._submitted)
+
+    def _collect(self, owners: Any, seq: int) -> Any:
+        self.check_health()
+        if seq != self._collected + 1:
+            raise RuntimeError(
+                f"pipeline step {seq} collected before step {self._collected + 1}: the stages "
+                "report outputs in the order steps were submitted"
+            )
+        out = self._guarded(self._recv, self._output_rank, "output")
+        self._collected = seq
+        return self.runner.finish(owners, out)
+
+    def _guarded(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` as part of a step: any failure ends the engine, naming the rank behind
+        it, and stops the workers."""
         try:
-            out = runner.run(step)
-            if out is None:  # an earlier pipeline stage: the last one reports the output
-                out = self._recv(self._output_rank, "output")
+            return fn(*args)
         except EngineDeadError:
             self._shutdown_workers()
             raise
@@ -296,7 +367,14 @@ class MultiprocExecutor(Executor):
             self._fail(0, "was interrupted in the middle of a step")
             self._shutdown_workers()
             raise
-        return runner.finish(owners, out)
+
+    def stage_busy_seconds(self) -> list[float]:
+        """Each rank's seconds computing steps so far (waits for the previous pipeline stage
+        left out), in rank order; call it between steps, with none in flight."""
+        self.check_health()
+        self._send_all(pickle.dumps(("busy", None)))
+        workers = [self._recv(rank, "busy") for rank in range(1, len(self._procs) + 1)]
+        return [self.clock.busy_seconds, *workers]
 
     def _shutdown_workers(self) -> None:
         self._finalizer()  # runs _stop once, which sets _stopping first
@@ -315,3 +393,13 @@ class MultiprocExecutor(Executor):
             from llmhal.distributed import destroy_distributed
 
             destroy_distributed()
+
+
+class _PipelineStep(StepFuture):
+    """A step whose output the last pipeline stage will send; the ``seq``-th submitted."""
+
+    def __init__(self, executor: MultiprocExecutor, owners: Any, seq: int) -> None:
+        self._executor, self._owners, self._seq = executor, owners, seq
+
+    def result(self) -> Any:
+        return self._executor._collect(self._owners, self._seq)

@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from llmhal.executor.base import EngineDeadError, Executor
+from llmhal.executor.base import EngineDeadError, Executor, StepFuture
 from llmhal.logger import init_logger
 
 logger = init_logger(__name__)
@@ -50,6 +50,9 @@ class _RankActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def busy(self) -> float:
+        return self.worker.clock.busy_seconds
+
 
 class RayExecutor(Executor):
     def initialize(self, build_shard: Callable[[], Any]) -> None:
@@ -64,6 +67,9 @@ class RayExecutor(Executor):
 
         check_no_engine_here()  # before any actor starts
         self._ray = ray
+        from llmhal.distributed.pipeline import StageClock
+
+        self.clock = StageClock()  # rank 0's busy seconds (llmhal bench distributed)
         if not ray.is_initialized():
             ray.init()
         par = self.config.parallel
@@ -82,6 +88,7 @@ class RayExecutor(Executor):
         self.runner = build_shard()
         self._blocks = self._get(loads)
         self._output_rank = (par.pipeline_parallel_size - 1) * par.tensor_parallel_size
+        self.max_concurrent_batches = par.pipeline_parallel_size  # see MultiprocExecutor
 
     @property
     def worker_pids(self) -> list[int]:
@@ -125,22 +132,36 @@ class RayExecutor(Executor):
         return own
 
     def execute_model(self, batch: Any) -> Any:
+        return self.submit_model(batch).result()
+
+    def submit_model(self, batch: Any) -> StepFuture:
+        """Submit the step to every actor (an actor runs its calls in order) and run rank 0's
+        own part; the actors' results are waited for by the future, so with pipeline stages
+        rank 0 can start the next step's first stage meanwhile."""
         self.check_health()
         runner = self.runner
         step, owners = runner.prepare(batch)
         refs = [a.execute.remote(step) for a in self._actors]
         try:
-            out = runner.run(step)
+            out = self.clock.run(runner.run, step)
         except Exception as e:
             # Name the actor behind a broken collective, if one failed (briefly: the others may
             # be blocked waiting for this rank).
             ready, _ = self._ray.wait(refs, num_returns=len(refs), timeout=5.0)
             self._get([r if r in ready else None for r in refs])
             raise self._fail(0, f"raised {type(e).__name__}: {e}") from e
+        return _ActorStep(self, owners, refs, out)
+
+    def _collect(self, owners: Any, refs: list[Any], out: Any) -> Any:
+        self.check_health()
         outs = self._get(refs)
         if out is None:
             out = outs[self._output_rank - 1]
-        return runner.finish(owners, out)
+        return self.runner.finish(owners, out)
+
+    def stage_busy_seconds(self) -> list[float]:
+        """Each rank's seconds computing steps (see MultiprocExecutor.stage_busy_seconds)."""
+        return [self.clock.busy_seconds, *self._get([a.busy.remote() for a in self._actors])]
 
     def _kill_actors(self) -> None:
         for a in getattr(self, "_actors", []):
@@ -156,3 +177,14 @@ class RayExecutor(Executor):
             from llmhal.distributed import destroy_distributed
 
             destroy_distributed()
+
+
+class _ActorStep(StepFuture):
+    """A submitted step: the actors' pending results and rank 0's own output (None before the
+    last pipeline stage)."""
+
+    def __init__(self, executor: RayExecutor, owners: Any, refs: list[Any], out: Any) -> None:
+        self._executor, self._owners, self._refs, self._out = executor, owners, refs, out
+
+    def result(self) -> Any:
+        return self._executor._collect(self._owners, self._refs, self._out)

@@ -54,6 +54,9 @@ class Worker:
         self.init_method = init_method
         self.runner: Any = None
         self.platform: Any = None
+        from llmhal.distributed.pipeline import StageClock
+
+        self.clock = StageClock()  # its stage's busy seconds (llmhal bench distributed)
 
     def load(self, before_join: Callable[[], None] | None = None) -> int:
         """Resolve the platform, load general plugins, join the group, load this rank's shard;
@@ -84,7 +87,7 @@ class Worker:
         """Run one step's inputs (a ModelRunner StepInput); the StepOutput where this rank has
         one (the last pipeline stage), else None."""
         with self.platform.inference_mode():
-            return self.runner.run(step)
+            return self.clock.run(self.runner.run, step)
 
     def close(self) -> None:
         from llmhal.distributed import destroy_distributed

@@ -50,6 +50,41 @@ def test_killed_worker_fails_the_engine_naming_rank_and_signal(tiny_models):
         llm.shutdown()
 
 
+def test_killed_last_stage_with_two_batches_in_flight(tiny_models):
+    """PP=2 with both stages holding a batch (llmhal.engine.batch_queue): SIGKILL the last stage;
+    the engine fails naming rank 1 within the bound, for good, and no worker is left."""
+    folder, _ = tiny_models("llama")
+    llm = LLM(folder, kv_cache_memory_bytes=4 << 20, pipeline_parallel_size=2)
+    try:
+        engine = llm.engine
+        for prompt in ("The quick brown fox", "def add(a, b):", "1, 2, 3, 4,", "Once upon"):
+            engine.add_request(prompt, LONG)
+        for _ in range(4):
+            engine.step()
+        executor, pids = engine.executor, engine.executor.worker_pids
+        collect, in_flight = executor._collect, []
+
+        def kill_then_collect(*args):
+            # The batch being collected plus those still queued: what the pipeline holds.
+            in_flight.append(1 + len(engine._batch_queue.pending))
+            os.kill(pids[0], signal.SIGKILL)
+            return collect(*args)
+
+        executor._collect = kill_then_collect
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError) as caught:
+            while time.monotonic() - t0 < 60:
+                engine.step()
+        assert time.monotonic() - t0 < BOUND_S
+        assert caught.value.rank == 1 and "SIGKILL" in str(caught.value), caught.value
+        assert in_flight == [2]
+        with pytest.raises(EngineDeadError, match="rank 1"):
+            llm.generate(["again"], use_tqdm=False)
+        wait_gone(pids, BOUND_S)
+    finally:
+        llm.shutdown()
+
+
 RAISER = FakeDistribution(
     "fault-injector",
     entry_points={"vllm.general_plugins": {"fault_injector": "fault_injector:register"}},
