@@ -130,6 +130,8 @@ def contracts() -> str:
         "flash_attn": libraries.flash_attn2_reason,
         "flash_attn_interface": libraries.flash_attn3_reason,
         "flashinfer": libraries.flashinfer_reason,
+        "flashinfer.fused_moe": libraries.flashinfer_moe_reason,
+        "flash_mla": libraries.flashmla_reason,
     }
     found, problems = [], []
     for key, (module, attr) in upstream_api.ENTRY_POINTS.items():

@@ -19,6 +19,8 @@ from llmhal.utils.imports import api_missing, is_available, not_installed
 
 FA_EXTRA = "llmhal-cuda[flash-attn]"
 FLASHINFER_EXTRA = "llmhal-cuda[flashinfer]"
+# FlashMLA is not on PyPI under a stable name: its README builds it from source.
+FLASHMLA_PACKAGE = "flash-mla (build github.com/deepseek-ai/FlashMLA: pip install -v .)"
 FBGEMM_PACKAGE = "fbgemm-gpu-genai"
 FBGEMM_OPS = ("quantize_fp8_per_row", "f8f8bf16_rowwise")
 # FBGEMM's published pairing of its releases with torch releases (major.minor). Each wheel's
@@ -69,6 +71,19 @@ def flashinfer_reason() -> str | None:
         "flashinfer",
         ("BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper"),
         FLASHINFER_EXTRA,
+    )
+
+
+def flashinfer_moe_reason() -> str | None:
+    """Why FlashInfer's CUTLASS fused-MoE kernel (``flashinfer.fused_moe.cutlass_fused_moe``)
+    cannot be called (the CUDA ``fused_moe`` op then runs core's grouped implementation)."""
+    return api_missing("flashinfer.fused_moe", ("cutlass_fused_moe",), FLASHINFER_EXTRA)
+
+
+def flashmla_reason() -> str | None:
+    """Why FlashMLA's decode kernel (``flash_mla.flash_mla_with_kvcache``) cannot be called."""
+    return api_missing(
+        "flash_mla", ("get_mla_metadata", "flash_mla_with_kvcache"), FLASHMLA_PACKAGE
     )
 
 
@@ -131,6 +146,8 @@ def summary() -> dict[str, str]:
         "flash_attn (flash_attn backend, FA2)": flash_attn2_reason,
         "flash_attn_interface (flash_attn backend, FA3)": flash_attn3_reason,
         "flashinfer (flashinfer backend)": flashinfer_reason,
+        "flashinfer.fused_moe (fused_moe op)": flashinfer_moe_reason,
+        "flash_mla (flashmla backend)": flashmla_reason,
         "fbgemm_gpu (fbgemm_fp8's rowwise GEMM)": fbgemm_genai_reason,
     }
     return {name: check() or "usable" for name, check in checks.items()}

@@ -59,7 +59,10 @@ class CudaPlatform(AcceleratorPlatform[CudaInventory]):
     attention_backends: ClassVar[dict[str, str]] = {
         "flash_attn": "llmhal_cuda.attention.flash_attn:FlashAttentionBackend",
         "flashinfer": "llmhal_cuda.attention.flashinfer:FlashInferBackend",
+        "flashmla": "llmhal_cuda.attention.flashmla:FlashMLABackend",
     }
+    # FlashInfer's CUTLASS fused-MoE kernel where usable; core's grouped implementation otherwise.
+    op_kernels: ClassVar[dict[str, str]] = {"fused_moe": "llmhal_cuda.moe:fused_moe"}
     quantization_methods: ClassVar[dict[str, str]] = {
         "fbgemm_fp8": "llmhal_cuda.quantization.fbgemm_fp8:FBGEMMFp8Config",
         "modelopt": "llmhal_cuda.quantization.modelopt:ModelOptConfig",
@@ -197,13 +200,18 @@ class CudaPlatform(AcceleratorPlatform[CudaInventory]):
 
     # ------------------------------------------------------------------------- contributions
     def attention_backend_priority(self, requirements: Any) -> list[str]:
-        """Blackwell (10.x) prefers FlashInfer; every other generation FlashAttention.
+        """Blackwell (10.x) prefers FlashInfer; every other generation FlashAttention; MLA layers
+        FlashMLA.
 
         fp32 models reach triton_attn/flex_attention because flash_attn and flashinfer reject fp32
         in ``validate``; tree-shaped (speculative) batches get tree_attn.
         """
         if requirements.kind == "tree":
             return ["tree_attn"]
+        if requirements.kind == "mla":
+            # FlashMLA where it applies (64-token pages, 16-bit, Hopper/Blackwell); core's MLA
+            # backends follow as the selector's unranked ones.
+            return ["flashmla"]
         cap = requirements.device_capability or self.device_capability()
         order = _BLACKWELL_ORDER if cap is not None and cap[0] == 10 else _DEFAULT_ORDER
         return list(order)

@@ -2,8 +2,10 @@
 
 Transcribed from the libraries' sources (flash-attention 2.8.4 ``flash_attn/flash_attn_interface.py``
 and ``hopper/flash_attn_interface.py``; FlashInfer 0.6.18 ``flashinfer/decode.py`` and
-``prefill.py``, the keyword-only ``_plan_impl`` that decode's ``plan`` forwards to; FBGEMM GenAI's
-operator schemas in ``quantize_defs.cpp``). The test fakes bind every call to these
+``prefill.py``, the keyword-only ``_plan_impl`` that decode's ``plan`` forwards to, and
+``flashinfer/fused_moe/core.py``; FlashMLA's ``flash_mla/flash_mla_interface.py``, the 2025-02
+release, whose leading positional arguments later releases keep; FBGEMM GenAI's operator schemas
+in ``quantize_defs.cpp``). The test fakes bind every call to these
 (:func:`llmhal.testing.signatures.bound_to`), and ``ci/gpu-check`` binds the same calls to the
 installed libraries' own signatures, so a keyword renamed upstream or an argument in the wrong
 position fails before a GPU runs it. Bodies are empty: only the signatures matter.
@@ -23,6 +25,9 @@ ENTRY_POINTS: dict[str, tuple[str, str]] = {
     "prefill_wrapper_init": ("flashinfer", "BatchPrefillWithPagedKVCacheWrapper.__init__"),
     "prefill_plan": ("flashinfer", "BatchPrefillWithPagedKVCacheWrapper.plan"),
     "prefill_run": ("flashinfer", "BatchPrefillWithPagedKVCacheWrapper.run"),
+    "cutlass_fused_moe": ("flashinfer.fused_moe", "cutlass_fused_moe"),
+    "get_mla_metadata": ("flash_mla", "get_mla_metadata"),
+    "flash_mla_with_kvcache": ("flash_mla", "flash_mla_with_kvcache"),
 }
 
 
@@ -90,6 +95,25 @@ def prefill_run(
     self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
     return_lse=False, enable_pdl=None, window_left=None, sinks=None, kv_cache_sf=None,
     skip_softmax_threshold_scale_factor=None, use_fp16_softmax=None, uses_spcompress=None,
+) -> Any: ...  # fmt: skip
+
+
+def cutlass_fused_moe(
+    input, token_selected_experts, token_final_scales, fc1_expert_weights, fc2_expert_weights,
+    output_dtype, quant_scales, fc1_expert_biases=None, fc2_expert_biases=None, input_sf=None,
+    swiglu_alpha=None, swiglu_beta=None, swiglu_limit=None, tp_size=1, tp_rank=0, ep_size=1,
+    ep_rank=0, cluster_size=1, cluster_rank=0, output=None, enable_alltoall=False,
+    use_deepseek_fp8_block_scale=False, use_w4_group_scaling=False, use_mxfp8_act_scaling=False,
+    min_latency_mode=False, use_packed_weights=False, tune_max_num_tokens=8192, enable_pdl=None,
+) -> Any: ...  # fmt: skip
+
+
+def get_mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k) -> Any: ...
+
+
+def flash_mla_with_kvcache(
+    q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
+    softmax_scale=None, causal=False,
 ) -> Any: ...  # fmt: skip
 
 

@@ -71,7 +71,7 @@ def test_identity_and_class_data():
     assert CudaPlatform.dist_backend == "nccl"
     assert CudaPlatform.device_control_env_var == "CUDA_VISIBLE_DEVICES"
     assert CudaPlatform.priority > 0 and not CudaPlatform.is_fallback
-    assert set(CudaPlatform.attention_backends) == {"flash_attn", "flashinfer"}
+    assert set(CudaPlatform.attention_backends) == {"flash_attn", "flashinfer", "flashmla"}
     assert set(CudaPlatform.quantization_methods) == {
         "fbgemm_fp8",
         "modelopt",
