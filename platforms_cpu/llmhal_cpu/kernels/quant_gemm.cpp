@@ -80,6 +80,11 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
 #define QG_ISA "avx512_vnni"
 constexpr int kMR = 4;   // rows per register tile, fp32 mode
 constexpr int kMRI = 6;  // rows per register tile, integer modes
+// Calls of up to this many rows run as one tile in the integer modes (a speculative verification
+// of up to 7 drafts, a batch of 8 decodes): every weight chunk is unpacked once for all rows. From
+// 7 rows the fp32 sums no longer fit the registers beside the int32 ones and live in memory
+// (tile_int); more rows are split into tiles of kMRI.
+constexpr int kMRI_ONE = 8;
 constexpr int kNR = 2;   // 16-channel blocks per register tile
 constexpr bool kXorBias = true;
 struct BF { __m512 v; };
@@ -134,6 +139,7 @@ constexpr bool kXorBias = false;
 #define QG_HALF_TILES 1  // int16 mode: tile_i16_halves (16 ymm registers)
 constexpr int kMR = 4;
 constexpr int kMRI = 4;  // 3..6 measured alike on Zen 3 (tile_i16_halves)
+constexpr int kMRI_ONE = kMRI;
 constexpr int kNR = 1;
 struct BF { __m256 a, b; };
 struct BI { __m256i a, b; };
@@ -231,6 +237,7 @@ inline BI dot16(BI acc, BI w, BI x) { return {dot16_1(acc.a, w.a, x.a), dot16_1(
 #define QG_ISA "scalar"
 constexpr int kMR = 2;
 constexpr int kMRI = 2;
+constexpr int kMRI_ONE = kMRI;
 constexpr int kNR = 1;
 constexpr bool kXorBias = true;
 struct BF { float v[16]; };
@@ -462,10 +469,24 @@ inline BI bcast4(const T* p) {
   return i_set(v);
 }
 
-// End of a U block in the integer modes: acc += s * d * isum (+ o * d * sum(xq)).
-template <bool OFF, typename ST, int MR, int NR, int P>
+// End of a U block in the integer modes: acc += s * d * isum (+ o * d * sum(xq)). The fp32 sums
+// are registers (RegSums) or, in tiles taller than kMRI, memory (MemSums): the same operations in
+// the same order either way, so a row's result does not depend on the tile it ran in.
+template <int MR, int NR>
+struct RegSums {
+  BF (&a)[MR][NR];
+  BF get(int r, int j) const { return a[r][j]; }
+  void set(int r, int j, BF v) const { a[r][j] = v; }
+};
+template <int MR, int NR>
+struct MemSums {
+  float (&a)[MR][NR][16];
+  BF get(int r, int j) const { return f_load(a[r][j]); }
+  void set(int r, int j, BF v) const { f_store(a[r][j], v); }
+};
+template <bool OFF, typename ST, int MR, int NR, int P, typename Sums>
 inline void finish_block(const Call& c, int64_t m0, int64_t b0, int64_t u,
-                         const BI (&ia)[MR][NR][P], BF (&acc)[MR][NR]) {
+                         const BI (&ia)[MR][NR][P], const Sums& acc) {
   const Weight& w = *c.w;
   const int64_t g = u / c.units_per_group;
   for (int j = 0; j < NR; ++j) {
@@ -473,8 +494,9 @@ inline void finish_block(const Call& c, int64_t m0, int64_t b0, int64_t u,
     const BF s = f_load(sp);
     for (int r = 0; r < MR; ++r) {
       const int64_t i = (m0 + r) * c.nu + u;
-      acc[r][j] = f_fma(i_to_f(reduce<P>(ia[r][j])), f_mul(s, f_set(c.xd[i])), acc[r][j]);
-      if constexpr (OFF) acc[r][j] = f_fma(f_load(sp + 16), f_set(c.xs[i]), acc[r][j]);
+      BF a = f_fma(i_to_f(reduce<P>(ia[r][j])), f_mul(s, f_set(c.xd[i])), acc.get(r, j));
+      if constexpr (OFF) a = f_fma(f_load(sp + 16), f_set(c.xs[i]), a);
+      acc.set(r, j, a);
     }
   }
 }
@@ -532,9 +554,17 @@ void tile_int(const Call& c, int64_t m0, int64_t b0) {
   const int64_t chunks = w.kpad / KC, per_unit = w.unit / KC;
   const typename C::T* x = X16 ? reinterpret_cast<const typename C::T*>(c.x16)
                                : reinterpret_cast<const typename C::T*>(c.xq);
-  BF acc[MR][NR];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NR; ++j) acc[r][j] = f_zero();
+  // Taller tiles than kMRI keep their fp32 sums in memory (touched once per U block), or they
+  // would crowd the int32 sums of the inner loop out of the registers.
+  constexpr bool kMemAcc = MR > kMRI;
+  BF acc[kMemAcc ? 1 : MR][NR];
+  alignas(64) float macc[kMemAcc ? MR : 1][NR][16];
+  if constexpr (kMemAcc) {
+    std::memset(macc, 0, sizeof macc);
+  } else {
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NR; ++j) acc[r][j] = f_zero();
+  }
   for (int64_t u = 0; u < c.nu; ++u) {
     BI ia[MR][NR][P];
     for (int r = 0; r < MR; ++r) {
@@ -557,9 +587,19 @@ void tile_int(const Call& c, int64_t m0, int64_t b0) {
           }
         }
     }
-    finish_block<OFF, ST, MR, NR, P>(c, m0, b0, u, ia, acc);
+    if constexpr (kMemAcc)
+      finish_block<OFF, ST, MR, NR, P>(c, m0, b0, u, ia, MemSums<MR, NR>{macc});
+    else
+      finish_block<OFF, ST, MR, NR, P>(c, m0, b0, u, ia, RegSums<MR, NR>{acc});
   }
-  store_tile<MR, NR>(c, m0, b0, acc);
+  if constexpr (kMemAcc) {
+    BF sum[MR][NR];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NR; ++j) sum[r][j] = f_load(macc[r][j]);
+    store_tile<MR, NR>(c, m0, b0, sum);
+  } else {
+    store_tile<MR, NR>(c, m0, b0, acc);
+  }
 }
 
 #ifdef QG_HALF_TILES
@@ -683,7 +723,7 @@ struct I16 {
 // Tile functions by [rows - 1] for one (bits, offset, scale type), per mode.
 struct Tiles {
   std::array<TileFn, kMR> f32;
-  std::array<TileFn, kMRI> i8, i16;
+  std::array<TileFn, kMRI_ONE> i8, i16;
   const TileFn* get(int mode) const {
     return mode == 0 ? f32.data() : mode == 1 ? i8.data() : i16.data();
   }
@@ -691,8 +731,8 @@ struct Tiles {
 template <int BITS, bool OFF, typename ST>
 Tiles make_tiles() {
   return {table<F32, BITS, OFF, ST>(std::make_integer_sequence<int, kMR>{}),
-          table<I8, BITS, OFF, ST>(std::make_integer_sequence<int, kMRI>{}),
-          table<I16, BITS, OFF, ST>(std::make_integer_sequence<int, kMRI>{})};
+          table<I8, BITS, OFF, ST>(std::make_integer_sequence<int, kMRI_ONE>{}),
+          table<I16, BITS, OFF, ST>(std::make_integer_sequence<int, kMRI_ONE>{})};
 }
 const Tiles& tiles(int bits, bool off, bool half) {
   using H = uint16_t;
@@ -849,6 +889,7 @@ int llmhal_qgemm(const Weight* w, const void* x, int64_t m, int64_t x_s, int32_t
   }
   const int esize = x_dtype == 0 ? 4 : 2;
   const int mr = mode == 0 ? kMR : kMRI;
+  const int one_tile = mode == 0 ? kMR : kMRI_ONE;  // rows that run as one tile
   // Row chunks: enough rows to reuse each weight tile, few enough to keep x in the L2 cache.
   const int64_t chunk_rows = std::max<int64_t>(mr, (int64_t(1) << 17) / (w->kpad * xb) / mr * mr);
   const int64_t row_chunks = (m + chunk_rows - 1) / chunk_rows;
@@ -884,7 +925,8 @@ int llmhal_qgemm(const Weight* w, const void* x, int64_t m, int64_t x_s, int32_t
     const int64_t rows = std::min(m, r_begin + chunk_rows) - r_begin;
     // Tiles of near-equal height (32 rows: 6+6+5+5+5+5, not 6x5+2): a short tile reuses each
     // weight load for few rows, and its rows cost up to twice as much.
-    const int64_t nt = (rows + mr - 1) / mr, base_rows = rows / nt, extra = rows % nt;
+    const int64_t nt = rows <= one_tile ? 1 : (rows + mr - 1) / mr;
+    const int64_t base_rows = rows / nt, extra = rows % nt;
     for (int64_t i = 0, r0 = r_begin; i < nt; ++i) {
       const int64_t h = base_rows + (i < extra);
       tile[h - 1](c, r0, t * kNR);
