@@ -110,7 +110,12 @@ def write_latent(
     if index is not None:
         latent = latent[index]
     flat = kv_cache.view(-1, kv_cache.shape[-1])
-    flat[slots] = paged_kv.quantize_to_cache(latent, kv_cache.dtype, scale)
+    # index_copy_/index_select rather than indexing: on the CPU indexing the whole [slots, L + R]
+    # cache took 99 us for a batch-8 decode's 768 bf16 rows, index_select 10 us (one thread).
+    stored = paged_kv.quantize_to_cache(latent, kv_cache.dtype, scale)
+    if flat.dtype.is_floating_point and flat.element_size() == 1:  # no fp8 index_copy_ on CPU
+        flat, stored = flat.view(torch.uint8), stored.view(torch.uint8)
+    flat.index_copy_(0, slots, stored)
 
 
 def read_latent(
@@ -118,7 +123,7 @@ def read_latent(
 ) -> torch.Tensor:
     """The latents stored at ``slots`` (any shape), as ``slots.shape + (latent,)`` in ``dtype``."""
     flat = kv_cache.view(-1, kv_cache.shape[-1])
-    got = flat[slots.reshape(-1).long()]
+    got = flat.index_select(0, slots.reshape(-1).long())
     return paged_kv.dequantize_from_cache(got, scale, dtype).view(*slots.shape, -1)
 
 
