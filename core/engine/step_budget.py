@@ -2,27 +2,37 @@
 
 A step's time grows with the tokens in it (on a CPU almost in proportion), so a step that
 prefills a new prompt's chunk beside the running streams delays every one of their next tokens.
-:class:`DecodePace` keeps the engine's own measured costs (exponential moving averages, never
-numbers written in for one machine) and, while requests decode, allows only as many prefill
-tokens as keep the step's predicted time within ``factor`` times a decode-only step of the same
-streams. With nothing decoding it sets no limit (a lone prompt, an offline batch prefilling at
-once: the whole step budget), and it always allows at least ``min_prefill_tokens`` so waiting
-prompts keep advancing however slow prefill measures.
+:class:`DecodePace` keeps the engine's own measured costs (never numbers written in for one
+machine) and, while requests decode, allows only as many prefill tokens as keep the step's
+predicted time within ``factor`` times a decode-only step of the same streams. With nothing
+decoding it sets no limit (a lone prompt, an offline batch prefilling at once: the whole step
+budget), and it always allows at least ``min_prefill_tokens`` so waiting prompts keep advancing
+however slow prefill measures.
 
-The model: a decode-only step of ``d`` tokens takes ``base + per_decode * d`` (a weighted
-least-squares line through the decode-only steps seen, so a fixed per-step cost is not mistaken
-for a per-token one), and each prefill token of a mixed step adds ``per_prefill`` (what such a
-step took beyond the decode-only prediction for its decodes, per prefill token).
+The model: a step of ``n`` tokens, decoded and prompt tokens alike (as vLLM's token budget counts
+them), takes ``base + per_token * n``, a least-squares line through every step since the warm-up.
+The limit needs only its shape, the fixed cost in tokens ``K = base / per_token``: ``d`` decodes
+take ``per_token * (K + d)``, so they leave room for ``(factor - 1) * (K + d)`` prompt tokens,
+whatever the machine's speed at the moment. Load on a shared machine scales a step's time, not
+that shape, so the line keeps every step (a wide spread of sizes, from one stream's decodes to
+whole prompts) rather than a moving average of the last few.
+
+This replaced two moving averages (weight 0.1): a line through decode-only steps and the time a
+mixed step took beyond it per prompt token. At 16 streams with prompts waiting nearly every step
+prefills, so that line was extrapolated from the decode-only steps of lower concurrency and a few
+slow steps moved it; measured on the default model at 16 streams (busy machine), it let 104-115
+prompt tokens into steps it predicted at 0.8 s (they took 0.26-0.29 s), the slowest gaps of the
+run. A step that took more than ``OUTLIER_RATIO`` times the line's prediction (the process was
+descheduled, a collection ran) counts as that much.
 """
 
 from __future__ import annotations
 
-# Weight of the newest step in the moving averages: recent enough to follow load changes on a
-# shared machine, smooth enough that one slow step does not swing the limit.
-EMA_WEIGHT = 0.1
 # Prompt tokens every step may add while requests decode, whatever the costs say: prefill never
 # starves (a block's worth at the default block size).
 MIN_PREFILL_TOKENS = 16
+# A step's time is clipped to this many times the line's prediction before it is counted.
+OUTLIER_RATIO = 2.0
 
 
 class DecodePace:
@@ -44,62 +54,56 @@ class DecodePace:
     def forget(self) -> None:
         """Drop the measured costs (after a warm-up, whose first steps are not typical); until
         new ones come, no limit is set."""
-        # Exponentially weighted sums over decode-only steps: weight, x, x*x, y, x*y.
-        self._w = self._x = self._xx = self._y = self._xy = 0.0
-        self.per_prefill: float | None = None  # seconds per prefill token
+        # Sums over every step: count, x, x*x, y, x*y (x: its tokens, y: its seconds).
+        self._n = self._x = self._xx = self._y = self._xy = 0.0
 
     @property
     def enabled(self) -> bool:
         return self.factor > 0
 
-    def decode_step_seconds(self, decode_tokens: int) -> float | None:
-        """Predicted time of a decode-only step of ``decode_tokens`` tokens (None: none seen)."""
-        if self._w == 0:
+    def line(self) -> tuple[float, float] | None:
+        """(base seconds, seconds per token) of the fitted line; None before any step."""
+        if self._n == 0:
             return None
-        mean_x, mean_y = self._x / self._w, self._y / self._w
-        var = self._xx / self._w - mean_x * mean_x
+        mean_x, mean_y = self._x / self._n, self._y / self._n
+        var = self._xx / self._n - mean_x * mean_x
         if var <= 1e-9 * max(1.0, mean_x * mean_x):
-            # One batch size seen so far: in proportion to it (a CPU step's behaviour).
-            return mean_y * decode_tokens / mean_x
-        slope = max(0.0, (self._xy / self._w - mean_x * mean_y) / var)
-        base = max(0.0, mean_y - slope * mean_x)
-        return base + slope * decode_tokens
+            # One step size seen so far: in proportion to it (a CPU step's behaviour).
+            return 0.0, mean_y / mean_x
+        slope = (self._xy / self._n - mean_x * mean_y) / var
+        if slope <= 0:  # noise only (steps of similar sizes): in proportion, as above
+            return 0.0, mean_y / mean_x
+        return max(0.0, mean_y - slope * mean_x), slope
+
+    def step_seconds(self, tokens: int) -> float | None:
+        """Predicted time of a step of ``tokens`` tokens (None: no step seen)."""
+        line = self.line()
+        return None if line is None else line[0] + line[1] * tokens
 
     def observe(self, prefill_tokens: int, decode_tokens: int, seconds: float) -> None:
         """One step's measured time; the engine calls this after every step."""
-        if seconds <= 0 or prefill_tokens + decode_tokens <= 0:
+        tokens = prefill_tokens + decode_tokens
+        if seconds <= 0 or tokens <= 0:
             return
-        if prefill_tokens == 0:
-            keep = 1.0 - EMA_WEIGHT
-            x, y = float(decode_tokens), seconds
-            self._w = self._w * keep + EMA_WEIGHT
-            self._x = self._x * keep + EMA_WEIGHT * x
-            self._xx = self._xx * keep + EMA_WEIGHT * x * x
-            self._y = self._y * keep + EMA_WEIGHT * y
-            self._xy = self._xy * keep + EMA_WEIGHT * x * y
-            return
-        # What the step would have taken without its prompt tokens (a step's fixed cost too).
-        decode_part = self.decode_step_seconds(decode_tokens)
-        if decode_part is None:
-            if decode_tokens:
-                return  # no decode-only step yet to tell the prefill share of this one
-            decode_part = 0.0
-        # A step that took less than its decodes should have still says prefill is cheap; the
-        # floor keeps the estimate positive.
-        sample = max(seconds - decode_part, 0.05 * seconds) / prefill_tokens
-        if self.per_prefill is None:
-            self.per_prefill = sample
-        else:
-            self.per_prefill += EMA_WEIGHT * (sample - self.per_prefill)
+        predicted = self.step_seconds(tokens)
+        if predicted is not None and predicted > 0:
+            seconds = min(seconds, OUTLIER_RATIO * predicted)
+        self._n += 1
+        self._x += tokens
+        self._xx += tokens * tokens
+        self._y += seconds
+        self._xy += tokens * seconds
 
     def prefill_allowance(self, decode_tokens: int) -> int | None:
         """Prompt tokens a step with ``decode_tokens`` decoding tokens may add; None: no limit
         (off, nothing decoding, or no costs measured yet)."""
-        if not self.enabled or decode_tokens <= 0 or self.per_prefill is None:
+        if not self.enabled or decode_tokens <= 0:
             return None
-        decode = self.decode_step_seconds(decode_tokens)
-        if decode is None:
+        line = self.line()
+        if line is None:
             return None
-        spare = (self.factor - 1.0) * decode
+        base, per_token = line
+        fixed_tokens = base / per_token  # K in the module text
         # The small term keeps float rounding (31.9999...) from costing a token.
-        return max(self.min_prefill_tokens, int(spare / self.per_prefill + 1e-6))
+        spare = (self.factor - 1.0) * (fixed_tokens + decode_tokens)
+        return max(self.min_prefill_tokens, int(spare + 1e-6))

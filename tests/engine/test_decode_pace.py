@@ -1,6 +1,6 @@
 """Decode pace: while requests decode, a step's prompt tokens are limited by measured costs (fed
-here as fake step times, no model and no clock), never below a few tokens; with nothing decoding,
-and with the pace off, a step fills its budget."""
+here as fake step times, no model and no clock), never below a few tokens; a stalled step does not
+move the limit; with nothing decoding, and with the pace off, a step fills its budget."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from llmhal.engine.kv_cache_manager import KVCacheManager
 from llmhal.engine.request import Request
 from llmhal.engine.sampling_params import SamplingParams
 from llmhal.engine.scheduler import Scheduler
-from llmhal.engine.step_budget import MIN_PREFILL_TOKENS, DecodePace
+from llmhal.engine.step_budget import MIN_PREFILL_TOKENS, OUTLIER_RATIO, DecodePace
 
 
 class _Detok:
@@ -30,13 +30,13 @@ def run_step(sched: Scheduler) -> list[tuple[str, int]]:
     return [(r.request_id, n) for r, n in batch.items]
 
 
-def measured(factor: float, decode_s_per_token: float, prefill_s_per_token: float) -> DecodePace:
-    """A pace that has seen decode-only steps of 1 and 8 tokens and one pure prefill step,
-    timed as a machine with these per-token costs would (no fixed cost per step)."""
+def measured(factor: float, base_s: float, per_token_s: float) -> DecodePace:
+    """A pace that has seen decode-only steps of 1 and 8 tokens and one pure prefill step, timed
+    as a machine whose step of n tokens takes ``base_s + per_token_s * n``."""
     pace = DecodePace(factor)
     for d in (1, 8, 1, 8):
-        pace.observe(0, d, d * decode_s_per_token)
-    pace.observe(100, 0, 100 * prefill_s_per_token)
+        pace.observe(0, d, base_s + d * per_token_s)
+    pace.observe(100, 0, base_s + 100 * per_token_s)
     return pace
 
 
@@ -53,40 +53,57 @@ def test_the_cost_model_follows_the_fed_step_times():
     pace = DecodePace(2.0)
     for d in (1, 4, 16, 1, 4, 16):
         pace.observe(0, d, 0.010 + 0.002 * d)  # a fixed cost and a per-token one
-    assert pace.decode_step_seconds(8) == pytest.approx(0.026)
-    pace.observe(50, 8, 0.026 + 50 * 0.001)
-    assert pace.per_prefill == pytest.approx(0.001)
-    # Spare time of a step of 8 decodes: (2 - 1) * 26 ms, at 1 ms a prefill token.
+    pace.observe(50, 8, 0.010 + 0.002 * 58)  # a mixed step's tokens count alike
+    assert pace.line() == pytest.approx((0.010, 0.002))
+    assert pace.step_seconds(8) == pytest.approx(0.026)
+    # The fixed cost is 5 tokens' worth: 8 decodes take 13 tokens' time, and a factor of 3
+    # leaves (3 - 1) x 13 tokens for prompts (a factor of 2: 13, below the floor).
+    pace.factor = 3.0
     assert pace.prefill_allowance(8) == 26
+    pace.factor = 2.0
+    assert pace.prefill_allowance(8) == MIN_PREFILL_TOKENS
 
 
 def test_prefill_is_capped_while_requests_decode():
-    # Decode 4 ms a token, prefill 1 ms: 4 decodes leave (2 - 1) x 16 ms = 16 tokens, 8 leave 32.
-    pace = measured(2.0, 0.004, 0.001)
+    # A fixed cost of 20 tokens' time: 8 decodes leave (2 - 1) x (20 + 8) = 28 prompt tokens.
+    pace = measured(2.0, 0.040, 0.002)
     s = decoding_scheduler(pace, 8)
     s.add(req("new", 200))
     step = run_step(s)
     assert step[:8] == [(f"d{i}", 1) for i in range(8)]
-    assert step[8:] == [("new", 32)]
+    assert step[8:] == [("new", 28)]
     # The prompt continues in capped chunks while the streams decode.
-    assert run_step(s)[8:] == [("new", 32)]
+    assert run_step(s)[8:] == [("new", 28)]
     # A factor of 3 doubles the spare time.
     pace.factor = 3.0
-    assert run_step(s)[8:] == [("new", 64)]
+    assert run_step(s)[8:] == [("new", 56)]
+
+
+def test_the_limit_does_not_depend_on_how_fast_the_machine_runs_now():
+    # Load on a shared machine scales every step's time; the room for prompts stays the same.
+    quick, slow = measured(2.0, 0.040, 0.002), measured(2.0, 0.120, 0.006)
+    assert [quick.prefill_allowance(d) for d in (1, 8, 30)] == [slow.prefill_allowance(d) for d in (1, 8, 30)] == [21, 28, 50]  # fmt: skip
+
+
+def test_a_stalled_step_counts_as_at_most_twice_its_prediction():
+    pace, stalled = measured(2.0, 0.040, 0.002), measured(2.0, 0.040, 0.002)
+    stalled.observe(16, 8, 5.0)  # descheduled for seconds
+    pace.observe(16, 8, OUTLIER_RATIO * pace.step_seconds(24))  # type: ignore[operator]
+    assert stalled.line() == pytest.approx(pace.line())
 
 
 def test_the_cap_covers_every_prompt_of_the_step_together():
-    pace = measured(2.0, 0.004, 0.001)
+    pace = measured(2.0, 0.040, 0.002)
     s = decoding_scheduler(pace, 8)
     for i in range(3):
         s.add(req(f"new{i}", 20))
     step = run_step(s)
-    assert step[8:] == [("new0", 20), ("new1", 12)]  # 32 prompt tokens in all
+    assert step[8:] == [("new0", 20), ("new1", 8)]  # 28 prompt tokens in all
     assert [r.request_id for r in s.waiting] == ["new2"]
 
 
-def test_prefill_never_starves_however_slow_it_measures():
-    pace = measured(2.0, 0.001, 1.0)  # a prompt token costs a thousand decode tokens
+def test_prefill_never_starves_however_little_room_steps_leave():
+    pace = measured(2.0, 0.0, 0.001)  # no fixed cost: 2 decodes leave room for 2 prompt tokens
     s = decoding_scheduler(pace, 2)
     s.add(req("new", 100))
     assert run_step(s)[2:] == [("new", MIN_PREFILL_TOKENS)]
@@ -94,7 +111,7 @@ def test_prefill_never_starves_however_slow_it_measures():
 
 
 def test_nothing_decoding_means_the_whole_budget():
-    pace = measured(2.0, 0.004, 0.001)
+    pace = measured(2.0, 0.040, 0.002)
     s = Scheduler(KVCacheManager(num_blocks=512, block_size=4), 64, 512, pace=pace)
     s.add(req("alone", 400))
     assert run_step(s) == [("alone", 400)]
@@ -109,18 +126,18 @@ def test_an_offline_batch_prefilling_at_once_keeps_the_full_budget():
             s.add(req(f"p{i}", 40))
         return run_step(s)
 
-    paced = first_step(measured(2.0, 0.004, 0.001))
+    paced = first_step(measured(2.0, 0.040, 0.002))
     assert paced == first_step(None)
     assert sum(n for _, n in paced) == 256
 
 
 def test_off_unmeasured_or_without_chunking_the_budget_alone_decides():
-    for pace in (measured(0, 0.004, 0.001), DecodePace(2.0), None):
+    for pace in (measured(0, 0.040, 0.002), DecodePace(2.0), None):
         s = decoding_scheduler(pace, 8, budget=128)
         s.add(req("new", 500))
         assert run_step(s)[8:] == [("new", 120)]
     # Without chunked prefill a prompt goes in whole or not at all: the pace must not hold it out.
-    s = Scheduler(KVCacheManager(num_blocks=512, block_size=4), 64, 512, chunked_prefill=False, pace=measured(2.0, 0.004, 0.001))  # fmt: skip
+    s = Scheduler(KVCacheManager(num_blocks=512, block_size=4), 64, 512, chunked_prefill=False, pace=measured(2.0, 0.040, 0.002))  # fmt: skip
     for i in range(8):
         s.add(req(f"d{i}", 3))
     run_step(s)
@@ -129,13 +146,13 @@ def test_off_unmeasured_or_without_chunking_the_budget_alone_decides():
 
 
 def test_a_partly_prefilled_running_prompt_shares_the_cap():
-    pace = measured(2.0, 0.004, 0.001)
+    pace = measured(2.0, 0.040, 0.002)
     s = decoding_scheduler(pace, 8)
     s.add(req("a", 100))
     s.add(req("b", 100))
-    assert run_step(s)[8:] == [("a", 32)]
+    assert run_step(s)[8:] == [("a", 28)]
     # a is running and partly prefilled: it takes the step's allowance, b waits its turn.
-    assert run_step(s)[8:] == [("a", 32)]
+    assert run_step(s)[8:] == [("a", 28)]
     assert [r.request_id for r in s.waiting] == ["b"]
 
 
@@ -163,8 +180,9 @@ def test_the_engine_measures_its_costs_and_paced_output_equals_unpaced(tiny_mode
     paced = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert paced == plain
     pace = llm.engine.pace
-    assert pace.per_prefill is not None and pace.per_prefill > 0
-    assert pace.decode_step_seconds(1) > 0  # type: ignore[operator]
+    base, per_token = pace.line()  # type: ignore[misc]
+    assert base >= 0 and per_token > 0
+    assert pace.prefill_allowance(1) >= MIN_PREFILL_TOKENS
     with pytest.raises(ValueError, match="above 1"):
         llm.engine.set_decode_pace(1.0)
     assert pace.factor == 1.5
