@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -197,6 +198,17 @@ def build_server(
     except OSError:
         state.loop.shutdown()
         raise
+
+
+def freeze_startup_heap() -> None:
+    """Move everything alive once the server is built (model, tokenizer, app: ~260k objects for
+    the default model) out of the collector's reach, as vLLM does after start-up: a full
+    (generation-2) collection walked them all, measured 0.47-0.49 s on 2 busy vCPUs, during which
+    no stream got a token; after the freeze one takes well under a millisecond. Only the serving
+    process does this: a test that builds servers one after another would never get their memory
+    back."""
+    gc.collect()
+    gc.freeze()
 
 
 def _default_name(model_path: str) -> str:
@@ -384,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # taken between the check and now
         print(f"llmhal serve: cannot listen on {a.host}:{a.port}: {e}", file=sys.stderr)
         return 2
+    freeze_startup_heap()  # before saying where it listens: a client may start at once
     print(
         f"llmhal serve: http://{a.host}:{server.server_address[1]}/v1 ({server.state.model_name})",
         file=sys.stderr,
