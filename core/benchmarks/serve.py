@@ -6,20 +6,30 @@ At concurrency C, C clients each stream completions back to back (a closed loop)
 cache hits) and about ``--input-len`` tokens of plain words; each asks for ``--output-len`` tokens
 with ``ignore_eos`` (vLLM's rule), greedy. TTFT is the time from sending a request to its first
 streamed text; inter-token latency is each later gap between streamed chunks, divided by the
-tokens the chunk carries. Output throughput counts generated tokens over the wall time of the
-run at that concurrency.
+tokens the chunk carries. Percentiles are taken over every request's gaps together, interpolated
+as numpy's (vLLM's ``np.percentile``). Output throughput counts generated tokens over the wall
+time of the run at that concurrency. Each level also records the 1-minute load average before
+and after it: on a shared machine the figures mean little without it.
 
 Point it at a running server with ``--base-url`` (any server with vLLM's /v1/completions, so two
-builds can be compared in one session), or leave it out to serve the model here (the engine
-options of ``llmhal serve``) on a free port for the run.
+builds can be compared in one session), or leave it out to start ``llmhal serve`` (with the
+engine options given) on a free port in a process of its own for the run. Apart, as vLLM's
+benchmark runs apart from the server it measures: in one process the client threads (one per
+stream, each parsing every chunk) share the server's interpreter lock, and the engine thread
+waits for it between its native calls, a cost that grows with the concurrency being measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import http.client
 import json
+import os
+import re
+import signal
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -29,6 +39,12 @@ from typing import Any
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week "
          "case point number group problem fact water room mother area money story night").split()  # fmt: skip
+
+
+# Requests per level at least (default): at concurrency 1, 16 requests give ~500 gaps, so the p99
+# the other levels are compared with is not one or two stray gaps (with 8, it was the 3rd largest
+# of 248, and varied 17-24 ms between runs on an idle machine).
+MIN_PROMPTS = 16
 
 
 @dataclass
@@ -82,10 +98,22 @@ def _one(url: urllib.parse.SplitResult, body: dict[str, Any], timeout: float) ->
 
 
 def _pct(xs: list[float], q: float) -> float:
+    """numpy's default percentile (linear between the two nearest ranks), as vLLM reports."""
     if not xs:
         return float("nan")
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+    pos = q / 100 * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _load() -> float | None:
+    """The 1-minute load average (None where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
 
 
 def run_level(base_url: str, concurrency: int, num_prompts: int, input_len: int, output_len: int, offset: int, timeout: float = 600) -> dict[str, Any]:  # fmt: skip
@@ -107,6 +135,7 @@ def run_level(base_url: str, concurrency: int, num_prompts: int, input_len: int,
             with lock:
                 results.append(r)
 
+    load_before = _load()
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
     for t in threads:
@@ -125,25 +154,69 @@ def run_level(base_url: str, concurrency: int, num_prompts: int, input_len: int,
         "ttft_p50_ms": 1000 * _pct(ttfts, 50), "ttft_p99_ms": 1000 * _pct(ttfts, 99),
         "itl_p50_ms": 1000 * _pct(gaps, 50), "itl_p99_ms": 1000 * _pct(gaps, 99),
         "itl_mean_ms": 1000 * statistics.fmean(gaps) if gaps else float("nan"),
+        "load_before": load_before, "load_after": _load(),
     }  # fmt: skip
 
 
 def table(rows: list[dict[str, Any]], label: str = "") -> str:
-    head = f"{'':10}{'conc':>5} {'reqs':>5} {'fail':>5} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}"  # fmt: skip
+    head = f"{'':10}{'conc':>5} {'reqs':>5} {'fail':>5} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'load':>9}"  # fmt: skip
     lines = [head]
     for r in rows:
+        load = "/".join("?" if x is None else f"{x:.1f}" for x in (r.get("load_before"), r.get("load_after")))  # fmt: skip
         lines.append(
             f"{label:10}{r['concurrency']:>5} {r['requests']:>5} {r['failed']:>5} {r['output_tok_s']:>10.1f} "
-            f"{r['ttft_p50_ms']:>7.0f}ms {r['ttft_p99_ms']:>7.0f}ms {r['itl_p50_ms']:>6.0f}ms {r['itl_p99_ms']:>6.0f}ms"
+            f"{r['ttft_p50_ms']:>7.0f}ms {r['ttft_p99_ms']:>7.0f}ms {r['itl_p50_ms']:>6.0f}ms {r['itl_p99_ms']:>6.0f}ms {load:>9}"
         )  # fmt: skip
     return "\n".join(lines)
 
 
+def serve_apart(engine_argv: list[str], timeout: float = 600) -> tuple[subprocess.Popen[str], str]:
+    """``llmhal serve`` (``engine_argv`` its engine options) on a free port in a process of its
+    own, and its base URL once it listens; RuntimeError with the server's last words if it exits
+    or stays silent first."""
+    cmd = [sys.executable, "-m", "llmhal.entrypoints.cli", "serve", "--port", "0", "--disable-log-requests", *engine_argv]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    said: collections.deque[str] = collections.deque(maxlen=20)
+    found: list[str] = []
+
+    def read() -> None:  # until the server exits: a full pipe would block it
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            said.append(line)
+            m = re.search(r"llmhal serve: (http://\S+)/v1 ", line)
+            if m and not found:
+                found.append(m.group(1))
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not found and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not found:
+        code = proc.poll()
+        why = f"exited with status {code}" if code is not None else f"did not listen within {timeout:.0f} s"  # fmt: skip
+        stop_apart(proc)
+        raise RuntimeError(f"the server ({' '.join(cmd[3:])}) {why}:\n{''.join(said).rstrip()}")
+    return proc, found[0]
+
+
+def stop_apart(proc: subprocess.Popen[str]) -> None:
+    """End a server from :func:`serve_apart` as Ctrl-C would (SIGTERM), killing it if it hangs."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="llmhal bench serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--base-url", help="a running server (default: serve the model here)")
+    p.add_argument("--base-url", help="a running server (default: start llmhal serve for the run)")
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated levels (default 1,4,16)")  # fmt: skip
-    p.add_argument("--num-prompts", type=int, help="requests per level (default max(8, 2 x C))")
+    p.add_argument(
+        "--num-prompts", type=int, help=f"requests per level (default max({MIN_PROMPTS}, 2 x C))"
+    )
     p.add_argument("--input-len", type=int, default=200, help="prompt words, about tokens (200)")
     p.add_argument("--output-len", type=int, default=32, help="tokens generated per request (32)")
     p.add_argument("--label", default="", help="a name for this server in the table")
@@ -156,28 +229,27 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     base = known.base_url
     if base is None:
-        from llmhal.entrypoints.engine_args import add_engine_args, build_llm
-        from llmhal.entrypoints.serve import apply_serving_defaults, build_server
-
-        ep = argparse.ArgumentParser(prog="llmhal bench serve")
-        add_engine_args(ep)
-        ep.add_argument("--max-num-seqs", type=int, default=64)
-        ea = ep.parse_args(rest)
-        apply_serving_defaults(ea)
-        llm = build_llm("llmhal bench serve", ea, max_num_seqs=ea.max_num_seqs)
-        if llm is None:
+        try:
+            server, base = serve_apart(rest)
+        except RuntimeError as e:
+            print(f"llmhal bench serve: {e}", file=sys.stderr)
             return 2
-        server = build_server(llm, "127.0.0.1", 0, disable_log_requests=True)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        base = f"http://127.0.0.1:{server.server_address[1]}"
     elif rest:
         p.error(f"unrecognized arguments: {' '.join(rest)} (engine options need no --base-url)")
+    try:
+        return _run_levels(known, base)
+    finally:
+        if server is not None:
+            stop_apart(server)
+
+
+def _run_levels(known: argparse.Namespace, base: str) -> int:
     levels = [int(c) for c in known.concurrency.split(",") if c.strip()]
     # One untimed request first: first-use costs (allocation, page faults) stay out of the table.
     run_level(base, 1, 1, known.input_len, 4, offset=10**6)
     rows, offset = [], known.first_prompt
     for c in levels:
-        n = known.num_prompts or max(8, 2 * c)
+        n = known.num_prompts or max(MIN_PROMPTS, 2 * c)
         rows.append(run_level(base, c, n, known.input_len, known.output_len, offset))
         offset += n
         print(table(rows[-1:], known.label).splitlines()[-1], file=sys.stderr, flush=True)
@@ -186,10 +258,6 @@ def main(argv: list[str] | None = None) -> int:
         with open(known.json_path, "w") as f:
             json.dump({"label": known.label, "base_url": base, "input_len": known.input_len,
                        "output_len": known.output_len, "rows": rows}, f, indent=1)  # fmt: skip
-    if server is not None:
-        from llmhal.entrypoints.serve import shutdown_server
-
-        shutdown_server(server)
     return 1 if any(r["failed"] for r in rows) else 0
 
 
