@@ -26,10 +26,14 @@ COMMON_KEYS = frozenset(
         "revision",
         "code_revision",
         "enforce_eager",
-        # llmhal's adaptive switch: a request whose drafts are accepted less than this fraction of
-        # the time (after min_drafts_before_disable drafts) stops speculating; 0 turns it off.
+        # llmhal's adaptive switch (llmhal.spec_decode.adaptive): a request whose last
+        # min_drafts_before_disable drafts were accepted less than this fraction of the time (0:
+        # never), or (disable_when_slower) gave fewer tokens per step than a verification step
+        # costs in decode steps, stops speculating for retry_after_steps of its steps (0: for good).
         "disable_below_acceptance_rate",
+        "disable_when_slower",
         "min_drafts_before_disable",
+        "retry_after_steps",
     }
 )
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -51,7 +55,9 @@ class SpeculativeConfig:
     max_model_len: int | None = None
     enforce_eager: bool | None = None
     disable_below_acceptance_rate: float = 0.0
+    disable_when_slower: bool = False
     min_drafts_before_disable: int = 16
+    retry_after_steps: int = 32
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -120,6 +126,17 @@ class SpeculativeConfig:
             )
         min_drafts = d.get("min_drafts_before_disable", 16)
         _positive_int("min_drafts_before_disable", min_drafts, "use a positive integer")
+        slower = d.get("disable_when_slower", False)
+        if not isinstance(slower, bool):
+            raise ValueError(
+                f"speculative_config['disable_when_slower']={slower!r} must be true or false"
+            )
+        retry = d.get("retry_after_steps", 32)
+        if isinstance(retry, bool) or not isinstance(retry, int) or retry < 0:
+            raise ValueError(
+                f"speculative_config['retry_after_steps']={retry!r} must be an integer >= 0 (steps "
+                "a stopped request decodes before it drafts again; 0: never again)"
+            )
         config = cls(
             method=method,
             num_speculative_tokens=k,
@@ -128,7 +145,9 @@ class SpeculativeConfig:
             max_model_len=d.get("max_model_len"),
             enforce_eager=d.get("enforce_eager"),
             disable_below_acceptance_rate=float(rate),
+            disable_when_slower=slower,
             min_drafts_before_disable=min_drafts,
+            retry_after_steps=retry,
             extra={key: d[key] for key in own if key in d},
         )
         proposer_cls.check_config(config)

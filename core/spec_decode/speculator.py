@@ -24,6 +24,7 @@ import torch
 from llmhal.engine.outputs import Logprob
 from llmhal.engine.request import Request
 from llmhal.engine.sampler import Sampler, greedy_tokens, logprob_entries
+from llmhal.spec_decode.adaptive import AdaptiveSwitch
 from llmhal.spec_decode.config import SpeculativeConfig
 from llmhal.spec_decode.proposer import DraftRequest, Proposer
 from llmhal.spec_decode.rejection_sampler import accept_greedy, accept_sampled
@@ -152,8 +153,12 @@ class Speculator:
         )
         self.step_stats: SpecDecodingStats | None = None  # this step's, for the stat loggers
         self.runner: Any = None  # the target's runner, for proposers reading its hidden states
-        self._history: dict[str, list[int]] = {}  # request -> [drafts, draft tokens, accepted]
-        self._off: set[str] = set()  # requests the adaptive switch stopped
+        self.adaptive = AdaptiveSwitch(
+            config.disable_below_acceptance_rate,
+            config.disable_when_slower,
+            config.min_drafts_before_disable,
+            config.retry_after_steps,
+        )
         # For proposers drafting from the target's hidden states: per request, the first position
         # not yet handed to the proposer and the rows computed since (see keep_hidden).
         self.wants_hidden = bool(getattr(proposer, "uses_target_hidden_states", False))
@@ -170,7 +175,7 @@ class Speculator:
 
     # ------------------------------------------------------------------------ drafting
     def _max_draft(self, req: Request) -> int:
-        if req.reasoning_ended is False or req.request_id in self._off:
+        if req.reasoning_ended is False or not self.adaptive.allows(req.request_id):
             return 0
         # Every emitted token may be the last (max_tokens, the context), and the verified chunk
         # must fit the context: the drafts never reach past either.
@@ -182,6 +187,16 @@ class Speculator:
 
     def propose(self, requests: Sequence[Request], num_running: int) -> None:
         """Set ``spec_token_ids`` of each of ``requests`` (running, just given a token)."""
+        # Called once per step: the step that just ended is timed, and the next one counts towards
+        # the waits of the requests the adaptive switch stopped.
+        ids = [r.request_id for r in requests]
+        self.adaptive.step_done(ids)
+        try:
+            self._propose(requests, num_running)
+        finally:
+            self.adaptive.count_down(ids)
+
+    def _propose(self, requests: Sequence[Request], num_running: int) -> None:
         limit = self.config.disable_by_batch_size
         if limit is not None and num_running >= limit:
             for req in requests:  # no draft now: the next one starts its head over
@@ -257,8 +272,7 @@ class Speculator:
     def finish(self, request_id: str) -> None:
         self._hidden.pop(request_id, None)
         self.trees.pop(request_id, None)
-        self._history.pop(request_id, None)
-        self._off.discard(request_id)
+        self.adaptive.finish(request_id)
         self.proposer.finish(request_id)
 
     # ---------------------------------------------------------------------- verifying
@@ -333,7 +347,7 @@ class Speculator:
                 tokens = accept_sampled(rows, drafts, None, gen)
             accepted = len(tokens) - 1
             if k:
-                self._record(req.request_id, k if tree is None else tree.depth, accepted)
+                self._record(req.request_id, k if tree is None else tree.depth, accepted, len(requests))  # fmt: skip
             ended = next((j for j in range(len(tokens)) if first + (path[j] if path else j) in dead), None)  # fmt: skip
             if ended is not None:
                 tokens = tokens[:ended]
@@ -379,19 +393,11 @@ class Speculator:
         stats, self.step_stats = self.step_stats, None
         return stats
 
-    def _record(self, request_id: str, k: int, accepted: int) -> None:
+    def _record(self, request_id: str, k: int, accepted: int, batch: int) -> None:
         self.stats.add(k, accepted)
         if self.step_stats is None:
             self.step_stats = SpecDecodingStats(
                 num_accepted_tokens_per_pos=[0] * self.config.num_speculative_tokens
             )
         self.step_stats.add(k, accepted)
-        rate = self.config.disable_below_acceptance_rate
-        if not rate:
-            return
-        h = self._history.setdefault(request_id, [0, 0, 0])
-        h[0] += 1
-        h[1] += k
-        h[2] += accepted
-        if h[0] >= self.config.min_drafts_before_disable and h[2] < rate * h[1]:
-            self._off.add(request_id)
+        self.adaptive.record(request_id, k, accepted, batch)

@@ -50,6 +50,14 @@ def test_vllm_shapes_are_read():
             {"method": "ngram", "num_speculative_tokens": 2, "disable_below_acceptance_rate": 1.5},
             ["disable_below_acceptance_rate"],
         ),  # fmt: skip
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "retry_after_steps": -1},
+            ["retry_after_steps", ">= 0"],
+        ),  # fmt: skip
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "disable_when_slower": "yes"},
+            ["disable_when_slower", "true or false"],
+        ),  # fmt: skip
         ("ngram", ["dict"]),
     ],
 )

@@ -154,7 +154,7 @@ def test_abort_in_the_middle_frees_everything(answers, replay_llm):
     engine.abort_request(rid)
     assert not engine.has_unfinished_requests()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    assert rid not in engine.speculator._history
+    assert rid not in engine.speculator.adaptive._requests
 
 
 def test_adaptive_switch_stops_a_request_whose_drafts_fail(new_llm, base_llm):
@@ -162,7 +162,19 @@ def test_adaptive_switch_stops_a_request_whose_drafts_fail(new_llm, base_llm):
     llm = new_llm(spec)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     assert _ids(llm.generate(PROMPTS[:1], params)) == _ids(base_llm.generate(PROMPTS[:1], params))
-    assert llm.engine.speculator.stats.num_drafts == 3  # then it decoded one token per step
+    # Then it decoded one token per step: the default retry (32 steps) lies past max_tokens.
+    assert llm.engine.speculator.stats.num_drafts == 3
+
+
+def test_a_stopped_request_drafts_again_after_its_wait(new_llm, base_llm):
+    # Random drafts fail every window of 3, one token a step. Token 1 (prefill), drafts 1-3
+    # (tokens 2-4), stopped: waits 4 steps (5-8), drafts 4-6 (9-11), waits 8 (the wait doubles;
+    # 12-19), drafts 7-9 (20-22), waits 16 (23-38): 9 drafts in 38 tokens.
+    spec = {"method": "test_random", "num_speculative_tokens": 2, "disable_below_acceptance_rate": 0.5, "min_drafts_before_disable": 3, "retry_after_steps": 4}  # fmt: skip
+    llm = new_llm(spec)
+    params = SamplingParams(temperature=0, max_tokens=38, ignore_eos=True)
+    assert _ids(llm.generate(PROMPTS[:1], params)) == _ids(base_llm.generate(PROMPTS[:1], params))
+    assert llm.engine.speculator.stats.num_drafts == 9
 
 
 CONSTRAINTS = [

@@ -1,0 +1,154 @@
+"""Per-request adaptive speculation: stop drafting for a request whose drafts do not pay, retry later.
+
+A verification step costs more than a decode step (on a CPU the matmuls' work grows with the rows
+verified, and the proposer runs too), so drafts pay only when enough of them are accepted. Each
+request's last ``window`` verifications (``min_drafts_before_disable``) are judged once that many
+are in; the request stops drafting when either rule says so:
+
+* ``disable_below_acceptance_rate``: fewer than this fraction of its draft tokens were accepted;
+* ``disable_when_slower``: its tokens per verification step (1 + accepted drafts) are fewer than
+  a verification step costs in decode steps. Both costs are measured here, as the median wall time
+  of the engine's recent steps with and without verification at the same number of requests (a
+  step is the time from one :meth:`AdaptiveSwitch.step_done` to the next, so a step's drafting
+  counts; steps where a request joined are left out: they ran its prefill). Where no plain step
+  was seen yet at that batch size (a proposer that drafts every step), the request pauses for
+  ``PROBE_STEPS`` steps to measure them, without counting that as a stop.
+
+A stopped request decodes one token a step for ``retry_after_steps`` of its steps, then drafts
+again on a clean slate; each stop in a row doubles the wait (at most ``MAX_BACKOFF`` times), a
+verification window that pays resets it. ``retry_after_steps=0`` stops a request for good. vLLM
+turns speculation off by batch size only (``disable_by_batch_size``, also honoured); this follows
+what its adaptive proposals do per request.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+# Recent step times kept per (batch size, kind): a median over these ignores the odd slow step.
+STEP_SAMPLES = 16
+# A stopped request's wait grows to at most this many times retry_after_steps.
+MAX_BACKOFF = 16
+# Plain steps a request runs to measure their cost when none was seen (StepCosts needs 3).
+PROBE_STEPS = 4
+
+
+@dataclass
+class _RequestState:
+    window: deque[tuple[int, int]]  # (draft tokens, accepted) of its recent verifications
+    off_steps: int = 0  # steps left without drafting
+    backoff: int = 1  # the next stop's wait, in units of retry_after_steps
+    stops: int = 0
+
+
+@dataclass
+class StepCosts:
+    """Median wall time of recent engine steps with and without verification, per batch size."""
+
+    samples: dict[tuple[int, bool], deque[float]] = field(default_factory=dict)
+
+    def add(self, batch: int, verified: bool, seconds: float) -> None:
+        key = (batch, verified)
+        if key not in self.samples:
+            self.samples[key] = deque(maxlen=STEP_SAMPLES)
+        self.samples[key].append(seconds)
+
+    def known(self, batch: int, verified: bool) -> bool:
+        return len(self.samples.get((batch, verified), ())) >= 3
+
+    def ratio(self, batch: int) -> float | None:
+        """A verification step's cost in decode steps at ``batch`` requests; None until both kinds
+        were seen (at least 3 each)."""
+        if not (self.known(batch, True) and self.known(batch, False)):
+            return None
+        spec, plain = self.samples[(batch, True)], self.samples[(batch, False)]
+        return statistics.median(spec) / statistics.median(plain)
+
+
+class AdaptiveSwitch:
+    """Which requests may draft now (see the module docstring)."""
+
+    def __init__(self, rate: float, when_slower: bool, window: int, retry_after_steps: int) -> None:
+        self.rate = rate
+        self.when_slower = when_slower
+        self.window = window
+        self.retry_after_steps = retry_after_steps
+        self.costs = StepCosts()
+        self._requests: dict[str, _RequestState] = {}
+        self._last_step: float | None = None
+        self._last_ids: frozenset[str] = frozenset()
+        self._verified = False  # the running step verified drafts
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.rate) or self.when_slower
+
+    def allows(self, request_id: str) -> bool:
+        state = self._requests.get(request_id)
+        return state is None or state.off_steps == 0
+
+    def stopped(self, request_id: str) -> bool:
+        """Whether the request is waiting out a stop (for tests and statistics)."""
+        return not self.allows(request_id)
+
+    def record(self, request_id: str, num_draft_tokens: int, accepted: int, batch: int) -> None:
+        """One verification of ``request_id``'s drafts, in a step of ``batch`` requests."""
+        self._verified = True
+        if not self.enabled:
+            return
+        state = self._requests.get(request_id)
+        if state is None:
+            state = self._requests[request_id] = _RequestState(deque(maxlen=self.window))
+        state.window.append((num_draft_tokens, accepted))
+        if len(state.window) < self.window:
+            return
+        if self.when_slower and not self.costs.known(batch, False):
+            state.window.clear()  # judged on a clean slate once plain steps were timed
+            state.off_steps = PROBE_STEPS
+            return
+        if self._pays(state, batch):
+            state.backoff = 1
+            return
+        state.stops += 1
+        state.window.clear()
+        if self.retry_after_steps == 0:
+            state.off_steps = -1  # for good (never counts down to 0)
+            return
+        state.off_steps = self.retry_after_steps * state.backoff
+        state.backoff = min(2 * state.backoff, MAX_BACKOFF)
+
+    def _pays(self, state: _RequestState, batch: int) -> bool:
+        drafted = sum(k for k, _ in state.window)
+        accepted = sum(a for _, a in state.window)
+        if self.rate and accepted < self.rate * drafted:
+            return False
+        if self.when_slower:
+            ratio = self.costs.ratio(batch)
+            tokens_per_step = 1 + accepted / len(state.window)
+            if ratio is not None and tokens_per_step < ratio:
+                return False
+        return True
+
+    def step_done(self, request_ids: Iterable[str]) -> None:
+        """The engine finished a step whose sampled requests were ``request_ids`` (called once
+        per step, before drafting for the next): time it. The time runs from the previous call,
+        so it holds the drafting for this step too."""
+        now = time.perf_counter()
+        ids = frozenset(request_ids)
+        if self._last_step is not None and ids and ids <= self._last_ids:
+            self.costs.add(len(ids), self._verified, now - self._last_step)
+        self._last_step, self._last_ids, self._verified = now, ids, False
+
+    def count_down(self, request_ids: Iterable[str]) -> None:
+        """After drafting for the next step: that step is one of the stopped requests' wait."""
+        for rid in request_ids:
+            state = self._requests.get(rid)
+            if state is not None and state.off_steps > 0:
+                state.off_steps -= 1
+
+    def finish(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)

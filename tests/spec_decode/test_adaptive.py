@@ -1,0 +1,80 @@
+"""The adaptive switch (llmhal.spec_decode.adaptive) on its own: which windows stop a request, how
+long it waits, and how step costs are measured."""
+
+from __future__ import annotations
+
+from llmhal.spec_decode.adaptive import MAX_BACKOFF, PROBE_STEPS, AdaptiveSwitch
+
+
+def _costs(switch, batch, plain, spec):
+    for _ in range(3):
+        switch.costs.add(batch, False, plain)
+        switch.costs.add(batch, True, spec)
+
+
+def _wait(switch, rid):
+    steps = 0
+    while not switch.allows(rid):
+        switch.count_down([rid])
+        steps += 1
+    return steps
+
+
+def test_drafts_that_do_not_pay_for_the_verification_stop_the_request():
+    switch = AdaptiveSwitch(0.0, True, window=4, retry_after_steps=0)
+    _costs(switch, 1, plain=0.010, spec=0.015)  # a verification step costs 1.5 decode steps
+    for _ in range(4):  # 1 + 0.75 tokens a step: more than 1.5, it pays
+        switch.record("a", 3, 1 if _ else 0, 1)
+    assert switch.allows("a")
+    for accepted in (0, 1, 0, 0):  # 1.25 tokens a step: less than 1.5
+        switch.record("a", 3, accepted, 1)
+    assert not switch.allows("a")
+    for _ in range(100):  # retry_after_steps=0: stopped for good
+        switch.count_down(["a"])
+    assert switch.stopped("a")
+
+
+def test_without_plain_steps_at_the_batch_size_the_request_pauses_to_time_them():
+    switch = AdaptiveSwitch(0.0, True, window=2, retry_after_steps=8)
+    _costs(switch, 8, plain=0.010, spec=0.100)  # measured at batch 8 only
+    switch.record("a", 3, 0, 1)
+    switch.record("a", 3, 0, 1)
+    assert _wait(switch, "a") == PROBE_STEPS
+    for _ in range(3):
+        switch.costs.add(1, False, 0.010)
+        switch.costs.add(1, True, 0.012)
+    switch.record("a", 3, 0, 1)
+    switch.record("a", 3, 1, 1)  # 1.5 tokens a step against a cost of 1.2: pays
+    assert switch.allows("a")
+    switch.record("a", 3, 0, 1)
+    switch.record("a", 3, 0, 1)  # 1 token a step: stopped for retry_after_steps
+    assert _wait(switch, "a") == 8
+
+
+def test_the_wait_doubles_while_windows_fail_and_resets_when_one_pays():
+    switch = AdaptiveSwitch(0.5, False, window=2, retry_after_steps=3)
+    waits = []
+    for _ in range(MAX_BACKOFF.bit_length() + 1):
+        switch.record("a", 2, 0, 1)
+        switch.record("a", 2, 0, 1)
+        waits.append(_wait(switch, "a"))
+    assert waits == [3 * 2**i for i in range(len(waits) - 1)] + [3 * MAX_BACKOFF]
+    switch.record("a", 2, 2, 1)
+    switch.record("a", 2, 1, 1)  # 3 of 4 accepted: pays, the wait starts over
+    switch.record("a", 2, 0, 1)
+    switch.record("a", 2, 0, 1)
+    assert _wait(switch, "a") == 3
+
+
+def test_steps_are_timed_per_batch_size_and_kind_leaving_out_joins():
+    switch = AdaptiveSwitch(0.0, True, window=4, retry_after_steps=8)
+    switch.step_done(["a"])  # the first step has no start
+    for verified in (False, True) * 3:
+        if verified:
+            switch.record("a", 2, 1, 1)
+        switch.step_done(["a"])
+    switch.step_done(["a", "b"])  # b joined: its prefill ran in this step
+    assert {key: len(v) for key, v in switch.costs.samples.items()} == {(1, False): 3, (1, True): 3}
+    assert switch.costs.ratio(1) is not None and switch.costs.ratio(2) is None
+    switch.finish("a")
+    assert switch.allows("a")
