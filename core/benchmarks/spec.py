@@ -6,11 +6,21 @@ The default model runs without speculation and with each method, greedy, on two 
   context should win;
 * ``chat``: open questions, where drafts rarely match.
 
-at batch 1 and batch 8. The runs are interleaved (every method once, then again), so a shared
-host's drifting speed hits each alike; each figure is the best of ``--repeat`` runs. Reported per
-method: decode tokens/s, the speedup over plain decoding in this run, the mean acceptance length,
-and whether every output equals the plain one token for token (it must: greedy speculation is
-lossless).
+at batch 1 (each of the workload's prompts alone, one after another) and batch 8 (the prompts in
+one call). The runs are interleaved (every method once, then again), so a shared host's drifting
+speed hits each alike; each figure is the best of ``--repeat`` runs. Reported per method: decode
+tokens/s, the speedup over plain decoding in this run, the mean acceptance length, and whether
+every output equals the plain one token for token (it must: greedy speculation is lossless).
+
+Methods (``DEFAULT_METHODS``): ``ngram`` and ``suffix`` draft from the context (suffix's cache of
+past responses is emptied before each timed run, so no run drafts from its own prompts' earlier
+answers); ``draft_model`` drafts with the target's own file (no smaller model with its vocabulary
+ships here: the case where drafting costs as much as it saves); ``eagle`` and ``medusa`` run random
+heads in the published layouts (no trained head for the default model exists; their drafts fail,
+which measures what the adaptive switch saves). ``mtp`` needs a model with MTP layers and
+``eagle3``/``dflash`` heads of their own; give them with ``--methods``. Every method stops drafting
+for a request whose drafts do not pay for the verification (``disable_when_slower``) and tries
+again later (``llmhal.spec_decode.adaptive``).
 """
 
 from __future__ import annotations
@@ -18,7 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 PASSAGES = [
@@ -50,21 +62,60 @@ CHAT = [
     "How do I stay focused while working from home?",
 ]
 # Few drafts a step: on the CPU a verified chunk of q tokens costs more than one decode (the
-# quantized matmuls' work grows with the rows; SmolLM2 Q4_1 layers cost ~1.3x at q=2, ~2x at q=4),
-# so long drafts pay only when nearly all are accepted. Requests whose drafts mostly fail stop
-# speculating (llmhal's adaptive switch), so open chat does not pay for failed drafts.
+# int16 dot products of the quantized matmuls are compute-bound from ~4 rows: SmolLM2 Q4_1, one
+# thread, a step's matmuls cost 1.2x a decode's at q=4, 1.5x at 6, 2.2x at 8), so long drafts pay
+# only when nearly all are accepted. k below: the n-gram drafts of this workload replayed offline
+# (k=4 needs 151 verification steps for 425 tokens, k=3 167, k=5 139) weighed by those costs.
 _ADAPTIVE = {
-    "disable_below_acceptance_rate": 0.3,
-    "min_drafts_before_disable": 8,
+    # Stop a request's drafts when its last 4 verifications gave fewer tokens per step than a
+    # verification step costs in decode steps (both measured as the run goes); retry 16 steps on.
+    "disable_when_slower": True,
+    "min_drafts_before_disable": 4,
+    "retry_after_steps": 16,
     # From 4 running requests on, a step's rows already keep the CPU's matmuls busy (and drafts of
     # different lengths cannot replay a recorded step): batch 8 ran 0.45-0.7x with drafts.
     "disable_by_batch_size": 4,
 }
-_NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5}  # fmt: skip
-DEFAULT_METHODS = {
+_NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}  # fmt: skip
+DEFAULT_METHODS: dict[str, dict[str, Any]] = {
     "ngram": {**_NGRAM, **_ADAPTIVE},
     "suffix": {"method": "suffix", "num_speculative_tokens": 4, **_ADAPTIVE},
+    # "model" filled in by _with_models: the target's own file, random heads.
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": 2, **_ADAPTIVE},
+    "eagle": {"method": "eagle", "num_speculative_tokens": 2, **_ADAPTIVE},
+    "medusa": {"method": "medusa", "num_speculative_tokens": 2, **_ADAPTIVE},
 }
+
+
+def _with_models(methods: dict[str, dict[str, Any]], target: str, hf_config: Any, tmp: Path) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """``methods`` with ``model`` set where a default method needs one and none was given."""
+    from llmhal.benchmarks.spec_heads import random_eagle_head, random_medusa_heads
+
+    makers = {
+        "draft_model": lambda: target,
+        "eagle": lambda: str(random_eagle_head(tmp / "eagle", hf_config)),
+        "medusa": lambda: str(random_medusa_heads(tmp / "medusa", hf_config)),
+    }
+    out = {}
+    for name, cfg in methods.items():
+        cfg = dict(cfg)
+        if cfg.get("model") is None and cfg.get("method") in makers:
+            cfg["model"] = makers[cfg["method"]]()
+        out[name] = cfg
+    return out
+
+
+def _methods(arg: str | None) -> dict[str, dict[str, Any]]:
+    """``--methods``: a JSON object name -> speculative_config, or default method names."""
+    if not arg:
+        return DEFAULT_METHODS
+    if arg.lstrip().startswith("{"):
+        return json.loads(arg)
+    names = [n.strip() for n in arg.split(",") if n.strip()]
+    unknown = [n for n in names if n not in DEFAULT_METHODS]
+    if unknown:
+        raise SystemExit(f"--methods: {', '.join(unknown)} not among {', '.join(DEFAULT_METHODS)}; give a JSON object for others")  # fmt: skip
+    return {n: DEFAULT_METHODS[n] for n in names}
 
 
 def workloads(llm: Any) -> dict[str, list[dict[str, Any]]]:
@@ -75,12 +126,17 @@ def workloads(llm: Any) -> dict[str, list[dict[str, Any]]]:
     }
 
 
-def _run(llm: Any, prompts: list[dict[str, Any]], params: Any) -> tuple[float, list[list[int]], tuple[int, int]]:  # fmt: skip
-    """(decode tokens/s, token ids per prompt, (drafts, accepted) during the run)."""
+def _run(llm: Any, prompts: list[dict[str, Any]], params: Any, batch: int) -> tuple[float, list[list[int]], tuple[int, int]]:  # fmt: skip
+    """(decode tokens/s, token ids per prompt, (drafts, accepted) during the run). At batch 1 each
+    prompt runs alone, one after another."""
     spec = llm.engine.speculator
+    forget = getattr(spec.proposer, "forget_past", None) if spec else None
+    if forget is not None:
+        forget()
     before = (spec.stats.num_drafts, spec.stats.num_accepted_tokens) if spec else (0, 0)
+    groups = [[p] for p in prompts] if batch == 1 else [prompts]
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = [o for g in groups for o in llm.generate(g, params, use_tqdm=False)]
     dt = time.perf_counter() - t0
     ids = [o.outputs[0].token_ids for o in outs]
     after = (spec.stats.num_drafts, spec.stats.num_accepted_tokens) if spec else (0, 0)
@@ -92,33 +148,48 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="default: the default model")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--batch-sizes", default="1,8")
-    p.add_argument("--repeat", type=int, default=3, help="timed runs per figure (best counts)")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per workload at batch 1 (each alone)")  # fmt: skip
+    p.add_argument("--repeat", type=int, default=2, help="timed runs per figure (best counts)")
     p.add_argument("--workloads", default="repetitive,chat")
     p.add_argument(
         "--methods",
-        help="JSON object name -> speculative_config (default: ngram and suffix, vLLM's shapes)",
+        help=f"JSON object name -> speculative_config, or some of {','.join(DEFAULT_METHODS)} (default: all)",  # fmt: skip
     )
     p.add_argument("--json", dest="json_path", help="also write the results here")
     a = p.parse_args(argv)
-    from llmhal import LLM, SamplingParams
+    from llmhal import LLM
+    from llmhal.default_model import default_model_path
 
-    methods = json.loads(a.methods) if a.methods else DEFAULT_METHODS
     kw = {"kv_cache_memory_bytes": 96 << 20, "load_progress": False}
     llms = {"plain": LLM(a.model, **kw)}
-    for name, cfg in methods.items():
-        llms[name] = LLM(a.model, speculative_config=cfg, **kw)
+    target = a.model or default_model_path()
+    with tempfile.TemporaryDirectory(prefix="llmhal-bench-spec-") as tmp:
+        hf = llms["plain"].engine.config.model.hf_config
+        for name, cfg in _with_models(_methods(a.methods), target, hf, Path(tmp)).items():
+            llms[name] = LLM(a.model, speculative_config=cfg, **kw)
+        rows = _measure(llms, a)
+    if a.json_path:
+        with open(a.json_path, "w", encoding="utf-8") as f:
+            json.dump({"max_tokens": a.max_tokens, "rows": rows}, f, indent=1)
+    return 0 if all(r["same_output"] for r in rows) else 1
+
+
+def _measure(llms: dict[str, Any], a: argparse.Namespace) -> list[dict[str, Any]]:
+    from llmhal import SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens)
     loads = workloads(llms["plain"])
     rows = []
     for wl in a.workloads.split(","):
         for batch in (int(b) for b in a.batch_sizes.split(",")):
-            prompts = (loads[wl] * batch)[:batch] if batch > len(loads[wl]) else loads[wl][:batch]
+            n = a.prompts if batch == 1 else batch
+            prompts = (loads[wl] * n)[:n]
             best: dict[str, float] = {}
             ids: dict[str, list[list[int]]] = {}
             drafts: dict[str, tuple[int, int]] = {}
             for _ in range(max(1, a.repeat)):
                 for name, llm in llms.items():
-                    tps, out, d = _run(llm, prompts, params)
+                    tps, out, d = _run(llm, prompts, params, batch)
                     best[name] = max(best.get(name, 0.0), tps)
                     ids[name] = out
                     drafts[name] = d
@@ -134,15 +205,12 @@ def main(argv: list[str] | None = None) -> int:
                 })  # fmt: skip
                 r = rows[-1]
                 print(
-                    f"{wl:<11} batch {batch:<2} {name:<8} {r['tokens_per_s']:>7.1f} tok/s  "
+                    f"{wl:<11} batch {batch:<2} {name:<11} {r['tokens_per_s']:>7.1f} tok/s  "
                     f"x{r['speedup']:<5} accept-len {r['mean_acceptance_length'] or '-':<5} "
                     f"drafts {n_drafts:<5} same={r['same_output']}",
                     flush=True,
                 )
-    if a.json_path:
-        with open(a.json_path, "w", encoding="utf-8") as f:
-            json.dump({"max_tokens": a.max_tokens, "rows": rows}, f, indent=1)
-    return 0 if all(r["same_output"] for r in rows) else 1
+    return rows
 
 
 if __name__ == "__main__":

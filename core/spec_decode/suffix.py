@@ -138,6 +138,12 @@ class SuffixProposer(Proposer):
             out.append(best[1])
         return out
 
+    def forget_past(self) -> None:
+        """Drop the cached responses of finished requests (``llmhal bench spec`` calls this
+        before each timed run, so a run never drafts from its own prompts' earlier answers)."""
+        self._responses.clear()
+        self._past = np.empty(0, dtype=np.int64)
+
     def finish(self, request_id: str) -> None:
         tokens = self._buffers.pop(request_id)
         p = self._prompt_len.pop(request_id, None)
