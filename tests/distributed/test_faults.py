@@ -224,3 +224,28 @@ def test_ctrl_c_mid_step_ends_the_engine_instead_of_desynchronising_it(tiny_mode
         wait_gone([pid], BOUND_S)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_killed_ray_actor_fails_the_engine_naming_its_rank(tiny_models, tp, pp):
+    """The ``ray`` backend: rank 1's actor SIGKILLed mid-generation (with PP=2, while a batch is
+    in the pipeline) fails the engine naming rank 1 and its actor's death, within the bound, and
+    for good."""
+    ray = pytest.importorskip("ray")
+    folder, _ = tiny_models("llama")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        llm = LLM(folder, kv_cache_memory_bytes=4 << 20, tensor_parallel_size=tp,
+                  pipeline_parallel_size=pp, distributed_executor_backend="ray")  # fmt: skip
+        try:
+            pid = llm.engine.executor.worker_pids[0]
+            err = _kill_mid_generation(llm, rank=1)
+            assert err.rank == 1 and "Ray actor died" in str(err), err
+            with pytest.raises(EngineDeadError, match="rank 1"):
+                llm.generate(["again"], use_tqdm=False)
+            wait_gone([pid], BOUND_S)
+        finally:
+            llm.shutdown()
+    finally:
+        ray.shutdown()
