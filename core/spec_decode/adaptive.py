@@ -16,7 +16,10 @@ are in; the request stops drafting when either rule says so:
 
 A stopped request decodes one token a step for ``retry_after_steps`` of its steps, then drafts
 again on a clean slate; each stop in a row doubles the wait (at most ``MAX_BACKOFF`` times), a
-verification window that pays resets it. ``retry_after_steps=0`` stops a request for good. vLLM
+verification window that pays resets it. The proposer is the same for every request, so the last
+verdict carries over: while the latest window judged (of any request) was a stop, a new request
+starts stopped, waiting as long as that request's next wait would be. ``retry_after_steps=0``
+stops a request for good (and carries nothing over). vLLM
 turns speculation off by batch size only (``disable_by_batch_size``, also honoured); this follows
 what its adaptive proposals do per request.
 """
@@ -82,6 +85,9 @@ class AdaptiveSwitch:
         self._last_step: float | None = None
         self._last_ids: frozenset[str] = frozenset()
         self._verified = False  # the running step verified drafts
+        # The latest verdict of any request: 0 when it paid, else the wait (in units of
+        # retry_after_steps) a new request starts with.
+        self._carry = 0
 
     @property
     def enabled(self) -> bool:
@@ -89,6 +95,10 @@ class AdaptiveSwitch:
 
     def allows(self, request_id: str) -> bool:
         state = self._requests.get(request_id)
+        if state is None and self._carry:  # a new request while the method is failing
+            state = self._requests[request_id] = _RequestState(deque(maxlen=self.window))
+            state.off_steps = self.retry_after_steps * self._carry
+            state.backoff = min(2 * self._carry, MAX_BACKOFF)
         return state is None or state.off_steps == 0
 
     def stopped(self, request_id: str) -> bool:
@@ -112,6 +122,7 @@ class AdaptiveSwitch:
             return
         if self._pays(state, batch):
             state.backoff = 1
+            self._carry = 0
             return
         state.stops += 1
         state.window.clear()
@@ -120,6 +131,7 @@ class AdaptiveSwitch:
             return
         state.off_steps = self.retry_after_steps * state.backoff
         state.backoff = min(2 * state.backoff, MAX_BACKOFF)
+        self._carry = state.backoff
 
     def _pays(self, state: _RequestState, batch: int) -> bool:
         drafted = sum(k for k, _ in state.window)

@@ -78,3 +78,13 @@ def test_steps_are_timed_per_batch_size_and_kind_leaving_out_joins():
     assert switch.costs.ratio(1) is not None and switch.costs.ratio(2) is None
     switch.finish("a")
     assert switch.allows("a")
+
+
+def test_a_new_request_starts_stopped_while_the_last_verdict_was_a_stop():
+    switch = AdaptiveSwitch(0.5, False, window=2, retry_after_steps=3)
+    switch.record("a", 2, 0, 1)
+    switch.record("a", 2, 0, 1)  # stopped: waits 3, its next wait would be 6
+    assert _wait(switch, "b") == 6
+    switch.record("b", 2, 2, 1)
+    switch.record("b", 2, 2, 1)  # pays: the next request drafts at once
+    assert switch.allows("c")
