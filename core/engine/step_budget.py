@@ -29,8 +29,15 @@ descheduled, a collection ran) counts as that much.
 from __future__ import annotations
 
 # Prompt tokens every step may add while requests decode, whatever the costs say: prefill never
-# starves (a block's worth at the default block size).
-MIN_PREFILL_TOKENS = 16
+# starves. On a CPU this floor, not the factor, sets the steps at many streams: the default model's
+# fixed step cost is ~9 tokens' time, so 1.5 leaves (9 + d) / 2 prompt tokens, under 12 below ~15
+# streams, and with prompts always waiting every step prefills exactly this much. A floor of 16
+# made those steps ~3.2x a lone stream's decode step (37 against 11.5 ms, noise-free), so the
+# target of 3x held only while one stream's p99 was inflated by noise (2.0-3.7x over 9 runs); 12
+# makes them ~2.7x at ~8% less throughput at 16 streams, still ~1.2x that at 4 (a simulation of
+# the bench over this scheduler with the measured step costs; it reproduced the measured table's
+# throughput, time to first token and inter-token p50 within ~5%).
+MIN_PREFILL_TOKENS = 12
 # A step's time is clipped to this many times the line's prediction before it is counted.
 OUTLIER_RATIO = 2.0
 

@@ -57,11 +57,11 @@ def test_the_cost_model_follows_the_fed_step_times():
     assert pace.line() == pytest.approx((0.010, 0.002))
     assert pace.step_seconds(8) == pytest.approx(0.026)
     # The fixed cost is 5 tokens' worth: 8 decodes take 13 tokens' time, and a factor of 3
-    # leaves (3 - 1) x 13 tokens for prompts (a factor of 2: 13, below the floor).
+    # leaves (3 - 1) x 13 tokens for prompts; 4 decodes at a factor of 2 leave 9, below the floor.
     pace.factor = 3.0
     assert pace.prefill_allowance(8) == 26
     pace.factor = 2.0
-    assert pace.prefill_allowance(8) == MIN_PREFILL_TOKENS
+    assert pace.prefill_allowance(4) == MIN_PREFILL_TOKENS == 12
 
 
 def test_prefill_is_capped_while_requests_decode():
