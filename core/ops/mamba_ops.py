@@ -42,6 +42,10 @@ ssm_states, query_start_loc, cache_indices, has_initial_state) -> Tensor``
     gates in its RMSNorm). Computed with the chunked SSD algorithm (within a chunk, a masked
     attention-like product; across chunks, a scan of the chunk-end states); the result equals
     :func:`ssd_sequential_scan`, the plain recurrence, up to rounding.
+``gated_rms_norm(x, gate, weight, group_size, eps) -> Tensor``
+    Mamba-2's gated RMSNorm (HF's ``MambaRMSNormGated``): ``x``/``gate`` [T, d] (gate may be
+    None), ``weight`` [d]. In float32, ``h = x * silu(gate)`` normalized by the RMS of each group
+    of ``group_size`` channels; the result cast to ``x``'s dtype, then times ``weight``.
 """
 
 from __future__ import annotations
@@ -306,3 +310,19 @@ def ssd_sequential_scan(*args: Any) -> torch.Tensor:
     """:func:`ssd_chunk_scan_varlen` (same arguments; ``chunk_size`` is checked, then unused) by the plain
     recurrence, one token at a time: the definition the chunked algorithm is tested against."""
     return ssd_chunk_scan_varlen(*args, _one=_ssd_sequential_one)
+
+
+def gated_rms_norm(
+    x: torch.Tensor,
+    gate: torch.Tensor | None,
+    weight: torch.Tensor,
+    group_size: int,
+    eps: float,
+) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.float()
+    if gate is not None:
+        h = h * F.silu(gate.float())
+    g = h.view(*h.shape[:-1], -1, group_size)
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * g.view(h.shape).to(dtype)

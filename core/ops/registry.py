@@ -43,6 +43,7 @@ CORE_OPS: dict[str, str] = {
     "selective_scan_varlen": "llmhal.ops.mamba_ops:selective_scan_varlen",
     "selective_state_update": "llmhal.ops.mamba_ops:selective_state_update",
     "ssd_chunk_scan_varlen": "llmhal.ops.mamba_ops:ssd_chunk_scan_varlen",
+    "gated_rms_norm": "llmhal.ops.mamba_ops:gated_rms_norm",
     # Linear attention with per-head decay (MiniMax): see llmhal.ops.linear_attn_ops.
     "lightning_attn_prefill": "llmhal.ops.linear_attn_ops:lightning_attn_prefill",
     "lightning_attn_decode": "llmhal.ops.linear_attn_ops:lightning_attn_decode",
@@ -56,6 +57,7 @@ OP_LAYER_KINDS: dict[str, tuple[str, ...]] = {
     "selective_scan_varlen": ("mamba1",),
     "selective_state_update": ("mamba1", "mamba2"),
     "ssd_chunk_scan_varlen": ("mamba2",),
+    "gated_rms_norm": ("mamba2",),
     "lightning_attn_prefill": ("linear",),
     "lightning_attn_decode": ("linear",),
 }

@@ -1,5 +1,5 @@
-"""CPU kernels of the state-space ops (signatures in :mod:`llmhal.ops.mamba_ops`) and of
-lightning attention's decode step (:mod:`llmhal.ops.linear_attn_ops`).
+"""CPU kernels of the state-space ops (signatures in :mod:`llmhal.ops.mamba_ops`, Mamba-2's gated
+RMSNorm included) and of lightning attention's decode step (:mod:`llmhal.ops.linear_attn_ops`).
 
 Calls whose tensors the native kernels read (``kernels/mamba_ops.cpp``) run there: activations
 (x, dt, B, C, z; for the conv also its weights and state) all float32 or all bfloat16, the SSM
@@ -93,8 +93,15 @@ class LightningDecodeArgs(ctypes.Structure):
     ]  # fmt: skip
 
 
+class GatedNormArgs(ctypes.Structure):
+    _fields_ = [
+        ("x", _p), ("x_s", _i64), ("z", _p), ("z_s", _i64), ("w", _p), ("out", _p), ("t", _i64),
+        ("d", _i64), ("group", _i64), ("eps", _f), ("bf16", _i32), ("threads", _i32),
+    ]  # fmt: skip
+
+
 # llmhal_mamba_ops_args_size's order
-_STRUCTS = (ConvArgs, SsmUpdateArgs, ScanArgs, SsdArgs, LightningDecodeArgs)
+_STRUCTS = (ConvArgs, SsmUpdateArgs, ScanArgs, SsdArgs, LightningDecodeArgs, GatedNormArgs)
 
 
 def _setup(lib: ctypes.CDLL) -> None:
@@ -108,6 +115,7 @@ def _setup(lib: ctypes.CDLL) -> None:
             "llmhal_scan_call",
             "llmhal_ssd_call",
             "llmhal_lightning_decode_call",
+            "llmhal_gated_norm_call",
         ),
         {s: lib.llmhal_mamba_ops_args_size(i) for i, s in enumerate(_STRUCTS)},
     )
@@ -136,6 +144,7 @@ def status() -> str:
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16)
 MAX_STATE_SIZE = 1024  # the kernels convert a B/C row of up to this many elements on the stack
+MAX_NORM_GROUP = 16384  # the gated norm holds a group of up to this many channels on the stack
 
 
 def _same(dtype: torch.dtype, *ts: torch.Tensor | None) -> bool:
@@ -391,6 +400,32 @@ def ssd_chunk_scan_varlen(
     )  # fmt: skip
 
 
+def gated_rms_norm(x, gate, weight, group_size, eps):
+    """Mamba-2's gated RMSNorm (signature in :mod:`llmhal.ops.mamba_ops`): one native call with
+    x, gate and weight all float32 or all bfloat16, rows contiguous along the channels."""
+    usable = (
+        _lib() is not None
+        and x.dim() == 2
+        and _acts(x, gate, weight)
+        and (gate is None or gate.shape == x.shape)
+        and weight.is_contiguous()
+        and weight.numel() == x.shape[1]
+        and 1 <= group_size <= MAX_NORM_GROUP
+        and x.shape[1] % group_size == 0
+        and _rows(x, *(() if gate is None else (gate,)))
+    )
+    if usable:
+        out = torch.empty(x.shape, dtype=x.dtype, device="cpu")
+        args = GatedNormArgs(
+            x.data_ptr(), x.stride(0), _ptr(gate), _st(gate, 0), weight.data_ptr(),
+            out.data_ptr(), x.shape[0], x.shape[1], group_size, eps, _bf16(x),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if _run("llmhal_gated_norm_call", args):
+            return out
+    return ref.gated_rms_norm(x, gate, weight, group_size, eps)
+
+
 def lightning_attn_decode(q, k, v, decay, kv_states, cache_indices):
     """MiniMax's linear-attention decode step (signature in :mod:`llmhal.ops.linear_attn_ops`):
     each state advanced where it lies, in one native call."""
@@ -426,6 +461,7 @@ def lightning_attn_decode(q, k, v, decay, kv_states, cache_indices):
 
 
 for _fn in (
+    gated_rms_norm,
     lightning_attn_decode,
     causal_conv1d_fn,
     causal_conv1d_update,

@@ -44,6 +44,7 @@ class CpuPlatform(Platform):
         "selective_scan_varlen": "llmhal_cpu.mamba_kernels:selective_scan_varlen",
         "selective_state_update": "llmhal_cpu.mamba_kernels:selective_state_update",
         "ssd_chunk_scan_varlen": "llmhal_cpu.mamba_kernels:ssd_chunk_scan_varlen",
+        "gated_rms_norm": "llmhal_cpu.mamba_kernels:gated_rms_norm",
         "lightning_attn_decode": "llmhal_cpu.mamba_kernels:lightning_attn_decode",
     }
     # None: every registered method may run here (each checks its own needs in validate()).

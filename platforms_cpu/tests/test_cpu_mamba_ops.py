@@ -19,7 +19,7 @@ needs_kernel = pytest.mark.skipif(
 TOL = dict(atol=3e-5, rtol=1e-4)  # sum order over N, a 1-ulp vector exp (Mamba-1's decay)
 OPS = (
     "causal_conv1d_fn", "causal_conv1d_update", "selective_scan_varlen",
-    "selective_state_update", "ssd_chunk_scan_varlen",
+    "selective_state_update", "ssd_chunk_scan_varlen", "gated_rms_norm",
 )  # fmt: skip
 
 
@@ -185,6 +185,39 @@ def test_bad_slot_raises_like_the_reference_and_writes_nothing():
             torch.tensor([2], dtype=torch.int32),
         )  # fmt: skip
     assert torch.equal(states, before)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,width,group", [(8, 1536, 1536), (3, 96, 48), (5, 37, 37)])
+def test_gated_rms_norm_matches_reference(tokens, width, group, dtype, no_fallback):
+    """Mamba-2's gated norm, gate a strided slice of a projection's output as the mixer passes it,
+    and without a gate: float32 within 1e-6, bf16 rounded as torch rounds (a flip in 1e3 at most)."""
+    g = torch.Generator().manual_seed(width + group)
+    proj = torch.randn(tokens, 2 * width + 5, generator=g).to(dtype)
+    x = torch.randn(tokens, width, generator=g).to(dtype)
+    w = torch.randn(width, generator=g).to(dtype)
+    for gate in (proj[:, 3 : 3 + width], None):
+        got = K.gated_rms_norm(x, gate, w, group, 1e-5)
+        want = no_fallback["gated_rms_norm"](x, gate, w, group, 1e-5)
+        assert got.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        else:
+            torch.testing.assert_close(got, want, atol=0, rtol=2**-7)
+            assert (got != want).float().mean() <= 1e-3
+
+
+@needs_kernel
+def test_gated_rms_norm_hands_other_layouts_to_the_reference():
+    x = torch.randn(4, 32)
+    for args in ((x.half(), None, torch.ones(32).half(), 32),
+                 (x.t().contiguous().t(), None, torch.ones(32), 32)):  # fmt: skip
+        torch.testing.assert_close(
+            K.gated_rms_norm(*args, 1e-6), ref.gated_rms_norm(*args, 1e-6), atol=0, rtol=0
+        )
+    with pytest.raises(RuntimeError):  # groups that do not divide the width: torch's error
+        K.gated_rms_norm(x, None, torch.ones(32), 5, 1e-6)
 
 
 @needs_kernel

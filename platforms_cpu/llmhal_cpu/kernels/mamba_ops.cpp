@@ -22,6 +22,7 @@
 //   scan_varlen:  Mamba-1 prefill, the same per token with A [d, n].
 //   ssd_varlen:   Mamba-2 prefill: one decay per (token, head), groups shared by H / G heads.
 //   lightning_decode: MiniMax's linear attention, one token per request (see below).
+//   gated_norm:   Mamba-2's gated RMSNorm, per group: w * rnd(h / rms(h)), h = x * silu(z).
 //
 // Each call first checks every slot index (and query_start_loc) and returns -1 before writing
 // anything when one is out of range, so the caller can fall back to the reference, which raises
@@ -88,6 +89,7 @@ inline const float* as_f32(const T* src, float* buf, int64_t n) {
   }
 }
 constexpr int64_t kMaxN = 1024;  // the longest B/C row converted on the stack (caller checks)
+constexpr int64_t kMaxGroup = 16384;  // the widest gated-norm group held on the stack (64 KiB)
 
 inline float delta(float dt, const void* bias, int64_t at, int bias_bf16, int sp, float lo,
                    float hi) {
@@ -565,6 +567,69 @@ int llmhal_lightning_decode_call(const void* p) {
   return 0;
 }
 
+// Mamba-2's gated RMSNorm (llmhal/ops/mamba_ops.py gated_rms_norm): per row and group of g
+// channels, h = x * silu(z) in float32, out = w * rnd(h / sqrt(mean(h^2) + eps)), where rnd rounds
+// to the activations' dtype and the product with the weight (of that dtype too) is rounded again,
+// as torch computes HF's MambaRMSNormGated. Through torch that is ~10 calls with [T, d] float32
+// temporaries; here one pass per row.
+struct GatedNormArgs {
+  const void* x;  // [t, d], row stride x_s
+  int64_t x_s;
+  const void* z;  // [t, d], row stride z_s, or null (no gate)
+  int64_t z_s;
+  const void* w;  // [d]
+  void* out;      // [t, d] contiguous
+  int64_t t, d, group;
+  float eps;
+  int32_t bf16, threads;
+};
+
+}  // extern "C"
+
+namespace {
+
+template <typename T>
+void gated_norm(const GatedNormArgs& a) {
+#pragma omp parallel for num_threads(team(a.threads)) if (parallel(a.t * a.d, a.threads)) \
+    schedule(static)
+  for (int64_t i = 0; i < a.t; ++i) {
+    const T* x = static_cast<const T*>(a.x) + i * a.x_s;
+    const T* z = a.z ? static_cast<const T*>(a.z) + i * a.z_s : nullptr;
+    const T* w = static_cast<const T*>(a.w);
+    T* o = static_cast<T*>(a.out) + i * a.d;
+    float h[kMaxGroup];
+    for (int64_t g0 = 0; g0 < a.d; g0 += a.group) {
+      // A double sum: a serial float one over a 1536-wide group drifts ~1e-6 from torch's
+      // vectorized reduction, which moves float32 parity tests; this one stays within ~1e-7.
+      double ss = 0.0;
+      for (int64_t c = 0; c < a.group; ++c) {
+        float v = ld(x + g0 + c);
+        if (z) v *= silu(ld(z + g0 + c));
+        h[c] = v;
+        ss += static_cast<double>(v) * v;
+      }
+      const float mean = static_cast<float>(ss / static_cast<double>(a.group));
+      const float inv = 1.f / std::sqrt(mean + a.eps);
+      for (int64_t c = 0; c < a.group; ++c) {
+        T r;
+        put(&r, h[c] * inv);  // the cast to the activations' dtype, then the weight's product
+        put(o + g0 + c, ld(&r) * ld(w + g0 + c));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int llmhal_gated_norm_call(const void* p) {
+  const auto& a = *static_cast<const GatedNormArgs*>(p);
+  if (a.group < 1 || a.group > kMaxGroup || a.d % a.group) return -1;
+  a.bf16 ? gated_norm<uint16_t>(a) : gated_norm<float>(a);
+  return 0;
+}
+
 // Sizes of the structs, so mamba_kernels.py can check its ctypes mirrors match.
 int64_t llmhal_mamba_ops_args_size(int which) {
   switch (which) {
@@ -573,6 +638,7 @@ int64_t llmhal_mamba_ops_args_size(int which) {
     case 2: return sizeof(ScanArgs);
     case 3: return sizeof(SsdArgs);
     case 4: return sizeof(LightningDecodeArgs);
+    case 5: return sizeof(GatedNormArgs);
     default: return -1;
   }
 }
