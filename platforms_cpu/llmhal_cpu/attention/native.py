@@ -72,7 +72,13 @@ class KernelArgs(ctypes.Structure):
         ("nv_s_head", ctypes.c_int64),
         ("slot_mapping", ctypes.c_void_p),
         ("num_new", ctypes.c_int64),
+        ("q_bf16", ctypes.c_int32),
+        ("o_bf16", ctypes.c_int32),
     ]
+
+
+# Query and output dtypes the kernel reads and writes in place.
+_DIRECT = (torch.float32, torch.bfloat16)
 
 
 class CallArgs(ctypes.Structure):
@@ -147,12 +153,18 @@ def paged_attention(
     ``block_table``/``seq_lens``/``query_start_loc`` are contiguous int32 tensors as in
     ``CommonAttentionMetadata``. ``new_kv`` is (key, value, slot_mapping): [T, num_kv_heads,
     head_size] tensors in the cache's dtype with a contiguous last dimension, and int64 slots
-    (-1: padding, skipped). Any query/output dtype; the kernel itself computes in fp32.
+    (-1: padding, skipped). Any query/output dtype; the kernel itself computes in fp32, and reads
+    and writes float32 and bfloat16 rows where they are (a bf16 step then makes no torch call
+    here, so it can be recorded as a step graph); other dtypes go through float32 copies.
     """
     q = query
-    if q.dtype != torch.float32 or q.stride(-1) != 1:
+    if q.dtype not in _DIRECT or q.stride(-1) != 1:
         q = q.to(torch.float32).contiguous()
-    o = out if out.dtype == torch.float32 and out.stride(-1) == 1 else torch.empty_like(q)
+    o = (
+        out
+        if out.dtype in _DIRECT and out.stride(-1) == 1
+        else torch.empty_like(q, dtype=torch.float32)
+    )
     args = KernelArgs(
         q=q.data_ptr(),
         q_s_tok=q.stride(0),
@@ -181,6 +193,8 @@ def paged_attention(
         window=window or 0,
         num_threads=torch.get_num_threads(),
         min_split_tokens=min_split_tokens,
+        q_bf16=int(q.dtype == torch.bfloat16),
+        o_bf16=int(o.dtype == torch.bfloat16),
     )
     if new_kv is not None:
         key, value, slots = new_kv

@@ -151,7 +151,8 @@ inline void convert_row(const typename C::T* src, float* dst, int D) {
 constexpr int kTile = 32;
 
 struct Args {
-  const float* q;
+  const void* q;  // float32, or bf16 when q_bf16
+
   int64_t q_s_tok, q_s_head;
   const void* k_cache;
   const void* v_cache;
@@ -161,7 +162,7 @@ struct Args {
   const int32_t* seq_lens;
   const int32_t* query_start_loc;
   int32_t num_reqs;
-  float* out;
+  void* out;  // float32, or bf16 when o_bf16 (each value rounded once, as torch's cast rounds)
   int64_t o_s_tok, o_s_head;
   int32_t num_heads, num_kv_heads, head_size, block_size;
   float scale, soft_cap, k_scale, v_scale;
@@ -175,7 +176,23 @@ struct Args {
   int64_t nk_s_tok, nk_s_head, nv_s_tok, nv_s_head;
   const int64_t* slot_mapping;
   int64_t num_new;
+  // A bf16 model's query and output are read and written as they are: no float32 copies around
+  // the call, so a bf16 decode step records as a step graph (step_graph.py).
+  int32_t q_bf16, o_bf16;
 };
+
+// One output row: v[0:D] * inv, stored as float32 or bf16.
+inline void store_out(const Args& a, int64_t tok, int g, const float* v, float inv, int D) {
+  const int64_t at = tok * a.o_s_tok + static_cast<int64_t>(g) * a.o_s_head;
+  if (a.o_bf16) {
+    uint16_t* o = static_cast<uint16_t*>(a.out) + at;
+    for (int d = 0; d < D; ++d) o[d] = llmhal_cpu::f32_to_bf16_bits(v[d] * inv);
+    return;
+  }
+  float* o = static_cast<float*>(a.out) + at;
+#pragma omp simd
+  for (int d = 0; d < D; ++d) o[d] = v[d] * inv;
+}
 
 // Stores the step's keys and values at their slots: one row of head_size elements per token and
 // KV head, copied as bytes (the cache holds the model dtype here; fp8 is quantized by the caller).
@@ -543,10 +560,16 @@ struct Worker {
   void run(int r, int64_t tok, int64_t k0, int64_t k1) {
     const float qscale = a.scale * a.k_scale;
     for (int g = 0; g < HG * G; ++g) {
-      const float* src = a.q + tok * a.q_s_tok + static_cast<int64_t>(g) * a.q_s_head;
+      const int64_t at = tok * a.q_s_tok + static_cast<int64_t>(g) * a.q_s_head;
       float* dst = qs + static_cast<size_t>(g) * D;
+      if (a.q_bf16) {
+        const uint16_t* src = static_cast<const uint16_t*>(a.q) + at;
+        for (int d = 0; d < D; ++d) dst[d] = llmhal_cpu::bf16_bits_to_f32(src[d]) * qscale;
+      } else {
+        const float* src = static_cast<const float*>(a.q) + at;
 #pragma omp simd
-      for (int d = 0; d < D; ++d) dst[d] = src[d] * qscale;
+        for (int d = 0; d < D; ++d) dst[d] = src[d] * qscale;
+      }
       m[g] = -std::numeric_limits<float>::infinity();
       l[g] = 0.f;
     }
@@ -643,13 +666,8 @@ void paged_attention(const Args& a) {
       const int64_t k1 = std::min(p + 1, lo + (split + 1) * chunk);
       w.run(r, tok, k0, k1);
       if (nsplit == 1) {
-        for (int g = 0; g < rows; ++g) {
-          float* o = a.out + tok * a.o_s_tok + static_cast<int64_t>(g) * a.o_s_head;
-          const float* ag = w.acc + static_cast<size_t>(g) * D;
-          const float inv = a.v_scale / w.l[g];
-#pragma omp simd
-          for (int d = 0; d < D; ++d) o[d] = ag[d] * inv;
-        }
+        for (int g = 0; g < rows; ++g)
+          store_out(a, tok, g, w.acc + static_cast<size_t>(g) * D, a.v_scale / w.l[g], D);
       } else {
         float* dst = part + it * part_stride;
         std::copy(w.m, w.m + part_stride, dst);
@@ -663,7 +681,8 @@ void paged_attention(const Args& a) {
           float mx = -std::numeric_limits<float>::infinity();
           for (int64_t s = 0; s < nsplit; ++s)
             mx = std::max(mx, part[(tok * nsplit + s) * part_stride + g]);
-          float* o = a.out + tok * a.o_s_tok + static_cast<int64_t>(g) * a.o_s_head;
+          // The row's sum in the worker's accumulators (free once its items are done).
+          float* o = w.acc;
           std::fill(o, o + D, 0.f);
           float denom = 0.f;
           for (int64_t s = 0; s < nsplit; ++s) {
@@ -675,9 +694,7 @@ void paged_attention(const Args& a) {
 #pragma omp simd
             for (int d = 0; d < D; ++d) o[d] += ag[d] * wgt;
           }
-          const float inv = a.v_scale / denom;
-#pragma omp simd
-          for (int d = 0; d < D; ++d) o[d] *= inv;
+          store_out(a, tok, g, o, a.v_scale / denom, D);
         }
       }
     }
