@@ -92,7 +92,7 @@ class AWQConfig(QuantizationConfig):
         )
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
-        from llmhal.quantization.moe_wna16 import declines_router, is_moe_layer, moe_method
+        from llmhal.quantization.expert_linears import declines_router, is_moe_layer, moe_method
 
         if is_moe_layer(layer):
             return moe_method(self, layer, prefix)

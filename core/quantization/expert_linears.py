@@ -1,15 +1,19 @@
-"""GPTQ, AWQ and compressed-tensors experts: each expert kept in its checkpoint's quantized form.
+"""Quantized checkpoints' experts (GPTQ, AWQ, compressed-tensors, FP8): each expert kept in its
+checkpoint's quantized form, as linear layers of the checkpoint's own method.
 
-A GPTQ/AWQ/compressed-tensors (W4A16, W8A16) checkpoint of a MoE model stores every expert's
-projections as that method stores a linear layer (``experts.<e>.gate_proj.qweight``, ``qzeros``,
-``scales``, ``g_idx``; ``weight_packed``, ``weight_scale``, ...). vLLM runs them with its
-``moe_wna16`` method; here each expert becomes two linear layers of the checkpoint's own method
-(gate and up merged, then down), so the format code is the linear method's, unchanged:
+A GPTQ/AWQ/compressed-tensors/FP8 checkpoint of a MoE model stores every expert's projections as
+that method stores a linear layer (``experts.<e>.gate_proj.qweight``, ``qzeros``, ``scales``,
+``g_idx``; ``weight_packed``, ``weight_scale``; FP8 ``weight`` with ``weight_scale_inv`` blocks, as
+DeepSeek-V3 ships). vLLM runs the integer ones with its ``moe_wna16`` method and FP8 with its FP8
+MoE method; here each expert becomes two linear layers of the checkpoint's own method (gate and up
+merged, then down), so the format code is the linear method's, unchanged:
 
 * each projection's tensors load into its layer as they would into a dense model's;
-* after loading, the linear method converts them to the grouped form and builds the platform's
-  ``quant_linear`` kernel (4 or 8 bits per weight kept; no expert is dequantized to floats, except
-  the rare GPTQ ``g_idx`` with unequal groups, which the linear method itself stores dense);
+* after loading, the linear method builds its kernel: the platform's ``quant_linear`` for the integer
+  formats (4 or 8 bits per weight kept; no expert is dequantized to floats, except the rare GPTQ
+  ``g_idx`` with unequal groups, which the linear method itself stores dense), FP8's own path
+  (``torch._scaled_mm`` or fp8 kept and converted per call) for FP8; an online FP8 run
+  (``quantization="fp8"`` on a plain checkpoint) quantizes each expert as it loads;
 * the forward is ``fused_moe`` with the experts as
   :class:`~llmhal.ops.expert_kernels.ExpertKernels`: tokens sorted by expert, only the chosen
   experts' kernels run.
@@ -20,7 +24,7 @@ Which experts the checkpoint quantizes is the method's own rule (GPTQModel ``dyn
 (Mixtral and MiniMax: ``block_sparse_moe.experts.<e>.w1/w3/w2``; Qwen-MoE, DeepSeek, OLMoE:
 ``mlp.experts.<e>.gate_proj/up_proj/down_proj``); the rules are asked in the spelling they use
 themselves (:func:`checkpoint_spelling`). The router (:class:`~llmhal.layers.fused_moe.RouterLinear`)
-stays unquantized, as in vLLM.
+stays unquantized for these methods, as in vLLM.
 
 Memory: two small modules per expert while the model is built (their checkpoint-form tensors are
 released once the kernels exist). Tensor parallelism keeps whole experts on every rank (correct,

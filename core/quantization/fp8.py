@@ -194,7 +194,13 @@ class Fp8Config(QuantizationConfig):
         )
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
-        if not quantizes_linear(layer, prefix, self.ignored_layers, self.packed_modules_mapping):
+        from llmhal.quantization.expert_linears import declines_router, is_moe_layer, moe_method
+
+        if is_moe_layer(layer):
+            return moe_method(self, layer, prefix)
+        if declines_router(layer) or not quantizes_linear(
+            layer, prefix, self.ignored_layers, self.packed_modules_mapping
+        ):
             return None
         return Fp8LinearMethod(self.scheme())
 

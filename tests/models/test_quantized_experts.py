@@ -1,4 +1,4 @@
-"""GPTQ, AWQ and compressed-tensors experts (llmhal.quantization.moe_wna16): tiny random Mixtral
+"""GPTQ, AWQ and compressed-tensors experts (llmhal.quantization.expert_linears): tiny random Mixtral
 and Qwen3-MoE checkpoints quantized in the published layouts (the packers of the dense tests),
 through ``LLM``, against the same models with the dequantized weights run unquantized: greedy tokens
 identical, top-5 log-probabilities within the stated tolerance. Plus the checkpoint's "which layers"
@@ -265,3 +265,44 @@ def test_a_platform_op_without_expert_kernels_gets_the_reference(monkeypatch):
     from llmhal.ops.fused_moe import fused_moe
 
     torch.testing.assert_close(layer.run_op(x, k13, k2, logits), fused_moe(x, w13, w2, logits, 1))
+
+
+def _fp8_blocks(w: torch.Tensor, block: int = 32):
+    """DeepSeek-V3's layout: e4m3 weights with one float32 ``weight_scale_inv`` per 32x32 block
+    (amax / 448), and the values they stand for."""
+    n, k = w.shape
+    blocks = w.reshape(n // block, block, k // block, block)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+    full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
+    w8 = (w / full).to(torch.float8_e4m3fn)
+    return {"weight": w8, "weight_scale_inv": scale}, w8.float() * full
+
+
+def test_fp8_block_experts_match_the_dequantized_model(mixtral, tmp_path):
+    """An FP8 checkpoint in DeepSeek-V3's form (block scales, dynamic activations): experts,
+    attention and all kept in fp8; the router, in no ignore list, stays float."""
+    qcfg = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+            "weight_block_size": [32, 32]}  # fmt: skip
+    quant, ref = write_pair(
+        tmp_path, lambda name, w: _fp8_blocks(w), qcfg, base=mixtral, suffixes=SUFFIXES
+    )
+    q_report, ref_report = assert_greedy_parity(quant, ref, logprob_atol=LOGPROB_ATOL)
+    assert q_report.quantization == "fp8"
+    assert q_report.weight_bytes < 0.6 * ref_report.weight_bytes
+
+
+def test_online_fp8_quantizes_the_experts(qwen3_moe, tmp_path):
+    """quantization="fp8" on a plain MoE checkpoint: every expert quantized per output channel as
+    it loads (as vLLM's online FP8 MoE method does)."""
+    from tests.quantization.test_fp8 import quantize
+
+    def reference(name, w):
+        w8, s = quantize(w, per_channel=True)
+        return {"weight": w}, w8.float() * s
+
+    plain, ref = write_pair(tmp_path, reference, None, base=qwen3_moe, suffixes=SUFFIXES)
+    q_report, ref_report = assert_greedy_parity(
+        plain, ref, logprob_atol=LOGPROB_ATOL, quantization="fp8"
+    )
+    assert q_report.quantization == "fp8"
+    assert q_report.weight_bytes < 0.6 * ref_report.weight_bytes
