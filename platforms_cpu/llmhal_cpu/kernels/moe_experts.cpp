@@ -137,7 +137,8 @@ struct Layer {
 };
 
 // One expert's block of n tokens: rows[j] is the token, wts[j] its routing weight.
-// act: [kBlock, inter] scratch for silu(gate) * up.
+// act: [kBlock, inter] scratch for silu(gate) * up. Called by every thread of run()'s team: the
+// loops over weight rows are shared among them (and end in barriers).
 template <typename T>
 void expert_block(const Layer& L, int64_t e, const int64_t* rows, const float* wts, int n,
                   float* act) {
@@ -152,38 +153,34 @@ void expert_block(const Layer& L, int64_t e, const int64_t* rows, const float* w
     xs[j] = L.x + rows[j] * h;
     as[j] = act + j * inter;
   }
-  const bool par = L.threads > 1 && two_i * h >= kMinParallel;
   const int64_t groups = (inter + W - 1) / W;
-#pragma omp parallel num_threads(L.threads) if (par)
-  {
-    // W gate rows and their W up rows at a time, so silu(gate) * up runs on whole vectors
-    // (exp_approx: about 1 ulp) straight into act.
+  // W gate rows and their W up rows at a time, so silu(gate) * up runs on whole vectors
+  // (exp_approx: about 1 ulp) straight into act.
 #pragma omp for schedule(static)
-    for (int64_t grp = 0; grp < groups; ++grp) {
-      const int64_t r0 = grp * W, lanes = std::min<int64_t>(W, inter - r0);
-      vf gate[kBlock] = {}, up[kBlock] = {};
-      for (int64_t l = 0; l < lanes; ++l) {
-        float g[kBlock], u[kBlock];
-        dots(w13 + (r0 + l) * h, xs, n, h, g);
-        dots(w13 + (inter + r0 + l) * h, xs, n, h, u);
-        const float sg = s13 ? s13[r0 + l] : 1.f, su = s13 ? s13[inter + r0 + l] : 1.f;
-        for (int j = 0; j < n; ++j) {
-          gate[j][l] = g[j] * sg;
-          up[j][l] = u[j] * su;
-        }
-      }
+  for (int64_t grp = 0; grp < groups; ++grp) {
+    const int64_t r0 = grp * W, lanes = std::min<int64_t>(W, inter - r0);
+    vf gate[kBlock] = {}, up[kBlock] = {};
+    for (int64_t l = 0; l < lanes; ++l) {
+      float g[kBlock], u[kBlock];
+      dots(w13 + (r0 + l) * h, xs, n, h, g);
+      dots(w13 + (inter + r0 + l) * h, xs, n, h, u);
+      const float sg = s13 ? s13[r0 + l] : 1.f, su = s13 ? s13[inter + r0 + l] : 1.f;
       for (int j = 0; j < n; ++j) {
-        const vf a = gate[j] / (1.f + exp_approx(-gate[j])) * up[j];
-        std::memcpy(act + j * inter + r0, &a, sizeof(float) * lanes);
+        gate[j][l] = g[j] * sg;
+        up[j][l] = u[j] * su;
       }
     }
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < h; ++r) {
-      float d[kBlock];
-      dots(w2 + r * inter, as, n, inter, d);
-      const float s = s2 ? s2[r] : 1.f;
-      for (int j = 0; j < n; ++j) L.out[rows[j] * h + r] += d[j] * s * wts[j];
+    for (int j = 0; j < n; ++j) {
+      const vf a = gate[j] / (1.f + exp_approx(-gate[j])) * up[j];
+      std::memcpy(act + j * inter + r0, &a, sizeof(float) * lanes);
     }
+  }
+#pragma omp for schedule(static)
+  for (int64_t r = 0; r < h; ++r) {
+    float d[kBlock];
+    dots(w2 + r * inter, as, n, inter, d);
+    const float s = s2 ? s2[r] : 1.f;
+    for (int j = 0; j < n; ++j) L.out[rows[j] * h + r] += d[j] * s * wts[j];
   }
 }
 
@@ -203,6 +200,10 @@ void run(const Layer& L, const int64_t* ids, const float* weights, int64_t t, in
   }
   std::vector<float> act(kBlock * L.inter);
   std::memset(L.out, 0, sizeof(float) * t * L.h);
+  // One team for the whole layer (waking a team per expert cost more than a small expert's
+  // product); serial when the projections are small.
+  const bool par = L.threads > 1 && 2 * L.inter * L.h >= kMinParallel;
+#pragma omp parallel num_threads(L.threads) if (par)
   for (int64_t e = 0; e < experts; ++e) {
     for (int64_t b = start[e]; b < start[e + 1]; b += kBlock) {
       const int n = static_cast<int>(std::min<int64_t>(kBlock, start[e + 1] - b));
