@@ -18,7 +18,8 @@ attention models (metadata keys and tensor names as gguf-py's constants define t
   ``expert_group_used_count`` (grouped top-k; absent: one group). YaRN: ``rope.scaling.type`` yarn,
   ``factor``, ``original_context_length``, ``yarn_log_multiplier`` (the converter writes
   ``0.1 * mscale_all_dim``; DeepSeek's configs have ``mscale == mscale_all_dim``, so both are read
-  back from it), ``yarn_beta_fast``/``yarn_beta_slow`` when present (else DeepSeek's 32 and 1).
+  back from it; absent, llama.cpp scales nothing, nor does llmhal), ``yarn_beta_fast``/
+  ``yarn_beta_slow`` when present (else DeepSeek's 32 and 1).
   V3 is recognised by sigmoid gating or its choice bias ``exp_probs_b``.
 * **tensors**: ``attn_q`` or ``attn_q_a``/``attn_q_a_norm``/``attn_q_b``, ``attn_kv_a_mqa``,
   ``attn_kv_a_norm``, ``attn_output``; the dense layers' ``ffn_gate/up/down``; the MoE layers'
@@ -122,11 +123,16 @@ def deepseek_config(f: Any, cfg: dict[str, Any]) -> dict[str, Any]:
         out["topk_method"] = "group_limited_greedy" if groups > 1 else "greedy"
     scaling = out.pop("rope_scaling", None)
     if scaling is not None and scaling["rope_type"] == "yarn":
+        # llama.cpp scales cos/sin by 1 and the softmax by (1 + log_mul * ln factor) ** 2, which is
+        # DeepSeek's YaRN with mscale == mscale_all_dim = log_mul / 0.1; without the key the
+        # multiplier is 0: no scaling at all (attention_factor 1, no mscale_all_dim).
         log_mul = f._meta("rope.scaling.yarn_log_multiplier")
-        m_all = 1.0 if log_mul is None else float(log_mul) / 0.1
+        if log_mul is None or float(log_mul) == 0.0:
+            scaling["attention_factor"] = 1.0
+        else:
+            m_all = float(log_mul) / 0.1
+            scaling.update(mscale=m_all, mscale_all_dim=m_all)
         scaling.update(
-            mscale=m_all,
-            mscale_all_dim=m_all,
             beta_fast=float(f._meta("rope.scaling.yarn_beta_fast", BETA_FAST)),
             beta_slow=float(f._meta("rope.scaling.yarn_beta_slow", BETA_SLOW)),
         )

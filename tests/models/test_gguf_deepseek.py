@@ -26,11 +26,14 @@ from tests.models.test_gguf_moe import build_from_gguf
 # exact for DeepSeek's configs, where mscale equals it.
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
         "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}  # fmt: skip
+YARN_NO_LOG_MUL = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                   "attention_factor": 1.0, "beta_fast": 32, "beta_slow": 1}  # fmt: skip
 CASES = {
-    # V2-Lite's shape: no q_lora, plain softmax top-k; an older file with attn_kv_b whole.
+    # V2-Lite's shape: no q_lora, plain softmax top-k; an older file with attn_kv_b whole, and
+    # YaRN without yarn_log_multiplier (llama.cpp then scales neither cos/sin nor the softmax).
     "v2-q-proj-kv-b": (
         "DeepseekV2ForCausalLM",
-        {"q_lora_rank": None, "topk_method": "greedy"},
+        {"q_lora_rank": None, "topk_method": "greedy", "rope_scaling": YARN_NO_LOG_MUL},
         {"split_kv_b": False},
     ),
     # V3: q_lora, sigmoid with the choice bias, grouped top-k, renormalized, YaRN; k_b/v_b split.
@@ -114,7 +117,8 @@ def write_deepseek_gguf(hf, path, *, split_kv_b: bool) -> None:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(scaling["factor"])
         w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
-        w.add_rope_scaling_yarn_log_mul(0.1 * scaling["mscale_all_dim"])
+        if scaling.get("mscale_all_dim"):
+            w.add_rope_scaling_yarn_log_mul(0.1 * scaling["mscale_all_dim"])
 
     def put(name: str, param: torch.Tensor, qtype: str | None) -> None:
         back = store_tensor(w, name, param, qtype)
