@@ -169,6 +169,9 @@ class OutlinesBackend(StructuredOutputBackend):
             _, raw = self.processes.call({"op": "outlines_index", "key": self._vocabulary_binary[0], "regex": regex}, vocabulary=self._vocabulary_binary)  # fmt: skip
         except ConstraintRefused as e:
             raise ValueError(f"outlines cannot compile this {request_type.value} constraint: {e}") from None  # fmt: skip
+        # Here, on the compile thread: the request waits in its own state. outlines-core holds
+        # the GIL for the whole read (it never releases it: 69 ms for a 7.4 MB index, 0.29 s for
+        # 93 MB), so the engine's Python pauses that long once per index whichever thread reads.
         return self._oc.Index.from_binary(raw)
 
     def grammar(self, compiled: Any) -> StructuredOutputGrammar:
