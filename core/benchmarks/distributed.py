@@ -12,9 +12,9 @@ the collectives and the fan-out cost.
 With pipeline stages (``--pp 1,2``) each PP>1 engine is measured twice per batch size, in the same
 run, alternating: one batch at a time (``max_concurrent_batches`` 1) and one batch per stage in
 flight (see :mod:`llmhal.engine.batch_queue`). Those rows add each stage's busy fraction (its
-first rank's compute seconds, waits for the previous stage left out, over the run's wall time)
-and how many batches were submitted while another was in flight: overlapping stages show as busy
-fractions that add up to more than one.
+first rank's compute seconds, the time handing tensors between stages left out, over the run's
+wall time) and how many batches were submitted while another was in flight: overlapping stages
+show as busy fractions that add up to more than one.
 """
 
 from __future__ import annotations

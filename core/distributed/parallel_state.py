@@ -16,9 +16,10 @@ the platform's device communicator (:mod:`llmhal.distributed.communicator`).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from llmhal.distributed import stats as _stats
@@ -51,9 +52,10 @@ class GroupCoordinator:
         self.cpu_group = cpu_group
         self.communicator = communicator
         self.device = device
-        # Seconds spent in recv_tensor_dict: a pipeline stage waiting for the previous one (what
-        # llmhal.distributed.pipeline.StageClock takes out of a stage's busy time).
-        self.recv_wait_seconds = 0.0
+        # Seconds spent in send_tensor_dict and recv_tensor_dict: a pipeline stage waiting for its
+        # neighbours (gloo's send returns once the receiver has taken the tensors), which
+        # llmhal.distributed.pipeline.StageClock takes out of a stage's busy time.
+        self.p2p_seconds = 0.0
 
     # ------------------------------------------------------------------------------- position
     @property
@@ -147,9 +149,11 @@ class GroupCoordinator:
         self._check_p2p()
         dst = self.next_rank if dst is None else dst
         meta = [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]
+        t0 = time.perf_counter()
         dist.send_object_list([meta], dst=self.ranks[dst], group=self.cpu_group)
         for _, t in tensors.items():
             self.send(t, dst)
+        self.p2p_seconds += time.perf_counter() - t0
 
     def recv_tensor_dict(self, src: int | None = None) -> dict[str, torch.Tensor]:
         import torch.distributed as dist
@@ -160,7 +164,7 @@ class GroupCoordinator:
         t0 = time.perf_counter()
         dist.recv_object_list(box, src=self.ranks[src], group=self.cpu_group)
         got = {name: self.recv(shape, dtype, src) for name, shape, dtype in box[0]}
-        self.recv_wait_seconds += time.perf_counter() - t0
+        self.p2p_seconds += time.perf_counter() - t0
         return got
 
     def _check_p2p(self) -> None:
@@ -187,6 +191,19 @@ def _trivial(name: str) -> GroupCoordinator:
 
 
 _lock = threading.Lock()
+# How long init_distributed waits for another thread's join to finish before refusing.
+_JOIN_LOCK_WAIT_S = 10.0
+
+
+@contextlib.contextmanager
+def _lock_held() -> Iterator[None]:
+    """Release ``_lock`` (already acquired by the caller) on the way out."""
+    try:
+        yield
+    finally:
+        _lock.release()
+
+
 _groups: dict[str, GroupCoordinator] = {}
 
 
@@ -257,7 +274,14 @@ def init_distributed(
     from llmhal.platforms import current_platform
     from llmhal.utils.imports import resolve_obj_by_qualname
 
-    with _lock:
+    # A join that lost a peer (it died before connecting) blocks until torch's timeout while
+    # holding the lock; its engine has already failed (llmhal.executor.mp). Refuse at once.
+    if not _lock.acquire(timeout=_JOIN_LOCK_WAIT_S):
+        raise RuntimeError(
+            "an earlier engine in this process is still blocked joining its process group (one "
+            "of its ranks died while joining); start the new engine in a new process"
+        )
+    with _lock_held():
         if _groups:
             raise RuntimeError(
                 "init_distributed was already called in this process; call "

@@ -78,9 +78,10 @@ class PPMissingLayer(nn.Module):
 
 
 class StageClock:
-    """How long this rank's pipeline stage computed: each step's time less what it spent waiting
-    for the previous stage's tensors. Busy seconds over wall seconds is the stage's busy fraction
-    (``llmhal bench distributed`` reports it to show whether the stages overlap)."""
+    """How long this rank's pipeline stage computed: each step's time less what it spent handing
+    tensors to and from its neighbour stages (mostly waiting for them). Busy seconds over wall
+    seconds is the stage's busy fraction (``llmhal bench distributed`` reports it to show whether
+    the stages overlap)."""
 
     def __init__(self) -> None:
         self.busy_seconds = 0.0
@@ -89,9 +90,9 @@ class StageClock:
         from llmhal.distributed.parallel_state import get_pp_group
 
         group = get_pp_group()
-        waited, t0 = group.recv_wait_seconds, time.perf_counter()
+        waited, t0 = group.p2p_seconds, time.perf_counter()
         try:
             return fn(*args)
         finally:
             elapsed = time.perf_counter() - t0
-            self.busy_seconds += elapsed - (group.recv_wait_seconds - waited)
+            self.busy_seconds += elapsed - (group.p2p_seconds - waited)

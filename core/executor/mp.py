@@ -68,15 +68,25 @@ class _Outbox:
         self._thread = threading.Thread(target=self._loop, args=(conn,), daemon=True)
         self._thread.start()
 
-    def send(self, message: Any) -> None:
-        self._queue.put(message)
+    def send(self, message: Any, wait: bool = True) -> None:
+        """Queue ``message``; ``wait``: until it is written (a step's output need not wait; a
+        worker that dies right after reporting 'joining' must have reported it)."""
+        sent = threading.Event() if wait else None
+        self._queue.put((message, sent))
+        while sent is not None and not sent.wait(0.5):
+            if not self._thread.is_alive():  # it stopped at a broken pipe: rank 0 is gone
+                raise BrokenPipeError("rank 0's pipe is closed")
 
     def _loop(self, conn: Any) -> None:
-        while (message := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
+            message, sent = item
             try:
                 conn.send(message)
             except OSError:  # rank 0 is gone; the worker's reads say so too
                 return
+            finally:
+                if sent is not None:
+                    sent.set()
 
     def flush(self, timeout: float) -> None:
         """Wait (at most ``timeout`` seconds: rank 0 may not be reading) for what was sent."""
@@ -101,7 +111,7 @@ def _worker_main(args: Any, parallel: Any, rank: int, init_method: str, conn: An
             if kind == "step":
                 out = worker.execute(payload)
                 if reports:
-                    outbox.send(("output", out))
+                    outbox.send(("output", out), wait=False)
             elif kind == "alloc":
                 outbox.send(("allocated", worker.allocate(payload)))
             elif kind == "busy":
@@ -114,7 +124,7 @@ def _worker_main(args: Any, parallel: Any, rank: int, init_method: str, conn: An
         text = "".join(traceback.format_exception(e))[-_MAX_ERROR_CHARS:]
         cause = f"raised {type(e).__name__}: {e}"
         try:
-            outbox.send(("error", (cause[:_MAX_ERROR_CHARS], text)))
+            outbox.send(("error", (cause[:_MAX_ERROR_CHARS], text)), wait=False)
             outbox.flush(_ERROR_FLUSH_S)
         finally:
             os._exit(1)  # skip interpreter teardown: a process group with dead peers can hang it
@@ -150,7 +160,7 @@ def _stop(procs: list[Any], conns: list[Any], stopping: threading.Event) -> None
 class MultiprocExecutor(Executor):
     def initialize(self, build_shard: Callable[[], Any]) -> None:
         from llmhal.distributed.launch import free_port
-        from llmhal.executor.worker import check_no_engine_here, join_process_group
+        from llmhal.executor.worker import check_no_engine_here
 
         check_no_engine_here()  # before any worker starts
         par = self.config.parallel
@@ -192,7 +202,7 @@ class MultiprocExecutor(Executor):
                     f"{e.cause} while starting (a worker process imports the main script: "
                     "guard the code that creates the LLM with `if __name__ == '__main__':`)",
                 ) from None
-        join_process_group(self.config, 0, init)
+        self._join_watching_workers(init)
         self._joined = True
         self.runner = build_shard()
         self._blocks = [self._recv(rank, "ready") for rank in range(1, par.world_size)]
@@ -205,6 +215,33 @@ class MultiprocExecutor(Executor):
         # stages work on earlier ones. Outputs come back in order (the step counts check it).
         self.max_concurrent_batches = par.pipeline_parallel_size
         self._submitted = self._collected = 0
+
+    def _join_watching_workers(self, init: str) -> None:
+        """Join the process group as rank 0 while watching the workers. Joining waits for every
+        rank to connect; a worker that dies between reporting 'joining' and connecting would
+        leave rank 0 waiting out torch's init timeout (30 minutes). The join runs on a thread of
+        its own, and a worker's death fails the engine at once (the thread stays blocked until
+        that timeout, holding nothing but the join: see init_distributed's lock)."""
+        from llmhal.executor.worker import join_process_group
+
+        done, errors = threading.Event(), []
+
+        def join() -> None:
+            try:
+                join_process_group(self.config, 0, init)
+            except BaseException as e:  # handed to the caller's thread
+                errors.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=join, name="llmhal-mp-join", daemon=True).start()
+        while not done.wait(0.05):
+            dead = [rank for rank, p in enumerate(self._procs, start=1) if not p.is_alive()]
+            if dead:
+                failure = self._record_exit(dead[0])
+                raise EngineDeadError(failure.rank, f"{failure.cause} while joining the process group")  # fmt: skip
+        if errors:
+            raise errors[0]
 
     @property
     def worker_pids(self) -> list[int]:
@@ -369,7 +406,7 @@ class MultiprocExecutor(Executor):
             raise
 
     def stage_busy_seconds(self) -> list[float]:
-        """Each rank's seconds computing steps so far (waits for the previous pipeline stage
+        """Each rank's seconds computing steps so far (handing tensors between pipeline stages
         left out), in rank order; call it between steps, with none in flight."""
         self.check_health()
         self._send_all(pickle.dumps(("busy", None)))

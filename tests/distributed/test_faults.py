@@ -146,6 +146,41 @@ def test_killed_worker_takes_down_every_other_rank(tiny_models):
         llm.shutdown()
 
 
+DIES_JOINING = FakeDistribution(
+    "dies-joining",
+    entry_points={"vllm.general_plugins": {"dies_joining": "dies_joining:register"}},
+    modules={
+        "dies_joining.py": """
+        import multiprocessing
+        import os
+
+
+        def register():
+            # Only in rank 1's process: it reports 'joining', then dies before connecting.
+            if multiprocessing.current_process().name != "llmhal-rank1":
+                return
+            import llmhal.executor.worker as worker
+
+            worker.join_process_group = lambda *args: os._exit(3)
+        """
+    },
+)
+
+
+@pytest.mark.slow
+def test_worker_dying_between_joining_and_connecting_fails_at_once(request, tiny_models):
+    """Rank 0 is waiting in init_process_group for every rank to connect: a worker that dies
+    there fails the engine within the bound (not torch's 30-minute init timeout)."""
+    request.getfixturevalue("install_dists")(DIES_JOINING)
+    folder, _ = tiny_models("llama")
+    t0 = time.monotonic()
+    with pytest.raises(EngineDeadError) as caught:
+        LLM(folder, kv_cache_memory_bytes=4 << 20, tensor_parallel_size=2)
+    assert time.monotonic() - t0 < BOUND_S + 20  # the worker's start-up (imports) included
+    assert caught.value.rank == 1
+    assert "exited with status 3 while joining the process group" in str(caught.value)
+
+
 _ENGINE_SCRIPT = textwrap.dedent(
     """
     import sys
