@@ -45,7 +45,9 @@ SERVE_PREFILL_TOKENS_PER_STEP = 64
 # The server's --decode-pace-factor unless given: while streams decode, a step that also prefills
 # may take 1.5 times a decode-only step (llmhal.engine.step_budget), so their inter-token gaps stay
 # near their decode pace while new prompts prefill. Measured on the default model at 16 streams
-# (llmhal bench serve, 9 runs): 1.5 kept inter-token p99 at 2-3.7x one stream's (median 2.8x), off 7-12x.
+# (llmhal bench serve, 9 runs, at least 16 prompt tokens a step): 1.5 kept inter-token p99 at
+# 2-3.7x one stream's (median 2.8x), off 7-12x. There the step's floor of prompt tokens, not this
+# factor, sets the steps (see llmhal.engine.step_budget.MIN_PREFILL_TOKENS).
 SERVE_DECODE_PACE_FACTOR = 1.5
 
 
