@@ -85,31 +85,38 @@ def test_killed_last_stage_with_two_batches_in_flight(tiny_models):
         llm.shutdown()
 
 
-RAISER = FakeDistribution(
+def rank1_plugin(name: str, body: str) -> FakeDistribution:
+    """A general plugin whose ``register()`` runs ``body`` (Python, dedented) in rank 1's process
+    only: the fault it injects hits that rank alone."""
+    module = name.replace("-", "_")
+    source = (
+        "import multiprocessing\n\n\ndef register():\n"
+        "    if multiprocessing.current_process().name != 'llmhal-rank1':\n"
+        "        return\n" + textwrap.indent(textwrap.dedent(body), "    ")
+    )
+    return FakeDistribution(
+        name,
+        entry_points={"vllm.general_plugins": {module: f"{module}:register"}},
+        modules={f"{module}.py": source},
+    )
+
+
+# Rank 1's 4th step raises.
+RAISER = rank1_plugin(
     "fault-injector",
-    entry_points={"vllm.general_plugins": {"fault_injector": "fault_injector:register"}},
-    modules={
-        "fault_injector.py": """
-        import multiprocessing
+    """
+    from llmhal.engine.model_runner import ModelRunner
 
+    original, calls = ModelRunner.run, [0]
 
-        def register():
-            # Only in rank 1's process: its 4th step raises.
-            if multiprocessing.current_process().name != "llmhal-rank1":
-                return
-            from llmhal.engine.model_runner import ModelRunner
+    def run(self, step):
+        calls[0] += 1
+        if calls[0] == 4:
+            raise RuntimeError("injected fault")
+        return original(self, step)
 
-            original, calls = ModelRunner.run, [0]
-
-            def run(self, step):
-                calls[0] += 1
-                if calls[0] == 4:
-                    raise RuntimeError("injected fault")
-                return original(self, step)
-
-            ModelRunner.run = run
-        """
-    },
+    ModelRunner.run = run
+    """,
 )
 
 
@@ -146,24 +153,16 @@ def test_killed_worker_takes_down_every_other_rank(tiny_models):
         llm.shutdown()
 
 
-DIES_JOINING = FakeDistribution(
+# Rank 1 reports 'joining', then dies before connecting.
+DIES_JOINING = rank1_plugin(
     "dies-joining",
-    entry_points={"vllm.general_plugins": {"dies_joining": "dies_joining:register"}},
-    modules={
-        "dies_joining.py": """
-        import multiprocessing
-        import os
+    """
+    import os
 
+    import llmhal.executor.worker as worker
 
-        def register():
-            # Only in rank 1's process: it reports 'joining', then dies before connecting.
-            if multiprocessing.current_process().name != "llmhal-rank1":
-                return
-            import llmhal.executor.worker as worker
-
-            worker.join_process_group = lambda *args: os._exit(3)
-        """
-    },
+    worker.join_process_group = lambda *args: os._exit(3)
+    """,
 )
 
 
