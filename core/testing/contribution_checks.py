@@ -186,7 +186,30 @@ def _check_function_op(op: str, kernel: Callable[..., Any], platform: Platform) 
             why = _close(got, native(*_clone(args)), dtype)
             if why:
                 out.append(f"{label}: {why}")
+            if op == "fused_moe" and getattr(kernel, "accepts_expert_kernels", False):
+                why = _check_expert_kernels(kernel, native, args, dtype)
+                if why:
+                    out.append(f"{label}, experts as ExpertKernels: {why}")
     return out
+
+
+def _check_expert_kernels(
+    kernel: Callable[..., Any], native: Callable[..., Any], args: tuple[Any, ...], dtype: Any
+) -> str | None:
+    """A ``fused_moe`` that declares ``accepts_expert_kernels`` given the experts as per-expert
+    kernels (what quantized experts arrive as) must equal the native op on the stacked weights."""
+    import torch.nn.functional as F
+
+    from llmhal.ops.expert_kernels import ExpertKernels
+
+    x, w13, w2, *rest = _clone(args)
+    k13 = ExpertKernels([lambda rows, w=w: F.linear(rows, w) for w in w13])
+    k2 = ExpertKernels([lambda rows, w=w: F.linear(rows, w) for w in w2])
+    try:
+        got = kernel(x, k13, k2, *rest)
+    except Exception as e:
+        return f"raised {type(e).__name__}: {e}"
+    return _close(got, native(x, w13, w2, *rest), dtype)
 
 
 def _check_quant_linear(kernel_cls: Any, platform: Platform) -> list[str]:
