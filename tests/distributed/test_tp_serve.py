@@ -34,9 +34,9 @@ def _workers(pid: int) -> list[int]:
     return found
 
 
-def _serve(folder: str, *extra: str) -> tuple[subprocess.Popen, str]:
+def _serve(folder: str, *extra: str, tp: int = 2) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "llmhal.entrypoints.cli", "serve", "--model", folder,
-           "--port", "0", "-tp", "2", "--kv-cache-memory-bytes", str(4 << 20), *extra]  # fmt: skip
+           "--port", "0", "-tp", str(tp), "--kv-cache-memory-bytes", str(4 << 20), *extra]  # fmt: skip
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     lines = []
     for line in proc.stderr:
@@ -78,6 +78,27 @@ def test_tp2_serve_answers_as_one_process_and_stops_cleanly(tiny_models):
     )
     assert got["choices"][0]["text"] == want[0].outputs[0].text
     assert workers and all(map(process_gone, workers))
+
+
+@pytest.mark.slow
+def test_pp2_serve_with_batches_in_flight_answers_as_one_process(tiny_models):
+    """``llmhal serve -pp 2``: the server's engine keeps a batch per stage in flight; four prompts
+    in one request are answered as one process answers them."""
+    folder, _ = tiny_models("llama")
+    prompts = ["The quick brown fox", "def add(a, b):", "1, 2, 3, 4,", "Once upon a time"]
+    proc, base = _serve(folder, "-pp", "2", tp=1)
+    try:
+        body = {"model": folder, "prompt": prompts, "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        got = _post(f"{base}/v1/completions", body)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(BOUND_S) == 0
+    finally:
+        proc.kill()
+    one = LLM(folder, kv_cache_memory_bytes=4 << 20)
+    want = one.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    texts = [c["text"] for c in sorted(got["choices"], key=lambda c: c["index"])]
+    assert texts == [o.outputs[0].text for o in want]
 
 
 @pytest.mark.slow
