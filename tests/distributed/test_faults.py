@@ -120,15 +120,23 @@ RAISER = rank1_plugin(
 )
 
 
-def test_worker_that_raises_fails_the_engine_with_its_error(request, tiny_models):
+@pytest.mark.parametrize(
+    "layout, prompts",
+    [
+        ({"tensor_parallel_size": 2}, 1),
+        # The last stage raises while rank 0 pipelines batches of the 4 requests.
+        pytest.param({"pipeline_parallel_size": 2}, 4, marks=pytest.mark.slow),
+    ],
+)
+def test_worker_that_raises_fails_the_engine_with_its_error(request, tiny_models, layout, prompts):
     request.getfixturevalue("install_dists")(RAISER)
     folder, _ = tiny_models("llama")
-    llm = LLM(folder, kv_cache_memory_bytes=4 << 20, tensor_parallel_size=2)
+    llm = LLM(folder, kv_cache_memory_bytes=4 << 20, **layout)
     try:
         pid = llm.engine.executor.worker_pids[0]
         t0 = time.monotonic()
         with pytest.raises(EngineDeadError) as caught:
-            llm.generate(["The quick brown fox"], LONG, use_tqdm=False)
+            llm.generate(["The quick brown fox"] * prompts, LONG, use_tqdm=False)
         assert time.monotonic() - t0 < BOUND_S
         assert caught.value.rank == 1
         assert "raised RuntimeError: injected fault" in str(caught.value)
