@@ -11,6 +11,9 @@ import pytest
 
 from llmhal import LLM, SamplingParams
 from llmhal.engine.batch_queue import BatchQueue
+from llmhal.engine.kv_cache_manager import KVCacheManager
+from llmhal.engine.request import Request
+from llmhal.engine.scheduler import Scheduler
 
 KV = 4 << 20
 PROMPTS = [
@@ -120,6 +123,38 @@ def test_preemption_with_batches_in_flight_equals_one_process(pp2, want):
     got = ids(pp2, PROMPTS[:6], LONG)
     assert pp2.engine.scheduler.num_preemptions > before
     assert got == want["long"]
+
+
+class _Detok:
+    text = ""
+
+
+def _req(rid: str, prompt_len: int) -> Request:
+    return Request(rid, None, list(range(prompt_len)), SamplingParams(), 100, frozenset(), _Detok())  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_scheduler_skips_busy_requests_caps_the_batch_and_never_preempts_the_busy():
+    """The scheduler's side (no model): requests in flight are skipped and never chosen to give
+    way when blocks run out; ``max_reqs`` caps the batch."""
+    kv = KVCacheManager(num_blocks=5, block_size=4)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    reqs = [_req(r, 4) for r in "abcd"]
+    for r in reqs:
+        s.add(r)
+    first = s.schedule(max_reqs=2)
+    assert [r.request_id for r, _ in first.items] == ["a", "b"]
+    busy = frozenset({"a", "b"})
+    second = s.schedule(busy, max_reqs=2)
+    assert [r.request_id for r, _ in second.items] == ["c", "d"]
+    for r, n in [*first.items, *second.items]:  # every prompt computed, a token sampled
+        r.num_computed_tokens += n
+        r.output_token_ids.append(1)
+    # c and d are in flight now. a and b each need a second block for their next token and one
+    # is left: a takes it, and b gives way, not d (the latest admitted, but busy).
+    third = s.schedule(frozenset({"c", "d"}), max_reqs=2)
+    assert [r.request_id for r, _ in third.items] == ["a"]
+    assert [r.request_id for r in third.preempted] == ["b"]
+    assert {r.request_id for r in s.running} == {"a", "c", "d"}
 
 
 def test_share_splits_the_running_requests_among_the_batches():
