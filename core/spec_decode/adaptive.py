@@ -101,6 +101,11 @@ class AdaptiveSwitch:
             state.backoff = min(2 * self._carry, MAX_BACKOFF)
         return state is None or state.off_steps == 0
 
+    def all_stopped(self, request_ids: Iterable[str]) -> bool:
+        """Whether none of ``request_ids`` will draft next step, and new requests start stopped
+        (the latest verdict was a stop): then nobody needs the target's hidden states."""
+        return bool(self._carry) and not any(self.allows(r) for r in request_ids)
+
     def stopped(self, request_id: str) -> bool:
         """Whether the request is waiting out a stop (for tests and statistics)."""
         return not self.allows(request_id)

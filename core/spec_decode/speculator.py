@@ -195,6 +195,14 @@ class Speculator:
             self._propose(requests, num_running)
         finally:
             self.adaptive.count_down(ids)
+        if self.wants_hidden and self.runner is not None:
+            # A step that keeps hidden states runs eagerly (no recorded step replays it): while
+            # no request will draft (too many run, or every one is stopped), steps run recorded
+            # and keep none. A request that drafts again starts its head over from there (the
+            # output is unchanged).
+            limit = self.config.disable_by_batch_size
+            idle = (limit is not None and num_running >= limit) or self.adaptive.all_stopped(ids)
+            self.runner.capture_hidden = not idle
 
     def _propose(self, requests: Sequence[Request], num_running: int) -> None:
         limit = self.config.disable_by_batch_size

@@ -216,6 +216,22 @@ def test_greedy_output_equals_plain_decoding_batched(eagle_llm, base_llm):
     assert eagle_llm.engine.speculator.proposer.memory_bytes() > 0
 
 
+def test_steps_without_drafting_requests_run_recorded_and_drafting_resumes_exactly(new_llm, head, base_llm, target):  # fmt: skip
+    # Three requests with disable_by_batch_size=2: nobody drafts (and the target keeps no hidden
+    # states, so its decode steps can replay recorded ones) until two have ended; the last one then
+    # drafts with a head that starts over from there. Output equals plain decoding throughout.
+    spec = {"method": "eagle", "model": head[0], "num_speculative_tokens": 3, "disable_by_batch_size": 2}  # fmt: skip
+    llm = new_llm(spec)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 8, 24)]
+    plain = [o.outputs[0].token_ids for o in base_llm.generate(PROMPTS, params)]
+    spec_out = llm.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in spec_out] == plain
+    assert llm.engine.speculator.stats.num_drafts > 0
+    graphs = llm.engine.runner.decode_graphs
+    if graphs is not None and graphs.refused is None:
+        assert graphs.replays > 0
+
+
 def test_preemption_chunked_prefill_and_prefix_caching(new_llm, head, base_llm, target, monkeypatch):  # fmt: skip
     spec = {"method": "eagle", "model": head[0], "num_speculative_tokens": 3}
     per_block = base_llm.engine.runner.kv_cache_bytes_per_block()
