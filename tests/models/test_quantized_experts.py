@@ -70,6 +70,19 @@ def qwen3_moe(tmp_path_factory):
     )
 
 
+@pytest.fixture(scope="module")
+def qwen2_moe(tmp_path_factory):
+    """With Qwen2-MoE's shared expert (a dense MLP, quantized) and its sigmoid gate (a router,
+    kept float)."""
+    return _save(
+        tmp_path_factory.mktemp("qwen2moe"),
+        "Qwen2MoeForCausalLM",
+        num_experts=4,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+    )
+
+
 def _gptq(sym: bool, fmt: str, act_order: bool):
     def quantize(name, w):
         return gptq_rtn(w, GROUP, sym=sym, fmt=fmt, act_order=act_order, seed=len(name))
@@ -88,7 +101,11 @@ def _expert_method(report_or_llm):
 
 @pytest.mark.parametrize(
     ("model", "sym", "fmt", "act_order"),
-    [("mixtral", True, "gptq", False), ("qwen3_moe", False, "gptq_v2", True)],
+    [
+        ("mixtral", True, "gptq", False),
+        ("qwen3_moe", False, "gptq_v2", True),
+        ("qwen2_moe", True, "gptq_v2", False),
+    ],
 )
 def test_gptq_experts_match_the_dequantized_model(request, tmp_path, model, sym, fmt, act_order):
     quantize, qcfg = _gptq(sym, fmt, act_order)
