@@ -23,7 +23,7 @@ from llmhal.engine.outputs import Logprob, RequestMetrics, RequestOutput
 from llmhal.engine.request import Request, RequestStatus, TokenView
 from llmhal.engine.sampler import Sampler
 from llmhal.engine.sampling_params import SamplingParams
-from llmhal.engine.scheduler import Scheduler, check_priority
+from llmhal.engine.scheduler import ScheduledBatch, Scheduler, check_priority
 from llmhal.engine.stat_loggers import (
     FinishedRequestStats,
     IterationStats,
@@ -483,8 +483,10 @@ class LLMEngine:
         """Run one step; return the outputs of the requests that progressed or finished."""
         failed = self._admit_compiled(wait=not self.scheduler.has_unfinished()) if self._compiling else []  # fmt: skip
         # Pipeline stages each hold a batch (see llmhal.engine.batch_queue); not while speculating:
-        # a request's drafts come from its previous step's output.
-        if self.executor.max_concurrent_batches > 1 and self.speculator is None:
+        # a request's drafts come from its previous step's output. Batches still in flight are
+        # collected that way even if max_concurrent_batches has just been set to 1.
+        queued = self._batch_queue is not None and bool(self._batch_queue.pending)
+        if (self.executor.max_concurrent_batches > 1 or queued) and self.speculator is None:
             return failed + self._step_pipelined()
         batch, prefix_stats = self._schedule()
         if not batch:
@@ -495,7 +497,7 @@ class LLMEngine:
             results = self.executor.execute_model(batch)
         return self._process(batch, results, t0, prefix_stats, failed)
 
-    def _schedule(self, busy: frozenset[str] = frozenset(), max_reqs: int | None = None) -> Any:
+    def _schedule(self, busy: frozenset[str] = frozenset(), max_reqs: int | None = None) -> tuple[ScheduledBatch, PrefixCacheStats | None]:  # fmt: skip
         """The next batch, and the prefix-cache statistics its scheduling took."""
         batch = self.scheduler.schedule(busy, max_reqs)
         # Taken every step, so lookups made while no stat logger listens are never reported late.
@@ -535,7 +537,7 @@ class LLMEngine:
         queue.done()
         return outputs
 
-    def _process(self, batch: Any, results: Any, t0: float, prefix_stats: Any, failed: list[Any]) -> list[RequestOutput]:  # fmt: skip
+    def _process(self, batch: ScheduledBatch, results: Any, t0: float, prefix_stats: PrefixCacheStats | None, failed: list[Any]) -> list[RequestOutput]:  # fmt: skip
         """Hand a step's results (what the executor's execute_model returns) to its requests:
         sample, append, stop, account; ``t0`` is when the step's cost started."""
         logits, sample_reqs, prompt_lps = results

@@ -90,6 +90,20 @@ def test_pp2_one_batch_at_a_time_still_equals_one_process(pp2, want):
     assert got == want["greedy3"]
 
 
+def test_going_to_one_batch_with_a_batch_in_flight_still_collects_it(pp2, want):
+    engine = pp2.engine
+    rids = [engine.add_request(p, GREEDY) for p in PROMPTS[:4]]
+    engine.step()  # a batch in flight
+    engine.executor.max_concurrent_batches = 1
+    outputs: dict[str, list[int]] = {}
+    try:
+        while engine.has_unfinished_requests():
+            outputs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)  # fmt: skip
+    finally:
+        engine.executor.max_concurrent_batches = 2
+    assert [outputs[r] for r in rids] == want["greedy4"]
+
+
 def test_prompt_logprobs_and_seeded_sampling_with_batches_in_flight(pp2, want):
     assert seeded(pp2) == want["seeded"]
 
