@@ -128,7 +128,12 @@ class _CaptureGuard(TorchFunctionMode):
         if func in _ALLOCATORS:
             out = self.pool.place(out)
         elif self.refused is None and not _passive(func, args, kwargs, out):
-            name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+            # A torch op packet's __qualname__ is its pybind11 record: its qualified name reads.
+            name = (
+                getattr(func, "_qualified_op_name", None)
+                or getattr(func, "__qualname__", None)
+                or getattr(func, "__name__", repr(func))
+            )
             self.refused = f"the step calls torch's {name} (only native kernels are replayed)"
         return out
 
@@ -141,8 +146,16 @@ def _passive(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None, ou
         return name in _METADATA
     if (name.endswith("_") and not name.endswith("__")) or name == "__setitem__":
         return False  # in place: the result is its input, but its values changed
-    inputs = {t.untyped_storage().data_ptr() for t in tensors_in([*args, *(kwargs or {}).values()])}
-    return all(t.untyped_storage().data_ptr() in inputs for t in results)
+    # Opaque tensors (oneDNN's packed weights, kernels/dense_linear.py) have no storage to compare:
+    # a result is a view only of the strided inputs.
+    inputs = {
+        t.untyped_storage().data_ptr()
+        for t in tensors_in([*args, *(kwargs or {}).values()])
+        if t.layout == torch.strided
+    }
+    return all(
+        t.layout == torch.strided and t.untyped_storage().data_ptr() in inputs for t in results
+    )
 
 
 class CpuStepGraph:

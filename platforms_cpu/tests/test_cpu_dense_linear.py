@@ -81,3 +81,15 @@ def test_vocabulary_tables_keep_their_rows():
 
     head = finish(build_linear(None, "lm_head", dtype=torch.bfloat16, vocab=64, hidden=32))
     assert "weight" in dict(head.named_parameters())  # looked up by id, and tied heads share it
+
+
+@needs_onednn
+def test_a_step_with_a_packed_weight_is_refused_by_name_not_crashed():
+    """oneDNN's packed weight has no storage; the step recorder names the op it cannot replay."""
+    from llmhal_cpu import step_graph
+
+    kernel = dense_linear.prepare(torch.randn(16, 8).bfloat16())
+    x = torch.randn(2, 8).bfloat16()
+    out, graph, reason = step_graph.capture(lambda: kernel(x))
+    assert graph is None and "mkldnn::_linear_pointwise" in reason
+    assert torch.equal(out, kernel(x))
