@@ -30,7 +30,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        help="auto (the model dtype, default), fp8_e4m3 or fp8_e5m2 where the backend supports it",
+        help="auto (the model dtype, default), fp8_e4m3 (alias fp8), fp8_e5m2, int8 or nvfp4 where "
+        "the backend supports it (docs/quantization.md, KV cache formats)",
     )
     p.add_argument(
         "--max-model-len",
