@@ -10,10 +10,13 @@ a level, levels 1, 4, 16 in order on one engine, as the bench runs them), and ea
 ``base + per_decode * decodes + per_prompt * prompt tokens`` milliseconds, times log-normal noise
 (``--noise``: its sigma) plus, with probability ``--stall-prob``, a stall of ``--stall-ms``.
 
-The defaults are the default model's costs on 2 vCPUs (thread CPU time, 1 thread: a decode step of
-1 token 11.5 ms, of 16 tokens 28 ms, 16 prompt tokens beside 8 decodes about +19 ms). With
-``--noise 0.1 --stall-prob 0.03`` it reproduced the measured table of docs/server.md at factor 1.5
-(throughput, time to first token and inter-token p50 within ~5%). A step's time here depends only
+The defaults are the default model's costs on 2 vCPUs while every step ran eagerly (thread CPU
+time, 1 thread: a decode step of 1 token 11.5 ms, of 16 tokens 28 ms, 16 prompt tokens beside 8
+decodes about +19 ms); with them it reproduced the measured table of docs/server.md at factor
+1.5 (throughput, time to first token and inter-token p50 within ~5%). Once decode-only steps
+replay a recorded graph and steps with prompt tokens do not, those cost more than their tokens:
+``--mixed-base-ms`` and ``--mixed-decode-ms`` give the difference (measured the same way with
+graphs on: ``--base-ms 4.1 --decode-ms 1.4 --mixed-base-ms 4.8 --mixed-decode-ms 2.0``). A step's time here depends only
 on its tokens, so the spread left is the scheduler's own; what the model leaves out (the server's
 event loop, the client) is the same for every setting compared.
 """
@@ -47,9 +50,18 @@ class Costs:
     noise: float = 0.1
     stall_prob: float = 0.03
     stall_ms: tuple[float, float] = (4.0, 12.0)
+    # A step with prompt tokens where decode-only steps replay a recorded graph and the others run
+    # eagerly: its extra fixed cost, and its cost per decode (None: ``per_decode``).
+    mixed_base: float = 0.0
+    mixed_per_decode: float | None = None
 
     def step_seconds(self, decodes: int, prompt: int, rng: random.Random) -> float:
-        ms = (self.base + self.per_decode * decodes + self.per_prompt * prompt) * rng.lognormvariate(0, self.noise)  # fmt: skip
+        per_decode = self.per_decode
+        ms = self.base
+        if prompt:
+            ms += self.mixed_base
+            per_decode = per_decode if self.mixed_per_decode is None else self.mixed_per_decode
+        ms = (ms + per_decode * decodes + self.per_prompt * prompt) * rng.lognormvariate(0, self.noise)  # fmt: skip
         if rng.random() < self.stall_prob:
             ms += rng.uniform(*self.stall_ms)
         return ms / 1000
@@ -141,8 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-ms", type=float, default=Costs.per_prompt, help="per prompt token")
     p.add_argument("--noise", type=float, default=Costs.noise, help="log-normal sigma of a step")
     p.add_argument("--stall-prob", type=float, default=Costs.stall_prob)
+    p.add_argument("--mixed-base-ms", type=float, default=0.0, help="extra fixed cost of a step with prompt tokens")  # fmt: skip
+    p.add_argument("--mixed-decode-ms", type=float, help="per decoded token in such a step")
     a = p.parse_args(argv)
-    costs = Costs(a.base_ms, a.decode_ms, a.prompt_ms, a.noise, a.stall_prob)
+    costs = Costs(a.base_ms, a.decode_ms, a.prompt_ms, a.noise, a.stall_prob, mixed_base=a.mixed_base_ms, mixed_per_decode=a.mixed_decode_ms)  # fmt: skip
     print(f"{'factor':>6} {'floor':>5}  {'p99 16/1 min-med-max':>22}  {'tok/s 16/4':>16}  tok/s at 1,4,16  ITL p50/p99 at 16")  # fmt: skip
     for factor in (float(f) for f in a.factor.split(",")):
         for floor in (int(m) for m in a.min_prefill.split(",")):

@@ -5,6 +5,8 @@ streams within 3x of one stream's, and throughput at 16 above that at 4."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from llmhal.benchmarks import serve_sim as sim
@@ -36,3 +38,10 @@ def test_a_lone_stream_decodes_at_the_modelled_step_time_and_the_cli_prints_each
     assert sim.main(["--runs", "1", "--min-prefill", "12,16", "--noise", "0"]) == 0
     rows = capsys.readouterr().out.splitlines()[1:]
     assert [r.split()[:2] for r in rows] == [["1.5", "12"], ["1.5", "16"]]
+
+
+def test_steps_with_prompt_tokens_pay_the_eager_costs_decode_only_steps_do_not():
+    costs = sim.Costs(base=4.0, per_decode=1.0, per_prompt=2.0, noise=0.0, stall_prob=0.0, mixed_base=5.0, mixed_per_decode=3.0)  # fmt: skip
+    rng = random.Random(0)
+    assert costs.step_seconds(8, 0, rng) == pytest.approx(0.012)
+    assert costs.step_seconds(8, 10, rng) == pytest.approx((4 + 5 + 3 * 8 + 2 * 10) / 1000)
