@@ -375,18 +375,21 @@ def test_bitmask_application_matches_the_bits():
     apply_token_bitmask(logits, mask)
     for row, ids in enumerate(allowed):
         assert torch.isfinite(logits[row]).nonzero().flatten().tolist() == ids
-    # The CPU path (numpy's unpackbits) and the any-device torch path, on random masks, against
-    # the bits read one by one; masks as wide as, wider and narrower than the logits.
+    # The CPU path (a lookup per mask byte, added) and the any-device torch path, on random masks,
+    # against the bits read one by one; masks as wide as, wider and narrower than the logits;
+    # allowed logits keep their values, -inf ones stay -inf.
     from llmhal.structured_output.backend import apply_token_bitmask_torch
 
     gen = torch.Generator().manual_seed(0)
     for vocab, words in ((70, 3), (64, 3), (100, 2)):
         mask = torch.randint(-(2**31), 2**31 - 1, (3, words), dtype=torch.int32, generator=gen)
         want = [[t < 32 * words and (int(mask[r, t // 32]) >> (t % 32)) & 1 == 1 for t in range(vocab)] for r in range(3)]  # fmt: skip
+        given = torch.randn(3, vocab, generator=gen)
+        given[:, ::7] = float("-inf")
         for apply in (apply_token_bitmask, apply_token_bitmask_torch):
-            logits = torch.zeros(3, vocab)
+            logits = given.clone()
             apply(logits, mask)
-            assert torch.isfinite(logits).tolist() == want
+            assert torch.equal(logits, given.masked_fill(~torch.tensor(want), float("-inf")))
 
 
 def test_the_server_takes_response_format_and_structured_outputs(server):
