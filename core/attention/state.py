@@ -106,6 +106,11 @@ class RecurrentMetadata:
             from the first prefill token (token ``num_decode_tokens`` of the step).
         prefill_state_indices / prefill_has_initial_state: the prefills' rows of the above.
         prefill_query_lens_cpu: int32 [num_prefills] on the host, for splitting without a sync.
+
+    A step of decodes only derives nothing from the step's inputs (so that it can be recorded as a
+    decode-step graph, :mod:`llmhal.engine.decode_graphs`): ``has_initial_state`` and
+    ``prefill_has_initial_state`` are None (decodes always continue their slot) and the prefill
+    fields are empty views. Layers read the prefill fields only when ``num_prefills`` > 0.
     """
 
     num_reqs: int
@@ -115,11 +120,11 @@ class RecurrentMetadata:
     num_actual_tokens: int
     query_start_loc: torch.Tensor
     state_indices: torch.Tensor
-    has_initial_state: torch.Tensor
+    has_initial_state: torch.Tensor | None
     decode_state_indices: torch.Tensor
     prefill_query_start_loc: torch.Tensor
     prefill_state_indices: torch.Tensor
-    prefill_has_initial_state: torch.Tensor
+    prefill_has_initial_state: torch.Tensor | None
     prefill_query_lens_cpu: torch.Tensor
     max_prefill_len: int
 
@@ -136,9 +141,15 @@ class RecurrentMetadataBuilder(AttentionMetadataBuilder[RecurrentMetadata]):
             )
         nd = common.num_decodes
         qsl = common.query_start_loc
-        has_init = (common.num_computed_tokens_cpu > 0).to(self.device)
-        prefill_qsl = qsl[nd:] - qsl[nd]
-        prefill_lens = common.query_start_loc_cpu[nd + 1 :] - common.query_start_loc_cpu[nd:-1]
+        if nd == common.num_reqs:  # decodes only: views of the step's tensors, nothing computed
+            has_init = prefill_has_init = None
+            # query_start_loc starts at 0: its first entry is the [0] of zero prefills.
+            prefill_qsl, prefill_lens = qsl[:1], common.query_start_loc_cpu[:0]
+        else:
+            has_init = (common.num_computed_tokens_cpu > 0).to(self.device)
+            prefill_has_init = has_init[nd:]
+            prefill_qsl = qsl[nd:] - qsl[nd]
+            prefill_lens = common.query_start_loc_cpu[nd + 1 :] - common.query_start_loc_cpu[nd:-1]
         return RecurrentMetadata(
             num_reqs=common.num_reqs,
             num_decodes=nd,
@@ -151,7 +162,7 @@ class RecurrentMetadataBuilder(AttentionMetadataBuilder[RecurrentMetadata]):
             decode_state_indices=slots[:nd],
             prefill_query_start_loc=prefill_qsl,
             prefill_state_indices=slots[nd:],
-            prefill_has_initial_state=has_init[nd:],
+            prefill_has_initial_state=prefill_has_init,
             prefill_query_lens_cpu=prefill_lens,
             max_prefill_len=int(prefill_lens.max()) if len(prefill_lens) else 0,
         )

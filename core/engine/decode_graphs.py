@@ -33,11 +33,19 @@ per q) leaves plain decodes recorded.
 A step that is not a pure decode (a prefill or a prefill chunk, verification with draft counts that
 differ between requests), or whose block table does not fit the static one, runs eagerly as before.
 ``LLM(enforce_eager=True)`` (``--enforce-eager``) turns graphs off.
+
+Models with recurrent layers (:mod:`llmhal.attention.state`) record their decodes too: each
+request's state slot is one more static buffer (``CommonAttentionMetadata.state_indices``), refilled
+per replay, and the slot of a request whose first step is this one-token decode is zeroed before the
+replay, as the eager runner zeroes it. The state update kernels update the slots in place, so a
+replay advances the states exactly as an eager step. Only speculative verification is never
+recorded for them (the engine refuses drafts for recurrent models anyway).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +73,7 @@ class _Graph:
     computed: torch.Tensor  # int32 [B]
     block_table: torch.Tensor  # int32 [B, max_blocks]
     slots: torch.Tensor  # int64 [B * q]
+    state_indices: torch.Tensor | None = None  # int32 [B]: recurrent models' state slots
     output: Any = None
     graph: StepGraph | None = None
     # The metadata the recorded calls point into (query_start_loc, the backends' views): kept
@@ -85,8 +94,14 @@ class DecodeGraphs:
         max_model_len: int,
         hidden_size: int,
         dtype: torch.dtype,
+        state_slot_of: Callable[[Request], int] | None = None,
+        reset_state_slot: Callable[[int], None] | None = None,
     ) -> None:
+        """``state_slot_of`` / ``reset_state_slot``: for a model with recurrent layers, a request's
+        state slot, and zeroing a slot before a request's first step (None: no such layers)."""
         self.model = model
+        self.state_slot_of = state_slot_of
+        self.reset_state_slot = reset_state_slot
         self.platform = platform
         self.builders = builders
         self.device = device
@@ -122,7 +137,7 @@ class DecodeGraphs:
         if self.refused is not None or not batch.items:
             return None
         q = self._query_len(batch)
-        if q is None or q in self.refused_q:
+        if q is None or q in self.refused_q or (q > 1 and self.state_slot_of is not None):
             return None
         reqs = [req for req, _ in batch.items]
         if any(len(req.block_ids) > self.max_blocks for req in reqs):
@@ -147,6 +162,9 @@ class DecodeGraphs:
             computed=torch.zeros(b, dtype=torch.int32),
             block_table=torch.zeros(b, self.max_blocks, dtype=torch.int32, device=dev),
             slots=torch.zeros(b * q, dtype=torch.int64, device=dev),
+            state_indices=None
+            if self.state_slot_of is None
+            else torch.zeros(b, dtype=torch.int32, device=dev),
         )
 
     def _fill(self, g: _Graph, reqs: list[Request], q: int) -> None:
@@ -169,6 +187,13 @@ class DecodeGraphs:
         g.slots.copy_(torch.tensor(slots, dtype=torch.int64))
         # Columns past a request's blocks keep stale ids: kernels read ceil(seq_len / bs) of them.
         g.block_table[:, :width].copy_(torch.tensor(table, dtype=torch.int32))
+        if g.state_indices is not None:
+            assert self.state_slot_of is not None and self.reset_state_slot is not None
+            state_slots = [self.state_slot_of(req) for req in reqs]
+            for req, slot in zip(reqs, state_slots, strict=True):
+                if req.num_computed_tokens == 0:  # its first step: the slot holds another's state
+                    self.reset_state_slot(slot)
+            g.state_indices.copy_(torch.tensor(state_slots, dtype=torch.int32))
 
     def _common(self, g: _Graph, b: int, q: int) -> CommonAttentionMetadata:
         qsl = torch.arange(0, b * q + 1, q, dtype=torch.int32, device=self.device)
@@ -187,6 +212,7 @@ class DecodeGraphs:
             max_seq_len=self.max_model_len,  # an upper bound that holds for every replay
             num_decodes=b if q == 1 else 0,
             num_decode_tokens=b if q == 1 else 0,
+            state_indices=g.state_indices,
         )
 
     def _capture(self, key: tuple[int, int, int], reqs: list[Request]) -> torch.Tensor:

@@ -142,14 +142,6 @@ class ModelRunner:
         platform = get_current_platform()
         if self.config.model.enforce_eager or not platform.capabilities.graphs:
             return None
-        if self.state_layers:
-            # A replay would need the step's state slots in a static buffer too; not recorded yet.
-            logger.info(
-                "Decode-step graphs are off: the model has recurrent layers (%s), whose state "
-                "slots the recorded steps do not carry; decodes run eagerly",
-                ", ".join(sorted({m.kind for m in self.state_layers})),
-            )
-            return None
         if self.config.parallel.world_size > 1:
             # A recorded step replays its kernels, not the collectives between ranks (gloo's run
             # outside any graph), and every rank would have to replay in lockstep: run eagerly.
@@ -159,9 +151,16 @@ class ModelRunner:
         if not hasattr(self.model, "embed_input_ids"):
             return None
         hf = self.config.model.hf_config
+        # Recurrent layers: the graphs carry each request's state slot (see decode_graphs); the
+        # engine hands the runner its state cache after this.
+        slots = (
+            (lambda req: self.state_cache.slot_of(req), self.reset_state_slot)
+            if self.state_layers
+            else ()
+        )
         return DecodeGraphs(
             self.model, platform, self.builders, self.device, self.block_size,
-            self.config.model.max_model_len, hf.hidden_size, self.config.model.dtype,
+            self.config.model.max_model_len, hf.hidden_size, self.config.model.dtype, *slots,
         )  # fmt: skip
 
     @property

@@ -27,6 +27,18 @@ def _param(*shape: int, fill: float = 0.0) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
+def negated_exp(layer: nn.Module) -> torch.Tensor:
+    """``-exp(layer.A_log)`` in float32, computed once per version of the weight: a recorded decode
+    step (decode-step graphs) replays native calls only, so no torch op may run in the step."""
+    a_log = layer.A_log
+    key = (a_log.data_ptr(), a_log._version)
+    cached = layer.__dict__.get("_neg_exp_A")
+    if cached is None or cached[0] != key:
+        cached = (key, -torch.exp(a_log.detach().float()))
+        layer.__dict__["_neg_exp_A"] = cached
+    return cached[1]
+
+
 class GatedRMSNorm(nn.Module):
     """``weight * rmsnorm_per_group(x * silu(gate))``, computed in float32 (HF's
     ``MambaRMSNormGated``: the gate is applied before normalizing, groups of ``group_size``), through
@@ -116,7 +128,7 @@ class Mamba2Mixer(RecurrentLayer):
         inner, gn = self.intermediate_size, G * N
         gate, xbc, dt = self.in_proj(hidden).split([inner, self.conv_dim, H], dim=-1)
         weight = self.conv1d.weight.squeeze(1)
-        A = -torch.exp(self.A_log.float())
+        A = negated_exp(self)
         nd = meta.num_decode_tokens
         outs = []
         if nd:

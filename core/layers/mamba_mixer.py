@@ -15,7 +15,7 @@ from torch import nn
 
 from llmhal.attention.state import RecurrentLayer, StateSpec
 from llmhal.layers.linear import ReplicatedLinear
-from llmhal.layers.mamba2_mixer import _param
+from llmhal.layers.mamba2_mixer import _param, negated_exp
 from llmhal.ops.registry import get_op
 
 
@@ -88,7 +88,7 @@ class MambaMixer(RecurrentLayer):
         conv_state, ssm_state = self.states
         x, z = self.in_proj(hidden).chunk(2, dim=-1)
         weight = self.conv1d.weight.squeeze(1)
-        A = -torch.exp(self.A_log.float())
+        A = negated_exp(self)
         nd, d = meta.num_decode_tokens, self.inner
         outs = []
         if nd:

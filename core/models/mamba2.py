@@ -48,8 +48,9 @@ class MambaModel(nn.Module):
         )
         self.norm_f = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
-    def forward(self, ids: Tensor) -> Tensor:
-        hidden, residual = self.embeddings(ids), None
+    def forward(self, ids: Tensor | None, inputs_embeds: Tensor | None = None) -> Tensor:
+        hidden = self.embeddings(ids) if inputs_embeds is None else inputs_embeds
+        residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual)
         hidden, _ = self.norm_f(hidden, residual)
@@ -85,9 +86,15 @@ class Mamba2ForCausalLM(nn.Module):
             prefix=prefix,
         )
 
-    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
-        # Positions play no part: the order of tokens is carried by the states.
-        return self.backbone(input_ids)
+    def embed_input_ids(self, input_ids: Tensor) -> Tensor:
+        return self.backbone.embeddings(input_ids)
+
+    def forward(
+        self, input_ids: Tensor | None, positions: Tensor, inputs_embeds: Tensor | None = None
+    ) -> Tensor:
+        # Positions play no part: the order of tokens is carried by the states. Embeddings may
+        # come in (decode-step graphs look the tokens up outside the recorded step).
+        return self.backbone(input_ids, inputs_embeds)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         logits = self.lm_head.logits(hidden)

@@ -104,10 +104,31 @@ def test_qwen3_per_head_norms_are_recorded_too(tmp_path):
             "version": "gemm"}  # fmt: skip
     quant, _ = write_pair(tmp_path, lambda name, w: awq_rtn(w, 64), qcfg, base=base)
     kw = {"kv_cache_memory_bytes": 4 << 20, "max_num_seqs": 4}
-    graphs = LLM(str(quant), **kw)
-    got = _run(graphs, TINY_PROMPTS)
+    _check_replays_equal_eager(str(quant), TINY_PROMPTS, kw)
+
+
+def _check_replays_equal_eager(model: str, prompts: list[list[int]], kw: dict) -> set[int]:
+    """``model`` records every decode step and its outputs equal its eager run's (skips where the
+    platform records nothing); returns the batch sizes recorded."""
+    graphs = LLM(model, **kw)
+    got = _run(graphs, prompts)
     dg = graphs.engine.runner.decode_graphs
     if dg is None or not get_current_platform().capabilities.graphs:
         pytest.skip("this platform records no decode graphs")
     assert dg.refused is None and dg.replays > 0
-    assert got == _run(LLM(str(quant), enforce_eager=True, **kw), TINY_PROMPTS)
+    assert got == _run(LLM(model, enforce_eager=True, **kw), prompts)
+    return {key[0] for key in dg._graphs}
+
+
+def test_a_quantized_mamba2_replays_its_decodes_with_the_state_slots(tiny_models, tmp_path):
+    """Recurrent layers record too: each request's state slot is a static buffer of the graph, and
+    a one-token first step zeroes its slot before the replay. A Q8_0 GGUF Mamba-2 (every matmul a
+    native kernel) replays its decodes through batch-size changes and equals its eager run."""
+    from tests.models.test_gguf_ssm import write_ssm_gguf
+
+    folder, hf = tiny_models("mamba2", tie_word_embeddings=False)
+    path = tmp_path / "q8.gguf"
+    write_ssm_gguf(hf, path, "Q8_0")
+    prompts = [list(range(5, 9)), [7], list(range(20, 33))]
+    kw = {"tokenizer": folder, "kv_cache_memory_bytes": 16 << 20, "max_num_seqs": 4}
+    assert _check_replays_equal_eager(str(path), prompts, kw) >= {1, 2}
