@@ -129,3 +129,17 @@ def test_kernel_for_decode_sizes_torch_for_prefill(monkeypatch):
     calls.clear()
     moe.fused_moe(torch.randn(2, 32), w13, w2, torch.randn(2, 4), 2, activation="gelu")
     assert calls == []  # the kernel computes silu only
+
+
+def test_kernel_switch_turns_it_off_and_doctor_says_so(monkeypatch):
+    from llmhal_cpu.kernels import moe_experts
+
+    w13, w2 = torch.randn(2, 8, 16), torch.randn(2, 16, 4)
+    weights, ids = torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long)
+    monkeypatch.setenv("LLMHAL_CPU_MOE_KERNEL", "0")
+    assert moe_experts.moe_experts(torch.randn(1, 16), weights, ids, w13, w2) is None
+    assert moe.fused_moe.status() == "torch (LLMHAL_CPU_MOE_KERNEL=0)"
+    monkeypatch.delenv("LLMHAL_CPU_MOE_KERNEL")
+    if moe_experts.LIBRARY.get() is not None:
+        assert moe.fused_moe.status() == "native moe_experts"
+        assert moe_experts.moe_experts(torch.randn(1, 16), weights, ids, w13, w2) is not None

@@ -73,7 +73,7 @@ def moe_experts(
         return None
     if not (_host(w13) and _host(w2) and hidden.is_cpu):
         return None
-    lib = LIBRARY.lib if LIBRARY.status is not None else LIBRARY.get()
+    lib = LIBRARY.get()  # reads LLMHAL_CPU_MOE_KERNEL each call: ~1 us against a layer's ~1 ms
     if lib is None:
         return None
     scales: list[torch.Tensor | None] = [None, None]
