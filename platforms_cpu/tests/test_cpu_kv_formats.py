@@ -72,3 +72,17 @@ def test_the_default_model_against_its_unquantized_cache():
     assert sum(int8.agreement) >= 2 * 32, int8.summary()
     assert all(g <= 0.5 for g in int8.gaps_at_divergence), int8.summary()
     assert all(g <= 1.0 for g in nvfp4.gaps_at_divergence), nvfp4.summary()
+
+
+def test_a_packed_cache_says_once_why_it_runs_the_torch_paths(caplog):
+    import logging
+
+    from llmhal_cpu.attention.cpu_attn import CpuAttentionImpl, _log_packed_once
+
+    _log_packed_once.cache_clear()
+    with caplog.at_level(logging.INFO, logger="llmhal"):
+        for _ in range(3):  # three layers, one line
+            CpuAttentionImpl(4, 64, 0.125, 2, kv_cache_dtype="int8")
+        CpuAttentionImpl(4, 64, 0.125, 2, kv_cache_dtype="fp8_e4m3")
+    said = [r.getMessage() for r in caplog.records if "native kernel reads" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("kv_cache_dtype=int8: ")

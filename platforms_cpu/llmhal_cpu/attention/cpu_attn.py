@@ -24,6 +24,7 @@ Per-step work (masks, block lists, routing) is done once by the builder and shar
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,8 +40,11 @@ from llmhal.attention.backend import (
 )
 from llmhal.attention.reference import first_visible_position, visibility_mask
 from llmhal.attention.utils import check_causal
+from llmhal.logger import init_logger
 from llmhal.utils.openmp import threads_park_quickly
 from llmhal_cpu.attention import native, torch_paths
+
+logger = init_logger(__name__)
 
 # Requests with at most this many new tokens are memory-bound: they go to the paged kernel.
 KERNEL_MAX_QUERY_LEN = 8
@@ -162,6 +166,12 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata]
 
 class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata]):
     """One layer's attention on the CPU (see the module docstring for the paths)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if kv_formats.packed_format(self.kv_cache_dtype) is not None:
+            # No silent slow path: say once why decodes do not use the native kernel.
+            _log_packed_once(self.kv_cache_dtype)
 
     def forward(
         self,
@@ -314,6 +324,16 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata]):
             )[:, key_start:]
             meta.masks[cache_key] = mask
         return mask
+
+
+@functools.cache
+def _log_packed_once(kv_cache_dtype: str) -> None:
+    logger.info(
+        "kv_cache_dtype=%s: cpu_attn's native kernel reads model-dtype and fp8 rows only, so "
+        "every request runs its torch paths (decode measured 2-9x slower than the model dtype on "
+        "the default model; docs/quantization.md)",
+        kv_cache_dtype,
+    )
 
 
 class CpuAttentionBackend(paged_kv.SharedKVLayout, AttentionBackend):
