@@ -144,7 +144,7 @@ class TreeAttentionBackend(paged_kv.SharedKVLayout, AttentionBackend):
     name = "tree_attn"
     kind = "tree"
     supported_dtypes = ("float32", "bfloat16", "float16")
-    supported_kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2")
+    supported_kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2", "int8", "nvfp4")
     supports_sliding_window = False  # not defined together with a tree mask
     supports_logits_soft_cap = True
 

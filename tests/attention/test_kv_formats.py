@@ -242,3 +242,15 @@ def test_the_mla_latent_cache_in_int8_and_nvfp4(deepseek):
     assert acc["int8"].max_logprob_diff <= 0.1, acc["int8"].summary()
     assert acc["nvfp4"].max_logprob_diff <= 2.0, acc["nvfp4"].summary()
     assert acc["int8"].mean_logprob_diff < acc["nvfp4"].mean_logprob_diff
+
+
+@pytest.mark.parametrize("name", ["int8", "nvfp4"])
+def test_tree_attention_reads_packed_rows_like_the_reference(name):
+    """tree_attn (speculative draft trees) reads the cache through the shared helpers too."""
+    from dataclasses import replace
+
+    from llmhal.attention.tree_attn import TreeAttentionBackend
+    from llmhal.testing.attention_conformance import check_attention_case, conformance_cases
+
+    for case in conformance_cases(TreeAttentionBackend)[:3]:
+        check_attention_case(TreeAttentionBackend, replace(case, kv_cache_dtype=name))
