@@ -10,9 +10,9 @@
 // each token's result added into its output row times its routing weight.
 //
 // Weights are float32, bfloat16 (widened to float32 in registers) or int8 with one float32 scale
-// per output row (experts_int8); activations are float32 or bfloat16 (widened once). Intermediates
-// stay float32 (torch's bf16 path rounds gate/up and the activation to bf16: this is closer to
-// the float32 result). The output is float32 [t, h]; the caller casts it.
+// per output row (experts_int8); activations come in float32 (the caller widens bf16 once).
+// Intermediates stay float32 (torch's bf16 path rounds gate/up and the activation to bf16: this
+// is closer to the float32 result). The output is float32 [t, h]; the caller casts it.
 //
 // Rows of a projection are split over the caller's OpenMP team when there is enough work; the
 // team size is always the caller's (num_threads(threads)) and serial runs go through if(), for
@@ -44,7 +44,7 @@ enum WeightType : int32_t { kF32 = 0, kBF16 = 1, kI8 = 2 };
 
 // Tokens of one expert handled together: each weight row is read once per block.
 constexpr int kBlock = 8;
-// Below this many weight elements per projection a call runs on one thread.
+// Below this many weight elements in an expert's gate/up projection a call runs on one thread.
 constexpr int64_t kMinParallel = 1 << 15;
 
 typedef uint16_t vu16 __attribute__((vector_size(W * sizeof(uint16_t))));
@@ -216,7 +216,7 @@ void run(const Layer& L, const int64_t* ids, const float* weights, int64_t t, in
 
 extern "C" {
 
-// x: [t, h] float32 rows (stride x_s); ids/weights: [t, k] (int64 expert ids, float32 weights),
+// x: [t, h] float32, contiguous; ids/weights: [t, k] (int64 expert ids, float32 weights),
 // contiguous; w13 [experts, 2 * inter, h], w2 [experts, h, inter] contiguous, of wtype;
 // s13/s2 the int8 row scales (null otherwise); out: [t, h] float32, contiguous.
 // Returns 0, or -1 for an expert id out of range or an unknown wtype (nothing written).
