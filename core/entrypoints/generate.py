@@ -97,6 +97,8 @@ def _summary(llm: Any) -> dict[str, Any]:
         "attention_backend": ",".join(report.attention_backends),
         "quantization": qdesc,
         "dtype": str(report.dtype).removeprefix("torch."),
+        "kv_cache_dtype": report.kv_cache_dtype,
+        "kv_cache_bytes_per_token": report.kv_cache_bytes_per_token,
         "prefill_tokens": stats.prefill_tokens,
         "cached_prompt_tokens": stats.cached_prompt_tokens,
         "prefill_tokens_per_s": round(stats.prefill_tps, 1),
@@ -193,7 +195,8 @@ def _run(llm: Any, args: argparse.Namespace, prompts: list[str], params: Any) ->
         )
     print(
         f"[llmhal] platform={s['platform']} attention={s['attention_backend']} quantization={s['quantization']} "
-        f"dtype={s['dtype']} prefill={s['prefill_tokens_per_s']} tok/s decode={s['decode_tokens_per_s']} tok/s "
+        f"dtype={s['dtype']} kv_cache={s['kv_cache_dtype']} ({s['kv_cache_bytes_per_token']} B/token) "
+        f"prefill={s['prefill_tokens_per_s']} tok/s decode={s['decode_tokens_per_s']} tok/s "
         f"({s['prefill_tokens']} prompt{cached} + {s['decode_tokens']} decode tokens; load {s['load_seconds']} s)"
         f"{spec or ''}",
         file=sys.stderr,

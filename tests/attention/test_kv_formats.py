@@ -254,3 +254,15 @@ def test_tree_attention_reads_packed_rows_like_the_reference(name):
 
     for case in conformance_cases(TreeAttentionBackend)[:3]:
         check_attention_case(TreeAttentionBackend, replace(case, kv_cache_dtype=name))
+
+
+def test_generate_reports_the_format_and_its_bytes_per_token(llama, capsys):
+    import json
+
+    from llmhal.entrypoints import generate
+
+    args = ["--model", llama, "--json", "--max-tokens", "3", "--no-chat", "--prompt", "hi"]
+    assert generate.main([*args, "--kv-cache-dtype", "fp8", "--dtype", "float32"]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])["summary"]
+    # vLLM's "fp8" is e4m3: 2 layers x 2 KV heads x 16 values x 1 byte, K and V.
+    assert (summary["kv_cache_dtype"], summary["kv_cache_bytes_per_token"]) == ("fp8_e4m3", 128)
