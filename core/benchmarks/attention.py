@@ -36,8 +36,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from llmhal.attention import paged_kv
-from llmhal.attention.backend import AttentionBackend, AttentionRequirements
+from llmhal.attention import kv_formats, paged_kv
+from llmhal.attention.backend import KV_CACHE_DTYPES, AttentionBackend, AttentionRequirements
 from llmhal.attention.batch import build_common_metadata
 
 
@@ -181,7 +181,8 @@ def _backend_call(
     builder = cls.get_builder_cls()(req, torch.device("cpu"))
     ctx = c.context - c.q.shape[2]
     if ctx:
-        cache = _logical_view(kv_cache, (2, c.num_blocks, req.block_size, hkv, d))
+        row = kv_formats.row_size(req.kv_cache_dtype, d)  # a packed format's row holds scales
+        cache = _logical_view(kv_cache, (2, c.num_blocks, req.block_size, hkv, row))
         bs = req.block_size
         pos = torch.arange(ctx)
         table = torch.tensor(c.tables)[:, pos // bs].flatten()
@@ -307,7 +308,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     p.add_argument("--block-order", default="shuffled", choices=["shuffled", "sequential"])
     p.add_argument("--repeats", type=int, default=7, help="timed calls per contender (median)")
     p.add_argument("--warmup", type=int, default=2)

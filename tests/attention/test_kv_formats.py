@@ -12,6 +12,8 @@ these bound the cache's rounding, not a real model's quality (the slow default-m
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -257,8 +259,6 @@ def test_tree_attention_reads_packed_rows_like_the_reference(name):
 
 
 def test_generate_reports_the_format_and_its_bytes_per_token(llama, capsys):
-    import json
-
     from llmhal.entrypoints import generate
 
     args = ["--model", llama, "--json", "--max-tokens", "3", "--no-chat", "--prompt", "hi"]
@@ -266,3 +266,18 @@ def test_generate_reports_the_format_and_its_bytes_per_token(llama, capsys):
     summary = json.loads(capsys.readouterr().out.splitlines()[-1])["summary"]
     # vLLM's "fp8" is e4m3: 2 layers x 2 KV heads x 16 values x 1 byte, K and V.
     assert (summary["kv_cache_dtype"], summary["kv_cache_bytes_per_token"]) == ("fp8_e4m3", 128)
+
+
+@pytest.mark.parametrize("name", ["int8", "nvfp4"])
+def test_the_attention_bench_fills_and_times_a_packed_cache(tmp_path, capsys, name):
+    from llmhal.benchmarks import attention
+
+    out = tmp_path / "attention.json"
+    argv = ["--backends", "cpu_attn", "--modes", "decode", "--dtypes", "float32", "--batch", "2",
+            "--context", "40", "--num-heads", "4", "--num-kv-heads", "2", "--head-size", "16",
+            "--repeats", "1", "--warmup", "1", "--flush-mb", "1", "--kv-cache-dtype", name,
+            "--json", str(out)]  # fmt: skip
+    assert attention.main(argv) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    # Against SDPA on the unquantized keys: within the format's rounding, not exact.
+    assert row["ms"] > 0 and 0 < row["max_abs_diff"] < (0.05 if name == "int8" else 0.5), row
