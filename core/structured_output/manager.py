@@ -194,6 +194,7 @@ class StructuredOutputManager:
         # lm-format-enforcer's interegular), started on their first compile.
         self.processes = CompileProcesses(COMPILE_THREADS) if async_compile else None
         self._bitmask = torch.empty(0, bitmask_words(vocab_size), dtype=torch.int32)
+        self._scratch: dict[Any, Any] = {}  # apply_token_bitmask's buffers
         self.compiles = 0  # constraints compiled (cache misses), for tests and benchmarks
 
     def backend(self, name: str) -> StructuredOutputBackend:
@@ -280,11 +281,11 @@ class StructuredOutputManager:
         for j, i in enumerate(rows):
             grammars[i].fill_bitmask(mask, j)  # type: ignore[union-attr]
         if len(rows) == logits.shape[0]:  # every row constrained: no gather and scatter
-            apply_token_bitmask(logits, mask.to(logits.device))
+            apply_token_bitmask(logits, mask.to(logits.device), self._scratch)
             return
         index = torch.tensor(rows, device=logits.device)
         sub = logits.index_select(0, index)
-        apply_token_bitmask(sub, mask.to(logits.device))
+        apply_token_bitmask(sub, mask.to(logits.device), self._scratch)
         logits.index_copy_(0, index, sub)
 
     def destroy(self) -> None:

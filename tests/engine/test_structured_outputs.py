@@ -7,6 +7,7 @@ errors."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -381,15 +382,18 @@ def test_bitmask_application_matches_the_bits():
     from llmhal.structured_output.backend import apply_token_bitmask_torch
 
     gen = torch.Generator().manual_seed(0)
+    # Buffers kept across calls, shapes and batch sizes, as the manager keeps them.
+    kept = functools.partial(apply_token_bitmask, scratch={})
     for vocab, words in ((70, 3), (64, 3), (100, 2)):
         mask = torch.randint(-(2**31), 2**31 - 1, (3, words), dtype=torch.int32, generator=gen)
         want = [[t < 32 * words and (int(mask[r, t // 32]) >> (t % 32)) & 1 == 1 for t in range(vocab)] for r in range(3)]  # fmt: skip
         given = torch.randn(3, vocab, generator=gen)
         given[:, ::7] = float("-inf")
-        for apply in (apply_token_bitmask, apply_token_bitmask_torch):
-            logits = given.clone()
-            apply(logits, mask)
-            assert torch.equal(logits, given.masked_fill(~torch.tensor(want), float("-inf")))
+        for apply in (apply_token_bitmask, apply_token_bitmask_torch, kept):
+            for rows in (3, 1):
+                logits = given[:rows].clone()
+                apply(logits, mask[:rows])
+                assert torch.equal(logits, given[:rows].masked_fill(~torch.tensor(want[:rows]), float("-inf")))  # fmt: skip
 
 
 def test_the_server_takes_response_format_and_structured_outputs(server):
