@@ -330,7 +330,7 @@ class CpuAttentionImpl(AttentionImpl[CpuAttentionMetadata]):
 def _log_packed_once(kv_cache_dtype: str) -> None:
     logger.info(
         "kv_cache_dtype=%s: cpu_attn's native kernel reads model-dtype and fp8 rows only, so "
-        "every request runs its torch paths (decode measured 2-9x slower than the model dtype on "
+        "every request runs its torch paths (decode measured 2-10x slower than the model dtype on "
         "the default model; docs/quantization.md)",
         kv_cache_dtype,
     )
