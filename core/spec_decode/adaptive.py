@@ -10,15 +10,18 @@ are in; the request stops drafting when either rule says so:
   a verification step costs in decode steps. Both costs are measured here, as the median wall time
   of the engine's recent steps with and without verification at the same number of requests (a
   step is the time from one :meth:`AdaptiveSwitch.step_done` to the next, so a step's drafting
-  counts; steps where a request joined are left out: they ran its prefill). Where no plain step
+  counts; left out are steps where a request joined, which ran its prefill, and the first step of
+  each shape (batch size and draft lengths), which may have recorded its decode-step graph: 5-10x
+  a replay). Where no plain step
   was seen yet at that batch size (a proposer that drafts every step), the request pauses for
   ``PROBE_STEPS`` steps to measure them, without counting that as a stop.
 
 A stopped request decodes one token a step for ``retry_after_steps`` of its steps, then drafts
 again on a clean slate; each stop in a row doubles the wait (at most ``MAX_BACKOFF`` times), a
-verification window that pays resets it. The proposer is the same for every request, so the last
-verdict carries over: while the latest window judged (of any request) was a stop, a new request
-starts stopped, waiting as long as that request's next wait would be. ``retry_after_steps=0``
+verification window that pays resets it. The proposer is the same for every request, so a failure
+that repeats carries over: once a request was stopped twice in a row, and until a window of any
+request pays, a new request starts stopped, waiting as long as that request's next wait would be
+(one bad window alone, e.g. a request's hard start, stops only that request). ``retry_after_steps=0``
 stops a request for good (and carries nothing over). vLLM
 turns speculation off by batch size only (``disable_by_batch_size``, also honoured); this follows
 what its adaptive proposals do per request.
@@ -85,8 +88,10 @@ class AdaptiveSwitch:
         self._last_step: float | None = None
         self._last_ids: frozenset[str] = frozenset()
         self._verified = False  # the running step verified drafts
-        # The latest verdict of any request: 0 when it paid, else the wait (in units of
-        # retry_after_steps) a new request starts with.
+        self._step_drafts: list[int] = []  # its draft lengths
+        self._shapes: set[tuple[int, tuple[int, ...]]] = set()  # step shapes timed before
+        # 0 while new requests may draft at once (no stop repeated since a window last paid),
+        # else the wait (in units of retry_after_steps) a new request starts with.
         self._carry = 0
 
     @property
@@ -113,6 +118,7 @@ class AdaptiveSwitch:
     def record(self, request_id: str, num_draft_tokens: int, accepted: int, batch: int) -> None:
         """One verification of ``request_id``'s drafts, in a step of ``batch`` requests."""
         self._verified = True
+        self._step_drafts.append(num_draft_tokens)
         if not self.enabled:
             return
         state = self._requests.get(request_id)
@@ -136,7 +142,8 @@ class AdaptiveSwitch:
             return
         state.off_steps = self.retry_after_steps * state.backoff
         state.backoff = min(2 * state.backoff, MAX_BACKOFF)
-        self._carry = state.backoff
+        if state.backoff >= 4:  # its second stop in a row, or later
+            self._carry = state.backoff
 
     def _pays(self, state: _RequestState, batch: int) -> bool:
         drafted = sum(k for k, _ in state.window)
@@ -156,9 +163,13 @@ class AdaptiveSwitch:
         so it holds the drafting for this step too."""
         now = time.perf_counter()
         ids = frozenset(request_ids)
+        shape = (len(ids), tuple(sorted(self._step_drafts)))
         if self._last_step is not None and ids and ids <= self._last_ids:
-            self.costs.add(len(ids), self._verified, now - self._last_step)
+            if shape in self._shapes:
+                self.costs.add(len(ids), self._verified, now - self._last_step)
+            self._shapes.add(shape)
         self._last_step, self._last_ids, self._verified = now, ids, False
+        self._step_drafts = []
 
     def count_down(self, request_ids: Iterable[str]) -> None:
         """After drafting for the next step: that step is one of the stopped requests' wait."""

@@ -66,25 +66,33 @@ def test_the_wait_doubles_while_windows_fail_and_resets_when_one_pays():
     assert _wait(switch, "a") == 3
 
 
-def test_steps_are_timed_per_batch_size_and_kind_leaving_out_joins():
+def test_steps_are_timed_per_batch_size_and_kind_leaving_out_joins_and_first_shapes():
     switch = AdaptiveSwitch(0.0, True, window=4, retry_after_steps=8)
     switch.step_done(["a"])  # the first step has no start
-    for verified in (False, True) * 3:
+    for verified in (False, True) * 4:
         if verified:
             switch.record("a", 2, 1, 1)
         switch.step_done(["a"])
+    switch.record("a", 3, 1, 1)  # a new shape (3 drafts): may have recorded a graph
+    switch.step_done(["a"])
     switch.step_done(["a", "b"])  # b joined: its prefill ran in this step
+    # Of 4 steps of each kind the first of each shape is left out.
     assert {key: len(v) for key, v in switch.costs.samples.items()} == {(1, False): 3, (1, True): 3}
     assert switch.costs.ratio(1) is not None and switch.costs.ratio(2) is None
     switch.finish("a")
     assert switch.allows("a")
 
 
-def test_a_new_request_starts_stopped_while_the_last_verdict_was_a_stop():
+def test_a_new_request_starts_stopped_while_stops_repeat():
     switch = AdaptiveSwitch(0.5, False, window=2, retry_after_steps=3)
     switch.record("a", 2, 0, 1)
-    switch.record("a", 2, 0, 1)  # stopped: waits 3, its next wait would be 6
-    assert _wait(switch, "b") == 6
+    switch.record("a", 2, 0, 1)  # stopped once: only a waits
+    assert switch.allows("b")
+    switch.finish("b")
+    _wait(switch, "a")
+    switch.record("a", 2, 0, 1)
+    switch.record("a", 2, 0, 1)  # stopped again: waits 6, its next wait would be 12
+    assert _wait(switch, "b") == 12
     switch.record("b", 2, 2, 1)
     switch.record("b", 2, 2, 1)  # pays: the next request drafts at once
     assert switch.allows("c")
