@@ -191,8 +191,9 @@ def _trivial(name: str) -> GroupCoordinator:
 
 
 _lock = threading.Lock()
-# How long init_distributed waits for another thread's join to finish before refusing.
-_JOIN_LOCK_WAIT_S = 10.0
+# How long init_distributed waits for another thread's join to finish before refusing: longer
+# than a bounded join (``join_timeout_s``) takes to give up.
+_JOIN_LOCK_WAIT_S = 90.0
 
 
 @contextlib.contextmanager
@@ -246,6 +247,7 @@ def init_distributed(
     backend: str | None = None,
     *,
     local_rank: int | None = None,
+    join_timeout_s: float | None = None,
 ) -> None:
     """Join the world (``torch.distributed.init_process_group``) and build the tp/pp groups.
 
@@ -253,7 +255,8 @@ def init_distributed(
     ``backend``: the torch.distributed backend; default ``current_platform.dist_backend``.
     ``local_rank``: the device index on this host (default ``rank``). Every rank calls this with
     the same sizes; it returns once all groups exist. Calling it again in the same process is an
-    error (call ``destroy_distributed`` first).
+    error (call ``destroy_distributed`` first). ``join_timeout_s``: give up joining the world
+    after that long (default: torch's 30 minutes); its collectives keep the default timeout.
     """
     tp, pp = int(tensor_parallel_size), int(pipeline_parallel_size)
     if tp < 1 or pp < 1:
@@ -294,12 +297,33 @@ def init_distributed(
                 f"backend); pass backend='gloo' (CPU) or use a platform that sets one"
             )
         if not dist.is_initialized():
-            dist.init_process_group(
-                backend=backend,
-                init_method=distributed_init_method,
-                world_size=world_size,
-                rank=rank,
-            )
+            from datetime import timedelta
+
+            from torch.distributed import distributed_c10d
+
+            bounded = {} if join_timeout_s is None else {"timeout": timedelta(seconds=join_timeout_s)}  # fmt: skip
+            # torch counts a failed join's group all the same, and names the next default group
+            # after that count: a later engine's join would wait under another name than its new
+            # peers use, forever. A failed join is forgotten.
+            count = getattr(distributed_c10d._world, "group_count", None)
+            try:
+                dist.init_process_group(
+                    backend=backend,
+                    init_method=distributed_init_method,
+                    world_size=world_size,
+                    rank=rank,
+                    **bounded,
+                )
+            except BaseException:
+                if count is not None and not dist.is_initialized():
+                    distributed_c10d._world.group_count = count
+                raise
+            if bounded:
+                # The bound is for joining only; collectives keep torch's default timeout (a
+                # step's collective may wait on a long prefill of another rank).
+                from torch.distributed.distributed_c10d import _set_pg_timeout, default_pg_timeout
+
+                _set_pg_timeout(default_pg_timeout)
         local_rank = rank if local_rank is None else local_rank
         device = current_platform.torch_device(local_rank)
         if device.type != "cpu":

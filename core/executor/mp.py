@@ -40,6 +40,8 @@ logger = init_logger(__name__)
 _MAX_ERROR_CHARS = 8000
 # How long rank 0, after a collective failed, waits for the monitor to name the worker behind it.
 _BLAME_WAIT_S = 5.0
+# How long rank 0 waits for the workers, all past their imports, to connect to the process group.
+_JOIN_TIMEOUT_S = 60.0
 # How long a failing worker waits for its error report to be read before it exits anyway (rank 0
 # reads it when it next waits for this worker; it may be blocked elsewhere until this one exits).
 _ERROR_FLUSH_S = 5.0
@@ -220,15 +222,16 @@ class MultiprocExecutor(Executor):
         """Join the process group as rank 0 while watching the workers. Joining waits for every
         rank to connect; a worker that dies between reporting 'joining' and connecting would
         leave rank 0 waiting out torch's init timeout (30 minutes). The join runs on a thread of
-        its own, and a worker's death fails the engine at once (the thread stays blocked until
-        that timeout, holding nothing but the join: see init_distributed's lock)."""
+        its own, and a worker's death fails the engine at once; the thread gives up after
+        _JOIN_TIMEOUT_S (every worker reported 'joining' before it starts, so a live one connects
+        within seconds), and until then another engine's join in this process waits for it."""
         from llmhal.executor.worker import join_process_group
 
         done, errors = threading.Event(), []
 
         def join() -> None:
             try:
-                join_process_group(self.config, 0, init)
+                join_process_group(self.config, 0, init, _JOIN_TIMEOUT_S)
             except BaseException as e:  # handed to the caller's thread
                 errors.append(e)
             finally:

@@ -31,16 +31,19 @@ def check_no_engine_here() -> None:
         )
 
 
-def join_process_group(config: Any, rank: int, init_method: str) -> None:
+def join_process_group(
+    config: Any, rank: int, init_method: str, timeout_s: float | None = None
+) -> None:
     """Join the world of ``config.parallel`` as ``rank`` (tp/pp groups built by llmhal.distributed;
-    the platform's ``dist_backend``)."""
+    the platform's ``dist_backend``), giving up after ``timeout_s`` (None: torch's default)."""
     from llmhal.distributed import init_distributed
 
     check_no_engine_here()
     par = config.parallel
     init_distributed(
-        par.world_size, rank, init_method, par.tensor_parallel_size, par.pipeline_parallel_size
-    )
+        par.world_size, rank, init_method, par.tensor_parallel_size, par.pipeline_parallel_size,
+        join_timeout_s=timeout_s,
+    )  # fmt: skip
 
 
 class Worker:
