@@ -18,10 +18,11 @@ are in; the request stops drafting when either rule says so:
 
 A stopped request decodes one token a step for ``retry_after_steps`` of its steps, then drafts
 again on a clean slate; each stop in a row doubles the wait (at most ``MAX_BACKOFF`` times), a
-verification window that pays resets it. The proposer is the same for every request, so a failure
-that repeats carries over: once a request was stopped twice in a row, and until a window of any
-request pays, a new request starts stopped, waiting as long as that request's next wait would be
-(one bad window alone, e.g. a request's hard start, stops only that request). ``retry_after_steps=0``
+verification window that pays resets it. A failure that repeats across requests (a head or draft
+model that fails or costs too much whatever the text) carries over: once the last two windows judged
+were stops of two different requests, and until a window of any request pays, a new request starts
+stopped, waiting as long as the last stopped request's next wait would be (failures that depend on
+the text, such as n-gram drafts at a request's start, stop only that request). ``retry_after_steps=0``
 stops a request for good (and carries nothing over). vLLM
 turns speculation off by batch size only (``disable_by_batch_size``, also honoured); this follows
 what its adaptive proposals do per request.
@@ -90,9 +91,10 @@ class AdaptiveSwitch:
         self._verified = False  # the running step verified drafts
         self._step_drafts: list[int] = []  # its draft lengths
         self._shapes: set[tuple[int, tuple[int, ...]]] = set()  # step shapes timed before
-        # 0 while new requests may draft at once (no stop repeated since a window last paid),
-        # else the wait (in units of retry_after_steps) a new request starts with.
+        # 0 while new requests may draft at once, else the wait (in units of retry_after_steps)
+        # a new request starts with; the request of the last verdict when it was a stop.
         self._carry = 0
+        self._last_stop: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -133,7 +135,7 @@ class AdaptiveSwitch:
             return
         if self._pays(state, batch):
             state.backoff = 1
-            self._carry = 0
+            self._carry, self._last_stop = 0, None
             return
         state.stops += 1
         state.window.clear()
@@ -142,8 +144,9 @@ class AdaptiveSwitch:
             return
         state.off_steps = self.retry_after_steps * state.backoff
         state.backoff = min(2 * state.backoff, MAX_BACKOFF)
-        if state.backoff >= 4:  # its second stop in a row, or later
-            self._carry = state.backoff
+        if self._last_stop is not None and self._last_stop != request_id:
+            self._carry = state.backoff  # two requests in a row
+        self._last_stop = request_id
 
     def _pays(self, state: _RequestState, batch: int) -> bool:
         drafted = sum(k for k, _ in state.window)
