@@ -38,6 +38,10 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16
     kv_cache_dtype: str = "auto"
+    # Recurrent layers' states (vLLM's names and values, llmhal.attention.state.mamba_state_dtypes):
+    # conv and SSM states ("auto": the model's dtype), and the SSM state alone ("auto": as the first).
+    mamba_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"
     kv_cache_memory_bytes: int | None = None
     num_blocks: int | None = None  # decided by the engine from the memory budget
     # Reuse the KV of identical leading tokens across requests (vLLM's automatic prefix caching,

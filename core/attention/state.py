@@ -73,6 +73,48 @@ if TYPE_CHECKING:  # pragma: no cover
 
 RECURRENT_KINDS = ("mamba1", "mamba2", "linear", "short_conv")
 
+# vLLM's values of ``mamba_cache_dtype`` / ``mamba_ssm_cache_dtype`` ("auto" first).
+MAMBA_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_STATE_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def check_mamba_cache_dtypes(
+    mamba_cache_dtype: str, mamba_ssm_cache_dtype: str, platform: Any = None
+) -> None:
+    """Refuse an unknown value, or one the platform's state kernels cannot serve, before the model
+    loads. A platform declares what its kernels read and write in ``supported_mamba_cache_dtypes``
+    (absent: every value; the reference kernels in core take any float dtype)."""
+    for flag, value in (
+        ("mamba_cache_dtype", mamba_cache_dtype),
+        ("mamba_ssm_cache_dtype", mamba_ssm_cache_dtype),
+    ):
+        if value not in MAMBA_CACHE_DTYPES:
+            raise ValueError(
+                f"{flag}={value!r} is not one of vLLM's values: {', '.join(MAMBA_CACHE_DTYPES)}"
+            )
+        supported = getattr(platform, "supported_mamba_cache_dtypes", None)
+        if value != "auto" and supported is not None and value not in supported:
+            raise ValueError(
+                f"{flag}={value!r}: the {platform.name} platform's state kernels read and write "
+                f"{', '.join(supported)} states; choose one of them (or auto: the model's dtype)"
+            )
+
+
+def mamba_state_dtypes(
+    model_dtype: torch.dtype, mamba_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto"
+) -> tuple[torch.dtype, torch.dtype]:
+    """(conv state dtype, SSM state dtype), as vLLM's ``MambaStateDtypeCalculator`` decides them:
+    ``mamba_cache_dtype`` sets both ("auto": the model's dtype), ``mamba_ssm_cache_dtype`` the SSM
+    state alone ("auto": the same as the conv state). Linear attention's state and short
+    convolutions' state follow ``mamba_cache_dtype`` (the first)."""
+    conv = _STATE_TORCH_DTYPES.get(mamba_cache_dtype, model_dtype)
+    ssm = conv if mamba_ssm_cache_dtype == "auto" else _STATE_TORCH_DTYPES[mamba_ssm_cache_dtype]
+    return conv, ssm
+
 
 @dataclass(frozen=True)
 class StateSpec:
@@ -300,6 +342,11 @@ class RecurrentLayer(nn.Module):
         self.kind = kind
         self.layer_name = prefix
         self.model_dtype = cfg.model.dtype
+        # Where this layer's states are kept (CacheConfig.mamba_cache_dtype / _ssm_cache_dtype);
+        # arithmetic on them is float32 in every kernel, whatever they are stored in.
+        self.conv_state_dtype, self.ssm_state_dtype = mamba_state_dtypes(
+            cfg.model.dtype, cfg.cache.mamba_cache_dtype, cfg.cache.mamba_ssm_cache_dtype
+        )
         self.requirements = AttentionRequirements(
             head_size=head_size,
             num_heads=num_heads,

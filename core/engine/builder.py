@@ -39,6 +39,8 @@ class EngineArgs:
     attention_backend: str | None = None
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    mamba_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
@@ -211,6 +213,7 @@ def _check_counts(args: EngineArgs) -> None:
 def build_engine(args: EngineArgs) -> tuple[Any, LoadReport]:
     """Build an :class:`~llmhal.engine.llm_engine.LLMEngine` (and a report of what was built)."""
     from llmhal.attention.kv_formats import canonical_kv_cache_dtype
+    from llmhal.attention.state import check_mamba_cache_dtypes
     from llmhal.default_model import default_model_path
     from llmhal.model_loader.source import resolve_source
     from llmhal.platforms import get_current_platform
@@ -218,6 +221,9 @@ def build_engine(args: EngineArgs) -> tuple[Any, LoadReport]:
 
     _check_counts(args)
     args.kv_cache_dtype = canonical_kv_cache_dtype(args.kv_cache_dtype)
+    check_mamba_cache_dtypes(
+        args.mamba_cache_dtype, args.mamba_ssm_cache_dtype, get_current_platform()
+    )
     t0 = time.perf_counter()
     load_general_plugins()  # before the speculative config: a plugin may register its method
     if args.speculative_config is not None:
@@ -283,7 +289,8 @@ def resolve_engine_config(
         ),
         cache=CacheConfig(
             block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            enable_prefix_caching=args.enable_prefix_caching,
+            enable_prefix_caching=args.enable_prefix_caching, mamba_cache_dtype=args.mamba_cache_dtype,
+            mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         ),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched),
         attention_backend=args.attention_backend,

@@ -43,6 +43,10 @@ class LLM:
     ``scheduling_policy`` (vLLM's): ``"fcfs"`` (default) runs requests by arrival;
     ``"priority"`` by each request's priority (``generate(priority=[...])``, lower first, ties by
     arrival), preempting the lowest when the KV cache runs out.
+    ``mamba_cache_dtype`` and ``mamba_ssm_cache_dtype`` (vLLM's): where recurrent layers keep their
+    states: the first sets conv and SSM states (and linear attention's), ``"auto"`` = the model's
+    dtype; the second the SSM state alone, ``"auto"`` = the first (``"float32"``, ``"bfloat16"``,
+    ``"float16"`` where the platform's kernels serve it; docs/state-space-models.md).
 
     Of vLLM's other engine arguments, ``trust_remote_code`` and ``disable_log_stats`` are accepted
     and change nothing (llmhal never runs a checkpoint's own code, and logs no per-step stats).
@@ -64,6 +68,8 @@ class LLM:
         attention_backend: str | None = None,
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
+        mamba_cache_dtype: str = "auto",
+        mamba_ssm_cache_dtype: str = "auto",
         max_model_len: int | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int | None = None,
@@ -109,6 +115,7 @@ class LLM:
         args = EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, attention_backend=attention_backend,
             quantization=quantization, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
+            mamba_cache_dtype=mamba_cache_dtype, mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             kv_cache_memory_bytes=kv_cache_memory_bytes, seed=seed, enforce_eager=enforce_eager,
             enable_prefix_caching=True if enable_prefix_caching is None else bool(enable_prefix_caching),

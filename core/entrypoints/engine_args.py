@@ -12,6 +12,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The model and how the engine runs it: the options every engine-starting command takes."""
+    from llmhal.attention.state import MAMBA_CACHE_DTYPES
+
     p.add_argument(
         "--model",
         help="model folder (config.json + safetensors) or .gguf file; default: SmolLM2-135M-Instruct",
@@ -32,6 +34,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto (the model dtype, default), fp8_e4m3 (alias fp8), fp8_e5m2, int8 or nvfp4 where "
         "the backend supports it (docs/quantization.md, KV cache formats)",
+    )
+    p.add_argument(
+        "--mamba-cache-dtype",
+        default="auto",
+        choices=MAMBA_CACHE_DTYPES,
+        help="recurrent layers' conv and SSM states (and linear attention's): auto (the model "
+        "dtype, default), float32, bfloat16 or float16 where the platform's kernels serve it",
+    )
+    p.add_argument(
+        "--mamba-ssm-cache-dtype",
+        default="auto",
+        choices=MAMBA_CACHE_DTYPES,
+        help="the SSM state alone: auto (as --mamba-cache-dtype, default) or a dtype; float32 "
+        "keeps it at full precision in a half-precision model (docs/state-space-models.md)",
     )
     p.add_argument(
         "--max-model-len",
@@ -158,6 +174,8 @@ def build_llm(prog: str, args: argparse.Namespace, **extra: Any) -> LLM | None:
         llm = LLM(
             args.model, dtype=args.dtype, attention_backend=args.attention_backend,
             quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+            mamba_cache_dtype=getattr(args, "mamba_cache_dtype", "auto"),
+            mamba_ssm_cache_dtype=getattr(args, "mamba_ssm_cache_dtype", "auto"),
             max_model_len=args.max_model_len, enforce_eager=getattr(args, "enforce_eager", False),
             tokenizer=args.tokenizer, enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
             max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),

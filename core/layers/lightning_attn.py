@@ -3,7 +3,7 @@ layer of kind ``linear`` (see :mod:`llmhal.attention.state` and :mod:`llmhal.ops
 
 ``q, k, v = act(qkv_proj(x))`` (interleaved per head: head ``h`` owns columns ``3hD .. 3hD+3D`` as
 q, k, v), then the decayed linear attention, an RMSNorm over all heads, a sigmoid output gate on
-the layer's input, and ``out_proj``. Each request's past is one float32 ``[heads, D, D]`` state.
+the layer's input, and ``out_proj``. Each request's past is one ``[heads, D, D]`` state (stored in ``mamba_cache_dtype``, updated in float32).
 Parameters keep the published names (``qkv_proj``, ``output_gate``, ``norm``, ``out_proj``); the
 decay rates depend only on the layer's depth and are computed, not loaded.
 """
@@ -57,7 +57,10 @@ class LightningAttention(RecurrentLayer):
         self._decode = get_op("lightning_attn_decode")
 
     def state_specs(self) -> tuple[StateSpec, ...]:
-        return (StateSpec("kv", (self.num_heads, self.head_dim, self.head_dim), torch.float32),)
+        # mamba_cache_dtype, as vLLM keeps linear attention's state (auto: the model's dtype).
+        return (
+            StateSpec("kv", (self.num_heads, self.head_dim, self.head_dim), self.conv_state_dtype),
+        )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         t = hidden.shape[0]

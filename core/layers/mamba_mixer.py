@@ -69,10 +69,11 @@ class MambaMixer(RecurrentLayer):
         self._update = get_op("selective_state_update")
 
     def state_specs(self) -> tuple[StateSpec, ...]:
-        # The SSM state accumulates over the whole sequence: float32, whatever the model dtype.
+        # Stored as mamba_cache_dtype / mamba_ssm_cache_dtype say (vLLM's defaults: the model's
+        # dtype, as transformers keeps them); updated in float32 arithmetic by every kernel.
         return (
-            StateSpec("conv", (self.conv_kernel - 1, self.inner), self.model_dtype),
-            StateSpec("ssm", (self.inner, self.state_size), torch.float32),
+            StateSpec("conv", (self.conv_kernel - 1, self.inner), self.conv_state_dtype),
+            StateSpec("ssm", (self.inner, self.state_size), self.ssm_state_dtype),
         )
 
     def _dt_b_c(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

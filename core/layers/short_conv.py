@@ -46,7 +46,7 @@ class ShortConv(RecurrentLayer):
         self._conv_update = get_op("causal_conv1d_update")
 
     def state_specs(self) -> tuple[StateSpec, ...]:
-        return (StateSpec("conv", (self.kernel_size - 1, self.hidden_size), self.model_dtype),)
+        return (StateSpec("conv", (self.kernel_size - 1, self.hidden_size), self.conv_state_dtype),)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         b, c, x = self.in_proj(hidden).chunk(3, dim=-1)

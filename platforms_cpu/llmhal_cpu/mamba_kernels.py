@@ -3,7 +3,8 @@ RMSNorm included) and of lightning attention's decode step (:mod:`llmhal.ops.lin
 
 Calls whose tensors the native kernels read (``kernels/mamba_ops.cpp``) run there: activations
 (x, dt, B, C, z; for the conv also its weights and state) all float32 or all bfloat16, the SSM
-state and A float32, D and dt_bias either; any strides, but each state row and each B/C row
+state (and lightning attention's) float32 or bfloat16 whatever the activations are
+(``mamba_ssm_cache_dtype``), A float32, D and dt_bias either; any strides, but each state row and each B/C row
 contiguous along its last dimension. One call per op, states updated in place, no host read of the
 slot indices or ``query_start_loc``, so a decode step made of these calls can be recorded and
 replayed by :mod:`llmhal_cpu.step_graph`. Anything else (float16, a layout the kernel does not
@@ -12,7 +13,9 @@ raises the errors (a slot index out of range makes the kernel return before writ
 reference then says which).
 
 Numerics: float32 arithmetic whatever the activation dtype, like the reference; bfloat16 results
-round to nearest even as torch's cast does. The kernels run the recurrence token by token, which
+round to nearest even as torch's cast does. A bfloat16 state is widened to float32, updated and
+rounded back once per call (a prefill runs all its tokens on the float32 copy, as the reference
+does), so the output is computed from the unrounded state. The kernels run the recurrence token by token, which
 is what the reference's chunked SSD computes up to rounding; the decay of Mamba-1 and the SiLUs
 use a 1-ulp vector exp (``simd_math.h``).
 """
@@ -54,7 +57,7 @@ class SsmUpdateArgs(ctypes.Structure):
         ("z_p", _i64), ("dt_bias", _p), ("db_h", _i64), ("db_p", _i64), ("idx", _p),
         ("out", _p), ("nb", _i64), ("H", _i64), ("P", _i64), ("N", _i64), ("G", _i64),
         ("slots", _i64), ("softplus", _i32), ("bf16", _i32), ("D_bf16", _i32),
-        ("db_bf16", _i32), ("threads", _i32),
+        ("db_bf16", _i32), ("threads", _i32), ("st_bf16", _i32),
     ]  # fmt: skip
 
 
@@ -67,6 +70,7 @@ class ScanArgs(ctypes.Structure):
         ("qsl", _p), ("idx", _p), ("has_init", _p), ("out", _p), ("nseq", _i64),
         ("tokens", _i64), ("d", _i64), ("n", _i64), ("slots", _i64), ("softplus", _i32),
         ("bf16", _i32), ("D_bf16", _i32), ("db_bf16", _i32), ("threads", _i32),
+        ("st_bf16", _i32),
     ]  # fmt: skip
 
 
@@ -79,7 +83,7 @@ class SsdArgs(ctypes.Structure):
         ("qsl", _p), ("idx", _p), ("has_init", _p), ("out", _p), ("nseq", _i64),
         ("tokens", _i64), ("H", _i64), ("P", _i64), ("N", _i64), ("G", _i64), ("slots", _i64),
         ("dt_lo", _f), ("dt_hi", _f), ("softplus", _i32), ("bf16", _i32), ("D_bf16", _i32),
-        ("db_bf16", _i32), ("threads", _i32),
+        ("db_bf16", _i32), ("threads", _i32), ("st_bf16", _i32),
     ]  # fmt: skip
 
 
@@ -89,7 +93,7 @@ class LightningDecodeArgs(ctypes.Structure):
         ("v", _p), ("v_b", _i64), ("v_h", _i64), ("factor", _p), ("states", _p),
         ("st_slot", _i64), ("st_h", _i64), ("st_d", _i64), ("idx", _p), ("out", _p),
         ("nb", _i64), ("H", _i64), ("D", _i64), ("Dv", _i64), ("slots", _i64), ("bf16", _i32),
-        ("threads", _i32),
+        ("threads", _i32), ("st_bf16", _i32),
     ]  # fmt: skip
 
 
@@ -160,6 +164,12 @@ def _acts(x: torch.Tensor, *ts: torch.Tensor | None) -> bool:
 def _param_ok(*ts: torch.Tensor | None) -> bool:
     """Per-channel parameters (D, dt_bias): float32 or bfloat16 each, in host memory."""
     return all(t is None or (t.dtype in _ACT_DTYPES and t.is_cpu) for t in ts)
+
+
+def _state_ok(states: torch.Tensor) -> bool:
+    """A recurrent state the kernels read and write: float32 or bfloat16 (mamba_ssm_cache_dtype),
+    in host memory, whatever the activations' dtype."""
+    return states.dtype in _ACT_DTYPES and states.is_cpu
 
 
 def _bf16(t: torch.Tensor | None) -> int:
@@ -257,7 +267,8 @@ def selective_state_update(
     usable = (
         _lib() is not None
         and _acts(x, dt, B, C, z)
-        and _same(_F32, ssm_states, A)
+        and _state_ok(ssm_states)
+        and _same(_F32, A)
         and _param_ok(D, dt_bias)
         and x.dim() == 3
         and ssm_states.dim() == 4
@@ -288,7 +299,7 @@ def selective_state_update(
             _ptr(D), _st(D, 0), _st(D, 1), _ptr(z), _st(z, 0), _st(z, 1), _st(z, 2),
             _ptr(dt_bias), _st(dt_bias, 0), _st(dt_bias, 1), state_indices.data_ptr(),
             out.data_ptr(), nb, heads, hp, n, groups, ssm_states.shape[0], int(dt_softplus),
-            _bf16(x), _bf16(D), _bf16(dt_bias), torch.get_num_threads(),
+            _bf16(x), _bf16(D), _bf16(dt_bias), torch.get_num_threads(), _bf16(ssm_states),
         )  # fmt: skip
         if _run("llmhal_ssm_update_call", args):
             return out
@@ -313,7 +324,8 @@ def selective_scan_varlen(
     usable = (
         _lib() is not None
         and _acts(x, dt, B, C, z)
-        and _same(_F32, ssm_states, A)
+        and _state_ok(ssm_states)
+        and _same(_F32, A)
         and _param_ok(D, dt_bias)
         and x.dim() == 2
         and ssm_states.dim() == 3
@@ -341,7 +353,7 @@ def selective_scan_varlen(
             ssm_states.stride(0), ssm_states.stride(1), query_start_loc.data_ptr(),
             cache_indices.data_ptr(), has_initial_state.data_ptr(), out.data_ptr(),
             cache_indices.numel(), t, d, n, ssm_states.shape[0], int(dt_softplus), _bf16(x),
-            _bf16(D), _bf16(dt_bias), torch.get_num_threads(),
+            _bf16(D), _bf16(dt_bias), torch.get_num_threads(), _bf16(ssm_states),
         )  # fmt: skip
         if _run("llmhal_scan_call", args):
             return out
@@ -359,7 +371,8 @@ def ssd_chunk_scan_varlen(
         _lib() is not None
         and chunk_size >= 1
         and _acts(x, dt, B, C)
-        and _same(_F32, ssm_states, A)
+        and _state_ok(ssm_states)
+        and _same(_F32, A)
         and _param_ok(D, dt_bias)
         and x.dim() == 3
         and B.dim() == 3
@@ -390,7 +403,7 @@ def ssd_chunk_scan_varlen(
             *ssm_states.stride()[:3], query_start_loc.data_ptr(), cache_indices.data_ptr(),
             has_initial_state.data_ptr(), out.data_ptr(), cache_indices.numel(), t, heads, hp,
             n, groups, ssm_states.shape[0], lo, hi, int(dt_softplus), _bf16(x), _bf16(D),
-            _bf16(dt_bias), torch.get_num_threads(),
+            _bf16(dt_bias), torch.get_num_threads(), _bf16(ssm_states),
         )  # fmt: skip
         if _run("llmhal_ssd_call", args):
             return out
@@ -433,7 +446,7 @@ def lightning_attn_decode(q, k, v, decay, kv_states, cache_indices):
         _lib() is not None
         and q.dim() == 3
         and _acts(q, k, v)
-        and _same(_F32, kv_states)
+        and _state_ok(kv_states)
         and k.shape == q.shape
         and v.shape[:2] == q.shape[:2]
         and kv_states.dim() == 4
@@ -451,7 +464,7 @@ def lightning_attn_decode(q, k, v, decay, kv_states, cache_indices):
             q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
             v.data_ptr(), v.stride(0), v.stride(1), factor.data_ptr(), kv_states.data_ptr(),
             *kv_states.stride()[:3], cache_indices.data_ptr(), out.data_ptr(), nb, heads, d,
-            v.shape[2], kv_states.shape[0], _bf16(q), torch.get_num_threads(),
+            v.shape[2], kv_states.shape[0], _bf16(q), torch.get_num_threads(), _bf16(kv_states),
         )  # fmt: skip
         if _run("llmhal_lightning_decode_call", args):
             return out

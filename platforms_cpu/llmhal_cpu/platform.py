@@ -49,6 +49,9 @@ class CpuPlatform(Platform):
     }
     # None: every registered method may run here (each checks its own needs in validate()).
     supported_quantization = None
+    # The state dtypes mamba_kernels.py reads and writes natively (float16 would run only in core's
+    # slow reference, so mamba_cache_dtype / mamba_ssm_cache_dtype refuse it here).
+    supported_mamba_cache_dtypes = ("float32", "bfloat16")
 
     @property
     def capabilities(self) -> PlatformCapabilities:

@@ -382,3 +382,114 @@ def test_lightning_decode_matches_reference(dtype, monkeypatch):
         torch.testing.assert_close(out, want, atol=2e-2 if dtype != torch.float32 else 1e-4,
                                    rtol=1e-2 if dtype != torch.float32 else 1e-4)  # fmt: skip
         torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+
+
+# A bfloat16 state (mamba_ssm_cache_dtype): both sides update it in float32 and round once a call,
+# so the states may differ by one bf16 step (2^-8 relative) where float32 sums differ in the last
+# bit; the outputs are read from the unrounded state on both sides.
+BF16_STATE_TOL = dict(atol=1e-3, rtol=8e-3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(3))
+def test_bfloat16_state_matches_reference(seed, act, no_fallback):
+    """Mamba-2 and Mamba-1 prefill (odd lengths, carried and fresh slots) then two decode steps on
+    a bf16 SSM state, with float32 or bf16 activations: the kernel reads and writes the bf16 slots
+    in place, as the reference does."""
+    g = torch.Generator().manual_seed(50 + seed)
+    bf, out_tol = torch.bfloat16, (TOL if act == torch.float32 else dict(atol=2e-2, rtol=1e-2))
+    groups = (1, 2, 1)[seed]
+    heads, hp, n = groups * (2 + seed), (4, 3, 7)[seed], (16, 5, 33)[seed]
+    t, qsl, slots, carried, n_slots = _batch(g, 2 + seed, 9)
+    x = torch.randn(t, heads, hp, generator=g).to(act)
+    dt = torch.randn(t, heads, generator=g).to(act)
+    B, C = (torch.randn(t, groups, n, generator=g).to(act) for _ in range(2))
+    A = -torch.rand(heads, generator=g) * 3
+    D, bias = torch.randn(heads, generator=g), torch.randn(heads, generator=g)
+    mine, theirs = _pair(torch.randn(n_slots, heads, hp, n, generator=g).to(bf))
+    lim, tail = (0.0, float("inf")), (qsl, slots, carried)
+    out = K.ssd_chunk_scan_varlen(x, dt, A, B, C, 4, D, bias, True, lim, mine, *tail)
+    want = no_fallback["ssd_chunk_scan_varlen"](
+        x, dt, A, B, C, 4, D, bias, True, lim, theirs, *tail
+    )
+    assert mine.dtype == bf and out.dtype == act
+    torch.testing.assert_close(out, want, **out_tol)
+    torch.testing.assert_close(mine, theirs, **BF16_STATE_TOL)
+    untouched = torch.ones(n_slots, dtype=torch.bool)
+    untouched[slots.long()] = False
+    assert torch.equal(mine[untouched], theirs[untouched])  # other slots are not written
+    for _ in range(2):
+        args = _mamba2_decode_args(g, mine, len(slots), heads, hp, n, groups, A, D, bias)
+        args = (args[0], *(a.to(act) if i in (1, 2, 4, 5) else a for i, a in enumerate(args) if i))
+        out = K.selective_state_update(*args, slots)
+        want = no_fallback["selective_state_update"](theirs, *args[1:], slots)
+        torch.testing.assert_close(out, want, **out_tol)
+        torch.testing.assert_close(mine, theirs, **BF16_STATE_TOL)
+    # Mamba-1: A [d, n], a gate, then its decode (H = 1)
+    d = 5 + 7 * seed
+    xm, zm, dtm = (torch.randn(t, d, generator=g).to(act) for _ in range(3))
+    Bm, Cm = (torch.randn(t, n, generator=g).to(act) for _ in range(2))
+    Am = -torch.rand(d, n, generator=g) * 4
+    m1, m2 = _pair(torch.randn(n_slots, d, n, generator=g).to(bf))
+    y = K.selective_scan_varlen(xm, dtm, Am, Bm, Cm, None, zm, None, True, m1, *tail)
+    want = no_fallback["selective_scan_varlen"](
+        xm, dtm, Am, Bm, Cm, None, zm, None, True, m2, *tail
+    )
+    torch.testing.assert_close(y, want, **out_tol)
+    torch.testing.assert_close(m1, m2, **BF16_STATE_TOL)
+    b = len(slots)
+    xs, dts = (torch.randn(b, 1, d, generator=g).to(act) for _ in range(2))
+    Bs, Cs = (torch.randn(b, 1, n, generator=g).to(act) for _ in range(2))
+    out, want = (
+        update(st[:, None], xs, dts, Am[None], Bs, Cs, None, None, None, True, slots)
+        for update, st in (
+            (K.selective_state_update, m1),
+            (no_fallback["selective_state_update"], m2),
+        )
+    )
+    torch.testing.assert_close(out, want, **out_tol)
+    torch.testing.assert_close(m1, m2, **BF16_STATE_TOL)
+
+
+@needs_kernel
+def test_bfloat16_prefill_state_is_rounded_once():
+    """A long prefill on a bf16 state equals the same prefill on a float32 state rounded once at
+    the end (the kernel keeps its tile in float32 across tokens), not one rounded every token."""
+    g = torch.Generator().manual_seed(60)
+    t, heads, hp, n = 57, 2, 3, 8
+    x, dt = torch.randn(t, heads, hp, generator=g), torch.randn(t, heads, generator=g)
+    B, C = (torch.randn(t, 1, n, generator=g) for _ in range(2))
+    A, idx = -torch.rand(heads, generator=g), torch.tensor([0], dtype=torch.int32)
+    qsl, init = torch.tensor([0, t], dtype=torch.int32), torch.tensor([False])
+    wide, narrow = torch.zeros(1, heads, hp, n), torch.zeros(1, heads, hp, n, dtype=torch.bfloat16)
+    lim = (0.0, float("inf"))
+    y32 = K.ssd_chunk_scan_varlen(x, dt, A, B, C, 8, None, None, True, lim, wide, qsl, idx, init)
+    y16 = K.ssd_chunk_scan_varlen(x, dt, A, B, C, 8, None, None, True, lim, narrow, qsl, idx, init)
+    assert torch.equal(narrow, wide.bfloat16())
+    assert torch.equal(y16, y32)
+
+
+@needs_kernel
+def test_lightning_decode_bfloat16_state(monkeypatch):
+    """Lightning attention's decode step on a bf16 state (mamba_cache_dtype auto in a bf16
+    model): updated where it lies, rounded as the reference rounds."""
+    from llmhal.ops import linear_attn_ops
+
+    reference = linear_attn_ops.lightning_attn_decode
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the kernel fell back to the reference")
+
+    g = torch.Generator().manual_seed(41)
+    b, heads, d, slots = 2, 3, 12, torch.tensor([3, 1], dtype=torch.int32)
+    decay = torch.rand(heads, generator=g)
+    mine, theirs = _pair(torch.randn(4, heads, d, d, generator=g).bfloat16())
+    for _ in range(2):
+        q, k, v = (torch.randn(b, heads, d, generator=g).bfloat16() for _ in range(3))
+        monkeypatch.setattr(linear_attn_ops, "lightning_attn_decode", refuse)
+        out = K.lightning_attn_decode(q, k, v, decay, mine, slots)
+        monkeypatch.setattr(linear_attn_ops, "lightning_attn_decode", reference)
+        want = reference(q, k, v, decay, theirs, slots)
+        torch.testing.assert_close(out, want, atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(mine, theirs, **BF16_STATE_TOL)

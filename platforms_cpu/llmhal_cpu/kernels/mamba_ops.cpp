@@ -5,8 +5,8 @@
 // dimension (N, or dim for the conv) is contiguous.
 //
 // Dtypes: the activations (x, dt, B, C, z, the output; for the conv also its weights and state)
-// are float32 or bfloat16 (`bf16` set), the SSM state and A float32, D and dt_bias either (their
-// own flags). Arithmetic is float32 and bf16 results round to nearest even, as torch casts.
+// are float32 or bfloat16 (`bf16` set), the SSM state (and lightning's) float32 or bfloat16
+// (`st_bf16`, independent of `bf16`), A float32, D and dt_bias either (their own flags). Arithmetic is float32 and bf16 results round to nearest even, as torch casts.
 //
 // Why a kernel: a decode step through torch is ~10 tensor calls per op (gather the slots, exp,
 // two products, a sum, the scatter back), each ~1-5 us of dispatch plus a temporary; here it is
@@ -148,6 +148,52 @@ inline float ssm_row(float* s, const float* b, const float* c, int64_t n, float 
   return hsum(acc) + tail;
 }
 
+// States of float32 or bfloat16 elements (mamba_ssm_cache_dtype): the arithmetic is float32 either
+// way. A decode updates each row once, so a bfloat16 row is widened, updated and rounded back (to
+// nearest even, as torch's cast) row by row; a prefill widens its rows into a float32 block once,
+// runs every token on it and rounds once at the end, as the reference and vLLM's kernels do (a
+// state rounded after every token would drift from them).
+template <typename S>
+inline float ssm_row_s(S* s, const float* b, const float* c, int64_t n, float u, float dt,
+                       const float* a, int64_t a_sn, float decay) {
+  if constexpr (sizeof(S) == sizeof(float)) {
+    return ssm_row(s, b, c, n, u, dt, a, a_sn, decay);
+  } else {
+    float buf[kMaxN];
+    for (int64_t i = 0; i < n; ++i) buf[i] = ld(s + i);
+    const float y = ssm_row(buf, b, c, n, u, dt, a, a_sn, decay);
+    for (int64_t i = 0; i < n; ++i) put(s + i, buf[i]);
+    return y;
+  }
+}
+
+// `rows` rows of n elements (row stride `stride`) as float32 rows: a float32 state itself (zeroed
+// in place when `zero`), else `buf` (rows * n, stride n) filled from it or with zeros.
+template <typename S>
+inline float* widen_rows(S* st, int64_t rows, int64_t stride, int64_t n, bool zero,
+                         std::vector<float>& buf, int64_t& out_stride) {
+  if constexpr (sizeof(S) == sizeof(float)) {
+    if (zero)
+      for (int64_t r = 0; r < rows; ++r) std::memset(st + r * stride, 0, sizeof(float) * n);
+    out_stride = stride;
+    return st;
+  } else {
+    buf.assign(static_cast<size_t>(rows * n), 0.f);
+    if (!zero)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < n; ++i) buf[r * n + i] = ld(st + r * stride + i);
+    out_stride = n;
+    return buf.data();
+  }
+}
+
+template <typename S>
+inline void narrow_rows(S* st, int64_t rows, int64_t stride, int64_t n, const float* buf) {
+  if constexpr (sizeof(S) != sizeof(float))
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < n; ++i) put(st + r * stride + i, buf[r * n + i]);
+}
+
 }  // namespace
 
 extern "C" {
@@ -256,7 +302,7 @@ int llmhal_conv_call(const void* p) {
 }
 
 struct SsmUpdateArgs {
-  float* states;  // [slots, H, P, N]: strides st_slot, st_h, st_p, 1
+  void* states;  // [slots, H, P, N]: strides st_slot, st_h, st_p, 1; float32 or bfloat16
   int64_t st_slot, st_h, st_p;
   const void* x;  // [B, H, P]
   int64_t x_b, x_h, x_p;
@@ -277,14 +323,14 @@ struct SsmUpdateArgs {
   const int32_t* idx;  // [B]
   void* out;  // [B, H, P] contiguous
   int64_t nb, H, P, N, G, slots;
-  int32_t softplus, bf16, D_bf16, db_bf16, threads;
+  int32_t softplus, bf16, D_bf16, db_bf16, threads, st_bf16;
 };
 
 }  // extern "C"
 
 namespace {
 
-template <typename T>
+template <typename T, typename S>
 void ssm_update(const SsmUpdateArgs& a) {
   const T* x = static_cast<const T*>(a.x);
   const T* dtp = static_cast<const T*>(a.dt);
@@ -306,7 +352,7 @@ void ssm_update(const SsmUpdateArgs& a) {
         float bbuf[kMaxN], cbuf[kMaxN];
         const float* bv = as_f32(static_cast<const T*>(a.Bm) + b * a.B_b + g * a.B_g, bbuf, a.N);
         const float* cv = as_f32(static_cast<const T*>(a.Cm) + b * a.C_b + g * a.C_g, cbuf, a.N);
-        float* st = a.states + a.idx[b] * a.st_slot + h * a.st_h;
+        S* st = static_cast<S*>(a.states) + a.idx[b] * a.st_slot + h * a.st_h;
         // Mamba-2 passes dt, dt_bias and A expanded along p (stride 0): then dt and the decay
         // are one softplus and one exp per head instead of per channel (~1536 of each a token).
         const bool head_dt = a.dt_p == 0 && (a.dt_bias == nullptr || a.db_p == 0);
@@ -321,8 +367,8 @@ void ssm_update(const SsmUpdateArgs& a) {
           // A constant along n (Mamba-2's expanded per-head scalar): one exp for the row.
           const bool scalar_a = a.A_n == 0;
           if (scalar_a && (q == q0 || !head_decay)) decay = std::exp(arow[0] * dt);
-          float y = ssm_row(st + q * a.st_p, bv, cv, a.N, dt * xv, dt,
-                            scalar_a ? nullptr : arow, a.A_n, decay);
+          float y = ssm_row_s(st + q * a.st_p, bv, cv, a.N, dt * xv, dt,
+                              scalar_a ? nullptr : arow, a.A_n, decay);
           if (a.D) y += xv * ld_param(a.D, h * a.D_h + q * a.D_p, a.D_bf16);
           if (z) y *= silu(ld(z + b * a.z_b + h * a.z_h + q * a.z_p));
           put(out + (b * a.H + h) * a.P + q, y);
@@ -339,7 +385,10 @@ extern "C" {
 int llmhal_ssm_update_call(const void* p) {
   const auto& a = *static_cast<const SsmUpdateArgs*>(p);
   if (!slots_ok(a.idx, a.nb, a.slots) || a.N > kMaxN) return -1;
-  a.bf16 ? ssm_update<uint16_t>(a) : ssm_update<float>(a);
+  if (a.st_bf16)
+    a.bf16 ? ssm_update<uint16_t, uint16_t>(a) : ssm_update<float, uint16_t>(a);
+  else
+    a.bf16 ? ssm_update<uint16_t, float>(a) : ssm_update<float, float>(a);
   return 0;
 }
 
@@ -360,21 +409,21 @@ struct ScanArgs {  // Mamba-1 prefill
   int64_t z_t, z_d;
   const void* dt_bias;  // [d] or null
   int64_t db_s;
-  float* states;  // [slots, d, n]: strides st_slot, st_d, 1
+  void* states;  // [slots, d, n]: strides st_slot, st_d, 1; float32 or bfloat16
   int64_t st_slot, st_d;
   const int32_t* qsl;
   const int32_t* idx;
   const uint8_t* has_init;
   void* out;  // [T, d] contiguous
   int64_t nseq, tokens, d, n, slots;
-  int32_t softplus, bf16, D_bf16, db_bf16, threads;
+  int32_t softplus, bf16, D_bf16, db_bf16, threads, st_bf16;
 };
 
 }  // extern "C"
 
 namespace {
 
-template <typename T>
+template <typename T, typename S>
 void scan(const ScanArgs& a) {
   const T* x = static_cast<const T*>(a.x);
   const T* dtp = static_cast<const T*>(a.dt);
@@ -389,9 +438,10 @@ void scan(const ScanArgs& a) {
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const int64_t s = a.qsl[r], e = a.qsl[r + 1];
       const int64_t c0 = blk * kBlock, c1 = c0 + kBlock < a.d ? c0 + kBlock : a.d;
-      float* st0 = a.states + a.idx[r] * a.st_slot;
-      if (a.has_init[r] == 0)
-        for (int64_t ch = c0; ch < c1; ++ch) std::memset(st0 + ch * a.st_d, 0, sizeof(float) * a.n);
+      S* st_s = static_cast<S*>(a.states) + a.idx[r] * a.st_slot + c0 * a.st_d;
+      std::vector<float> wide;
+      int64_t st_d = 0;
+      float* st0 = widen_rows(st_s, c1 - c0, a.st_d, a.n, a.has_init[r] == 0, wide, st_d);
       float bbuf[kMaxN], cbuf[kMaxN];
       for (int64_t t = s; t < e; ++t) {
         const float* bv = as_f32(static_cast<const T*>(a.Bm) + t * a.B_t, bbuf, a.n);
@@ -400,13 +450,14 @@ void scan(const ScanArgs& a) {
           const float dt = delta(ld(dtp + t * a.dt_t + ch * a.dt_d), a.dt_bias, ch * a.db_s,
                                  a.db_bf16, a.softplus, -inf, inf);
           const float xv = ld(x + t * a.x_t + ch * a.x_d);
-          float y = ssm_row(st0 + ch * a.st_d, bv, cv, a.n, dt * xv, dt, a.A + ch * a.A_d,
+          float y = ssm_row(st0 + (ch - c0) * st_d, bv, cv, a.n, dt * xv, dt, a.A + ch * a.A_d,
                             a.A_n, 0.f);
           if (a.D) y += xv * ld_param(a.D, ch * a.D_s, a.D_bf16);
           if (z) y *= silu(ld(z + t * a.z_t + ch * a.z_d));
           put(out + t * a.d + ch, y);
         }
       }
+      narrow_rows(st_s, c1 - c0, a.st_d, a.n, wide.data());
     }
   }
 }
@@ -419,7 +470,10 @@ int llmhal_scan_call(const void* p) {
   const auto& a = *static_cast<const ScanArgs*>(p);
   if (!slots_ok(a.idx, a.nseq, a.slots) || !starts_ok(a.qsl, a.nseq, a.tokens)) return -1;
   if (a.n > kMaxN) return -1;
-  a.bf16 ? scan<uint16_t>(a) : scan<float>(a);
+  if (a.st_bf16)
+    a.bf16 ? scan<uint16_t, uint16_t>(a) : scan<float, uint16_t>(a);
+  else
+    a.bf16 ? scan<uint16_t, float>(a) : scan<float, float>(a);
   return 0;
 }
 
@@ -438,7 +492,7 @@ struct SsdArgs {  // Mamba-2 prefill
   int64_t D_s;
   const void* dt_bias;  // [H] or null
   int64_t db_s;
-  float* states;  // [slots, H, P, N]: strides st_slot, st_h, st_p, 1
+  void* states;  // [slots, H, P, N]: strides st_slot, st_h, st_p, 1; float32 or bfloat16
   int64_t st_slot, st_h, st_p;
   const int32_t* qsl;
   const int32_t* idx;
@@ -446,14 +500,14 @@ struct SsdArgs {  // Mamba-2 prefill
   void* out;  // [T, H, P] contiguous
   int64_t nseq, tokens, H, P, N, G, slots;
   float dt_lo, dt_hi;
-  int32_t softplus, bf16, D_bf16, db_bf16, threads;
+  int32_t softplus, bf16, D_bf16, db_bf16, threads, st_bf16;
 };
 
 }  // extern "C"
 
 namespace {
 
-template <typename T>
+template <typename T, typename S>
 void ssd(const SsdArgs& a) {
   const T* x = static_cast<const T*>(a.x);
   const T* dtp = static_cast<const T*>(a.dt);
@@ -464,9 +518,10 @@ void ssd(const SsdArgs& a) {
   for (int64_t r = 0; r < a.nseq; ++r) {
     for (int64_t h = 0; h < a.H; ++h) {
       const int64_t s = a.qsl[r], e = a.qsl[r + 1], g = h / per_group;
-      float* st = a.states + a.idx[r] * a.st_slot + h * a.st_h;
-      if (a.has_init[r] == 0)
-        for (int64_t q = 0; q < a.P; ++q) std::memset(st + q * a.st_p, 0, sizeof(float) * a.N);
+      S* st_s = static_cast<S*>(a.states) + a.idx[r] * a.st_slot + h * a.st_h;
+      std::vector<float> wide;
+      int64_t st_p = 0;
+      float* st = widen_rows(st_s, a.P, a.st_p, a.N, a.has_init[r] == 0, wide, st_p);
       const float ah = a.A[h * a.A_s], dh = a.D ? ld_param(a.D, h * a.D_s, a.D_bf16) : 0.f;
       float bbuf[kMaxN], cbuf[kMaxN];
       for (int64_t t = s; t < e; ++t) {
@@ -480,9 +535,10 @@ void ssd(const SsdArgs& a) {
         for (int64_t q = 0; q < a.P; ++q) {
           const float xv = ld(xr + q * a.x_p);
           put(o + q,
-              ssm_row(st + q * a.st_p, bv, cv, a.N, dt * xv, dt, nullptr, 0, decay) + dh * xv);
+              ssm_row(st + q * st_p, bv, cv, a.N, dt * xv, dt, nullptr, 0, decay) + dh * xv);
         }
       }
+      narrow_rows(st_s, a.P, a.st_p, a.N, wide.data());
     }
   }
 }
@@ -495,7 +551,10 @@ int llmhal_ssd_call(const void* p) {
   const auto& a = *static_cast<const SsdArgs*>(p);
   if (!slots_ok(a.idx, a.nseq, a.slots) || !starts_ok(a.qsl, a.nseq, a.tokens)) return -1;
   if (a.N > kMaxN) return -1;
-  a.bf16 ? ssd<uint16_t>(a) : ssd<float>(a);
+  if (a.st_bf16)
+    a.bf16 ? ssd<uint16_t, uint16_t>(a) : ssd<float, uint16_t>(a);
+  else
+    a.bf16 ? ssd<uint16_t, float>(a) : ssd<float, float>(a);
   return 0;
 }
 
@@ -510,19 +569,19 @@ struct LightningDecodeArgs {
   const void* v;  // [B, H, Dv]
   int64_t v_b, v_h;
   const float* factor;  // [H]: exp(-decay), computed by the caller
-  float* states;  // [slots, H, D, Dv]: strides st_slot, st_h, st_d, 1
+  void* states;  // [slots, H, D, Dv]: strides st_slot, st_h, st_d, 1; float32 or bfloat16
   int64_t st_slot, st_h, st_d;
   const int32_t* idx;  // [B]
   void* out;  // [B, H, Dv] contiguous
   int64_t nb, H, D, Dv, slots;
-  int32_t bf16, threads;
+  int32_t bf16, threads, st_bf16;
 };
 
 }  // extern "C"
 
 namespace {
 
-template <typename T>
+template <typename T, typename S>
 void lightning_decode(const LightningDecodeArgs& a) {
   T* out = static_cast<T*>(a.out);
 #pragma omp parallel for collapse(2) num_threads(team(a.threads)) \
@@ -531,13 +590,18 @@ void lightning_decode(const LightningDecodeArgs& a) {
     for (int64_t h = 0; h < a.H; ++h) {
       const T* q = static_cast<const T*>(a.q) + b * a.q_b + h * a.q_h;
       const T* k = static_cast<const T*>(a.k) + b * a.k_b + h * a.k_h;
-      float vbuf[kMaxN], acc[kMaxN];
+      float vbuf[kMaxN], acc[kMaxN], wide[kMaxN];
       const float* v = as_f32(static_cast<const T*>(a.v) + b * a.v_b + h * a.v_h, vbuf, a.Dv);
-      float* st = a.states + a.idx[b] * a.st_slot + h * a.st_h;
+      S* st = static_cast<S*>(a.states) + a.idx[b] * a.st_slot + h * a.st_h;
       const vf f = vf{} + a.factor[h];
       for (int64_t e = 0; e < a.Dv; ++e) acc[e] = 0.f;
       for (int64_t d = 0; d < a.D; ++d) {
-        float* row = st + d * a.st_d;
+        // One token: each row is updated once, so a bfloat16 row is widened and rounded back here.
+        float* row = wide;
+        if constexpr (sizeof(S) == sizeof(float))
+          row = st + d * a.st_d;
+        else
+          for (int64_t e = 0; e < a.Dv; ++e) wide[e] = ld(st + d * a.st_d + e);
         const float kd = ld(k + d), qd = ld(q + d);
         int64_t e = 0;
         for (; e + W <= a.Dv; e += W) {
@@ -549,6 +613,8 @@ void lightning_decode(const LightningDecodeArgs& a) {
           row[e] = row[e] * a.factor[h] + v[e] * kd;
           acc[e] += row[e] * qd;
         }
+        if constexpr (sizeof(S) != sizeof(float))
+          for (e = 0; e < a.Dv; ++e) put(st + d * a.st_d + e, row[e]);
       }
       T* o = out + (b * a.H + h) * a.Dv;
       for (int64_t e = 0; e < a.Dv; ++e) put(o + e, acc[e]);
@@ -563,7 +629,10 @@ extern "C" {
 int llmhal_lightning_decode_call(const void* p) {
   const auto& a = *static_cast<const LightningDecodeArgs*>(p);
   if (!slots_ok(a.idx, a.nb, a.slots) || a.Dv > kMaxN) return -1;
-  a.bf16 ? lightning_decode<uint16_t>(a) : lightning_decode<float>(a);
+  if (a.st_bf16)
+    a.bf16 ? lightning_decode<uint16_t, uint16_t>(a) : lightning_decode<float, uint16_t>(a);
+  else
+    a.bf16 ? lightning_decode<uint16_t, float>(a) : lightning_decode<float, float>(a);
   return 0;
 }
 
