@@ -164,10 +164,11 @@ def _llmhal_worker(a: argparse.Namespace) -> dict[str, Any]:
     """llmhal: decode rates, then decode ms per token after a prompt of each context length
     (one request; the engine's decode clock for wall time, its decode steps' CPU time)."""
     from llmhal import LLM, SamplingParams
+    from llmhal.attention.state import recurrent_layers
 
     contexts = [int(c) for c in a.contexts.split(",")] if a.contexts else []
     llm = LLM(a.model, dtype=a.dtype, max_num_seqs=max(a.batch_sizes),
-              enable_prefix_caching=False,
+              enable_prefix_caching=False, mamba_ssm_cache_dtype=a.mamba_ssm_cache_dtype,
               max_model_len=max([*contexts, a.prompt_len]) + a.new_tokens + 8)  # fmt: skip
     engine = llm.engine
     vocab = engine.config.model.hf_config.vocab_size
@@ -178,8 +179,12 @@ def _llmhal_worker(a: argparse.Namespace) -> dict[str, Any]:
 
     # The dtype the engine loaded the weights in, so the table cannot claim a precision it ran
     # without.
+    specs = {
+        s.name: s.dtype for m in recurrent_layers(engine.runner.model) for s in m.state_specs()
+    }
     out: dict[str, Any] = {"attention": llm.load_report.attention_backends,
-                           "dtype": str(engine.config.model.dtype).removeprefix("torch.")}  # fmt: skip
+                           "dtype": str(engine.config.model.dtype).removeprefix("torch."),
+                           "ssm_state": str(specs.get("ssm")).removeprefix("torch.")}  # fmt: skip
     out.update(_decode_rates(gen, vocab, a))
     step, decode_cpu = engine.step, [0.0]
 
@@ -227,12 +232,18 @@ def _hf_worker(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_system(
-    system: str, model: Path, a: argparse.Namespace, contexts: str = "", dtype: str = "float32"
+    system: str,
+    model: Path,
+    a: argparse.Namespace,
+    contexts: str = "",
+    dtype: str = "float32",
+    ssm_state: str = "auto",
 ) -> dict:
     """Measure ``model`` with ``system`` ("llmhal" or "hf") loaded in ``dtype`` in a fresh
-    worker process."""
+    worker process (llmhal keeping its SSM state in ``ssm_state``, mamba_ssm_cache_dtype)."""
     cmd = [sys.executable, "-m", "llmhal.benchmarks.ssm", "--worker", system, "--model",
-           str(model), "--dtype", dtype, "--batch-sizes", ",".join(map(str, a.batch_sizes)),
+           str(model), "--dtype", dtype, "--mamba-ssm-cache-dtype", ssm_state,
+           "--batch-sizes", ",".join(map(str, a.batch_sizes)),
            "--prompt-len", str(a.prompt_len), "--new-tokens", str(a.new_tokens), "--repeat",
            str(a.repeat), "--contexts", contexts]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True)
@@ -257,12 +268,10 @@ def report(
     at = f" {dtype}" if dtype else ""
     for key, clock in (("decode_cpu", "CPU time"), ("decode", "wall time")):
         lines += [_row(f"decode tok/s{at} ({clock})", [f"batch {b}" for b in batch_sizes])]
-        for model in ("mamba2", "hybrid"):
-            ours, theirs = results.get(model), results.get(f"hf_{model}")
-            if ours is None:
-                continue
+        for model, variant in [(k.split(" ")[0], k) for k in results if not k.startswith("hf_")]:
+            ours, theirs = results[variant], results.get(f"hf_{model}")
             ours_tps = [float(ours[key][str(b)]) for b in batch_sizes]
-            lines.append(_row(f"llmhal {model}", [_fmt(v) for v in ours_tps]))
+            lines.append(_row(f"llmhal {variant}", [_fmt(v) for v in ours_tps]))
             if theirs is not None:
                 theirs_tps = [float(theirs[key][str(b)]) for b in batch_sizes]
                 lines.append(_row(f"transformers {model}", [_fmt(v) for v in theirs_tps]))
@@ -300,6 +309,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--workdir", help="keep the generated checkpoints here (reused when the shape matches)"
     )
+    p.add_argument(
+        "--mamba-ssm-cache-dtype",
+        default="auto",
+        help="llmhal's SSM state: auto (the model dtype, vLLM's default), float32, bfloat16, or "
+        "several comma-separated, each measured against the same transformers baseline",
+    )
     p.add_argument("--json", dest="json_path", help="also write the results here")
     p.add_argument("--worker", choices=["llmhal", "hf"], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -310,6 +325,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(
             f"--dtype {a.dtype!r}: use float32, bfloat16, or both comma-separated "
             "(e.g. --dtype float32,bfloat16)"
+        )
+    ssm_states = [d.strip() for d in str(a.mamba_ssm_cache_dtype).split(",") if d.strip()]
+    if not ssm_states or any(d not in ("auto", "float32", "bfloat16") for d in ssm_states):
+        raise SystemExit(
+            f"--mamba-ssm-cache-dtype {a.mamba_ssm_cache_dtype!r}: use auto, float32, bfloat16, "
+            "or several comma-separated (e.g. auto,float32)"
         )
     if a.worker:
         result = _llmhal_worker(a) if a.worker == "llmhal" else _hf_worker(a)
@@ -336,11 +357,14 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in dtypes:
         for name in names:
             ctx = ",".join(map(str, contexts)) if dtype == ctx_dtype else ""
-            jobs = {name: ("llmhal", ctx)}
+            # The first state dtype under the model's name (it measures the context rows); the
+            # others as "<model> ssm=<dtype>".
+            jobs = {name: ("llmhal", ctx, ssm_states[0])}
+            jobs.update({f"{name} ssm={st}": ("llmhal", "", st) for st in ssm_states[1:]})
             if not a.no_hf:
-                jobs[f"hf_{name}"] = ("hf", "")
-            for key, (system, c) in jobs.items():
-                results[dtype][key] = run_system(system, ckpt[name], a, c, dtype)
+                jobs[f"hf_{name}"] = ("hf", "", "auto")
+            for key, (system, c, st) in jobs.items():
+                results[dtype][key] = run_system(system, ckpt[name], a, c, dtype, st)
                 # Each figure as it comes: a long run that fails later keeps what it measured.
                 print(f"{dtype} {key}: {json.dumps(results[dtype][key])}", file=sys.stderr,
                       flush=True)  # fmt: skip

@@ -27,7 +27,7 @@ def test_checkpoints_and_table(tmp_path, monkeypatch, capsys):
     }  # fmt: skip
     seen = []
 
-    def run_system(system, model, a, contexts="", dtype="float32"):
+    def run_system(system, model, a, contexts="", dtype="float32", ssm_state="auto"):
         seen.append((system, str(model), contexts))
         arch = json.loads((model / "config.json").read_text())["architectures"][0]
         name = "mamba2" if arch == "Mamba2ForCausalLM" else "hybrid"
@@ -61,7 +61,7 @@ def test_both_dtypes_in_one_run(tmp_path, monkeypatch, capsys):
     measured once, in bfloat16."""
     seen = []
 
-    def run_system(system, model, a, contexts="", dtype="float32"):
+    def run_system(system, model, a, contexts="", dtype="float32", ssm_state="auto"):
         seen.append((dtype, system, model.name.split("-")[0], contexts))
         scale = 2.0 if dtype == "bfloat16" else 1.0
         rates = _rates((10 * scale, 40 * scale), (10 * scale, 40 * scale))
@@ -98,12 +98,43 @@ def test_workers_run_in_bfloat16(tmp_path):
                            attn_every=2, attn_heads=2, attn_kv_heads=1, mlp=64)  # fmt: skip
     model = bench.make_checkpoints(tmp_path, shape, ["mamba2"])["mamba2"]
     a = argparse.Namespace(model=str(model), dtype="bfloat16", batch_sizes=[1, 2], prompt_len=8,
-                           new_tokens=4, repeat=1, contexts="16")  # fmt: skip
+                           new_tokens=4, repeat=1, contexts="16",
+                           mamba_ssm_cache_dtype="auto")  # fmt: skip
     for worker in (bench._hf_worker, bench._llmhal_worker):
         res = worker(a)
         assert res["dtype"] == "bfloat16"
         assert all(res[k][b] > 0 for k in ("decode", "decode_cpu") for b in ("1", "2")), res
     assert res["context"]["16"] > 0 and res["context"]["cpu_16"] > 0
+    assert res["ssm_state"] == "bfloat16"  # vLLM's default: the model's dtype
+
+
+def test_ssm_state_dtypes_share_one_baseline(tmp_path, monkeypatch, capsys):
+    """--mamba-ssm-cache-dtype auto,float32: one llmhal worker per state dtype (the first measures
+    the context rows), one transformers baseline, a ratio row for each."""
+    seen = []
+
+    def run_system(system, model, a, contexts="", dtype="float32", ssm_state="auto"):
+        seen.append((system, contexts, ssm_state))
+        return _rates((20, 80), (20, 80)) if ssm_state == "auto" else _rates((10, 40), (10, 40))
+
+    monkeypatch.setattr(bench, "run_system", run_system)
+    args = [
+        *TINY,
+        "--no-hybrid",
+        "--no-contexts",
+        "--workdir",
+        str(tmp_path),
+        "--dtype",
+        "bfloat16",
+    ]
+    assert bench.main([*args, "--mamba-ssm-cache-dtype", "auto,float32"]) == 0
+    assert seen == [("llmhal", "", "auto"), ("llmhal", "", "float32"), ("hf", "", "auto")]
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["llmhal", "mamba2", "ssm=float32", "10.00", "40.00"] in rows
+    ratios = [r[-2:] for r in rows if r[1:2] == ["/"]]
+    assert ratios[:2] == [["1.00x", "1.00x"], ["0.50x", "0.50x"]]  # CPU time: auto, float32
+    with pytest.raises(SystemExit, match="auto, float32, bfloat16"):
+        bench.main([*args, "--mamba-ssm-cache-dtype", "float16"])
 
 
 def test_refuses_an_inner_width_that_is_not_a_multiple_of_hidden(tmp_path):
