@@ -468,6 +468,16 @@ def test_bfloat16_prefill_state_is_rounded_once():
     y16 = K.ssd_chunk_scan_varlen(x, dt, A, B, C, 8, None, None, True, lim, narrow, qsl, idx, init)
     assert torch.equal(narrow, wide.bfloat16())
     assert torch.equal(y16, y32)
+    # a decode step (rounded in vector registers): the float32 step on the widened state, rounded
+    # by torch, exactly; a NaN stays a NaN
+    narrow[0, 1, 2, 5] = float("nan")
+    wide = narrow.float()
+    args = _mamba2_decode_args(g, None, 1, heads, hp, n, 1, A, torch.ones(heads), torch.ones(heads))
+    y16 = K.selective_state_update(narrow, *args[1:], idx)
+    y32 = K.selective_state_update(wide, *args[1:], idx)
+    exact = dict(rtol=0, atol=0, equal_nan=True)  # a NaN's payload bits are not compared
+    torch.testing.assert_close(narrow, wide.bfloat16(), **exact)
+    torch.testing.assert_close(y16, y32, rtol=1e-6, atol=1e-7, equal_nan=True)  # FMAs may differ
 
 
 @needs_kernel

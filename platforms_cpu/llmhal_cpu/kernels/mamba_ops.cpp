@@ -34,6 +34,8 @@
 #include <cstring>
 #include <vector>
 
+#include <immintrin.h>
+
 #include <omp.h>
 
 #include "simd_math.h"
@@ -111,9 +113,39 @@ bool starts_ok(const int32_t* qsl, int64_t nseq, int64_t tokens) {
   return qsl[nseq] <= tokens;
 }
 
+// W bfloat16 state elements as float32 lanes and back (rounded to nearest even, a NaN kept quiet:
+// put()'s rule, branch-free so that it stays in vector registers).
+typedef uint16_t vh __attribute__((vector_size(W * sizeof(uint16_t))));
+typedef uint32_t vu __attribute__((vector_size(W * sizeof(uint32_t))));
+inline vf vload(const uint16_t* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  const vu u = __builtin_convertvector(h, vu) << 16;
+  vf f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline void vstore(uint16_t* p, vf v) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  // One instruction on hosts with AVX512-BF16 (nearest even, NaN kept quiet: the same rule).
+  const __m256bh h = _mm512_cvtneps_pbh(reinterpret_cast<__m512>(v));
+  std::memcpy(p, &h, sizeof h);
+#else
+  vu u;
+  std::memcpy(&u, &v, sizeof u);
+  const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const vu out = (u & 0x7fffffffu) > 0x7f800000u ? ((u >> 16) | 0x40u) : rounded;
+  const vh h = __builtin_convertvector(out, vh);
+  std::memcpy(p, &h, sizeof h);
+#endif
+}
+
 // One state row update and its read-out over n: s = s * decay + u * b, returns sum(s * c). The
 // decay is one scalar (Mamba-2, or Mamba-1 with a constant row) or a row of a stride-1 A times dt.
-inline float ssm_row(float* s, const float* b, const float* c, int64_t n, float u, float dt,
+// The row is float32 or bfloat16 (a decode's bf16 state: widened and rounded back in registers;
+// the output is read from the unrounded values).
+template <typename S>
+inline float ssm_row(S* s, const float* b, const float* c, int64_t n, float u, float dt,
                      const float* a, int64_t a_sn, float decay) {
   vf acc = {};
   float tail = 0.f;
@@ -125,13 +157,15 @@ inline float ssm_row(float* s, const float* b, const float* c, int64_t n, float 
       acc += v * vload(c + i);
     }
     for (; i < n; ++i) {
-      s[i] = s[i] * exp_approx(a[i] * dt) + b[i] * u;
-      tail += s[i] * c[i];
+      const float v = ld(s + i) * exp_approx(a[i] * dt) + b[i] * u;
+      put(s + i, v);
+      tail += v * c[i];
     }
   } else if (a) {  // A with another n stride: gather it
     for (; i < n; ++i) {
-      s[i] = s[i] * exp_approx(a[i * a_sn] * dt) + b[i] * u;
-      tail += s[i] * c[i];
+      const float v = ld(s + i) * exp_approx(a[i * a_sn] * dt) + b[i] * u;
+      put(s + i, v);
+      tail += v * c[i];
     }
   } else {
     const vf dv = vf{} + decay;
@@ -141,32 +175,19 @@ inline float ssm_row(float* s, const float* b, const float* c, int64_t n, float 
       acc += v * vload(c + i);
     }
     for (; i < n; ++i) {
-      s[i] = s[i] * decay + b[i] * u;
-      tail += s[i] * c[i];
+      const float v = ld(s + i) * decay + b[i] * u;
+      put(s + i, v);
+      tail += v * c[i];
     }
   }
   return hsum(acc) + tail;
 }
 
 // States of float32 or bfloat16 elements (mamba_ssm_cache_dtype): the arithmetic is float32 either
-// way. A decode updates each row once, so a bfloat16 row is widened, updated and rounded back (to
-// nearest even, as torch's cast) row by row; a prefill widens its rows into a float32 block once,
-// runs every token on it and rounds once at the end, as the reference and vLLM's kernels do (a
-// state rounded after every token would drift from them).
-template <typename S>
-inline float ssm_row_s(S* s, const float* b, const float* c, int64_t n, float u, float dt,
-                       const float* a, int64_t a_sn, float decay) {
-  if constexpr (sizeof(S) == sizeof(float)) {
-    return ssm_row(s, b, c, n, u, dt, a, a_sn, decay);
-  } else {
-    float buf[kMaxN];
-    for (int64_t i = 0; i < n; ++i) buf[i] = ld(s + i);
-    const float y = ssm_row(buf, b, c, n, u, dt, a, a_sn, decay);
-    for (int64_t i = 0; i < n; ++i) put(s + i, buf[i]);
-    return y;
-  }
-}
-
+// way. A decode updates each row once, so ssm_row rounds a bfloat16 row back as it goes (to
+// nearest even, as torch's cast); a prefill widens its rows into a float32 block once, runs every
+// token on it and rounds once at the end, as the reference and vLLM's kernels do (a state rounded
+// after every token would drift from them).
 // `rows` rows of n elements (row stride `stride`) as float32 rows: a float32 state itself (zeroed
 // in place when `zero`), else `buf` (rows * n, stride n) filled from it or with zeros.
 template <typename S>
@@ -367,8 +388,8 @@ void ssm_update(const SsmUpdateArgs& a) {
           // A constant along n (Mamba-2's expanded per-head scalar): one exp for the row.
           const bool scalar_a = a.A_n == 0;
           if (scalar_a && (q == q0 || !head_decay)) decay = std::exp(arow[0] * dt);
-          float y = ssm_row_s(st + q * a.st_p, bv, cv, a.N, dt * xv, dt,
-                              scalar_a ? nullptr : arow, a.A_n, decay);
+          float y = ssm_row(st + q * a.st_p, bv, cv, a.N, dt * xv, dt,
+                            scalar_a ? nullptr : arow, a.A_n, decay);
           if (a.D) y += xv * ld_param(a.D, h * a.D_h + q * a.D_p, a.D_bf16);
           if (z) y *= silu(ld(z + b * a.z_b + h * a.z_h + q * a.z_p));
           put(out + (b * a.H + h) * a.P + q, y);
