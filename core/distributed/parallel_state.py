@@ -16,10 +16,9 @@ the platform's device communicator (:mod:`llmhal.distributed.communicator`).
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from llmhal.distributed import stats as _stats
@@ -191,20 +190,6 @@ def _trivial(name: str) -> GroupCoordinator:
 
 
 _lock = threading.Lock()
-# How long init_distributed waits for another thread's join to finish before refusing: longer
-# than a bounded join (``join_timeout_s``) takes to give up.
-_JOIN_LOCK_WAIT_S = 90.0
-
-
-@contextlib.contextmanager
-def _lock_held() -> Iterator[None]:
-    """Release ``_lock`` (already acquired by the caller) on the way out."""
-    try:
-        yield
-    finally:
-        _lock.release()
-
-
 _groups: dict[str, GroupCoordinator] = {}
 
 
@@ -277,14 +262,7 @@ def init_distributed(
     from llmhal.platforms import current_platform
     from llmhal.utils.imports import resolve_obj_by_qualname
 
-    # A join that lost a peer (it died before connecting) blocks until torch's timeout while
-    # holding the lock; its engine has already failed (llmhal.executor.mp). Refuse at once.
-    if not _lock.acquire(timeout=_JOIN_LOCK_WAIT_S):
-        raise RuntimeError(
-            "an earlier engine in this process is still blocked joining its process group (one "
-            "of its ranks died while joining); start the new engine in a new process"
-        )
-    with _lock_held():
+    with _lock:
         if _groups:
             raise RuntimeError(
                 "init_distributed was already called in this process; call "

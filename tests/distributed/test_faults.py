@@ -177,11 +177,11 @@ DIES_JOINING = rank1_plugin(
 @pytest.mark.slow
 def test_worker_dying_between_joining_and_connecting_fails_at_once(request, tiny_models, monkeypatch):  # fmt: skip
     """Rank 0 is waiting in init_process_group for every rank to connect: a worker that dies
-    there fails the engine within the bound (not torch's 30-minute init timeout), and once rank
-    0's abandoned join has given up, this process can build a multi-rank engine again."""
+    there fails the engine, naming it, once the join's bound has passed (not torch's 30-minute
+    init timeout), and the failed join leaves this process able to build another engine."""
     import llmhal.executor.mp as mp
 
-    monkeypatch.setattr(mp, "_JOIN_TIMEOUT_S", 5.0)  # the abandoned join's own bound
+    monkeypatch.setattr(mp, "_JOIN_TIMEOUT_S", 5.0)  # 60 s by default
     from torch.distributed import distributed_c10d
 
     request.getfixturevalue("install_dists")(DIES_JOINING)
@@ -193,16 +193,6 @@ def test_worker_dying_between_joining_and_connecting_fails_at_once(request, tiny
     assert time.monotonic() - t0 < BOUND_S + 20  # the worker's start-up (imports) included
     assert caught.value.rank == 1
     assert "exited with status 3 while joining the process group" in str(caught.value)
-    import threading
-
-    from llmhal.distributed import parallel_state
-
-    deadline = time.monotonic() + BOUND_S
-    while any(t.name == "llmhal-mp-join" for t in threading.enumerate()):
-        assert time.monotonic() < deadline, "rank 0's abandoned join did not give up"
-        time.sleep(0.1)
-    assert parallel_state._lock.acquire(timeout=1.0)  # free for the next engine's join
-    parallel_state._lock.release()
     # torch names the next default group after its count of groups: the failed join's must not
     # count, or the next engine's ranks would wait for each other under different names.
     assert distributed_c10d._world.group_count == groups
