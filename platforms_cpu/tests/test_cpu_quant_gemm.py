@@ -314,7 +314,13 @@ def test_portable_builds(lib, arch, isa, tmp_path):
 @pytest.mark.slow
 def test_default_model_answers_like_the_exact_path(monkeypatch):
     """SmolLM2-135M-Instruct (Q4_1, tied Q8_0 head) on the default path: the chat answer names Paris,
-    and the first 16 greedy tokens equal the exact path's (LLMHAL_GGUF_KERNEL=dequant) on 3 prompts."""
+    and the first 16 greedy tokens follow the exact path's (LLMHAL_GGUF_KERNEL=dequant) on 3 prompts.
+
+    The kernel rounds activations to integers, so where the exact path's two best tokens are nearly
+    tied the paths may part (in bf16 a story prompt parts at a 0.03 log-probability gap). Up to the
+    first difference the tokens must be equal, and there the exact path must rank the kernel's token
+    second within ``NEAR_TIE`` of its first: a real kernel error parts the paths at a clear choice."""
+    NEAR_TIE = 0.1  # log-probability
     from llmhal import LLM, SamplingParams
     from llmhal.default_model import default_model_path
 
@@ -324,9 +330,9 @@ def test_default_model_answers_like_the_exact_path(monkeypatch):
         pytest.skip(str(e))
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     plain = ["Once upon a time, in a small village,", "The three primary colors are"]
-    params = SamplingParams(temperature=0, max_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=2)
 
-    def answers(kernel_mode: str) -> list[list[int]]:
+    def answers(kernel_mode: str) -> list:
         monkeypatch.setenv("LLMHAL_GGUF_KERNEL", kernel_mode)
         llm = LLM(model, max_num_seqs=4)
         outs = llm.chat(chat, params) + llm.generate(plain, params)
@@ -338,9 +344,18 @@ def test_default_model_answers_like_the_exact_path(monkeypatch):
             }
             assert kernels == {"cpu_qgemm"}, kernels
             assert "Paris" in outs[0].outputs[0].text, outs[0].outputs[0].text
-        return [list(o.outputs[0].token_ids) for o in outs]
+        return [o.outputs[0] for o in outs]
 
-    assert answers("auto") == answers("dequant")
+    for fast, exact in zip(answers("auto"), answers("dequant"), strict=True):
+        ours, theirs = list(fast.token_ids), list(exact.token_ids)
+        parted = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        if parted is None:
+            assert ours == theirs
+            continue
+        ranked = sorted(exact.logprobs[parted].items(), key=lambda kv: -kv[1].logprob)
+        (first, lp1), (second, lp2) = ranked[0], ranked[1]
+        assert first == theirs[parted] and second == ours[parted], (parted, ours, theirs, ranked)
+        assert lp1.logprob - lp2.logprob < NEAR_TIE, (parted, lp1.logprob, lp2.logprob)
 
 
 def test_row_lookups_reject_ids_out_of_range(lib):
