@@ -71,7 +71,7 @@ def test_smollm2_gguf_matches_hf(backend, hf_reference, monkeypatch):
     monkeypatch.setenv("LLMHAL_GGUF_KERNEL", "dequant")
     hf, prompts = hf_reference
     engine, report = build_engine(
-        EngineArgs(attention_backend=backend, max_model_len=256, kv_cache_memory_bytes=8 << 20)
+        EngineArgs(attention_backend=backend, dtype="float32", max_model_len=256, kv_cache_memory_bytes=8 << 20)
     )
     assert report.architecture == "LlamaForCausalLM" and report.dtype == torch.float32
     result = compare_with_hf(
@@ -98,7 +98,7 @@ def test_smollm2_json_answer_matches_hf_with_xgrammars_logits_processor(hf_refer
     hf, prompts = hf_reference
     schema = {"type": "object", "properties": {"capital": {"type": "string"}},
               "required": ["capital"], "additionalProperties": False}  # fmt: skip
-    llm = LLM(max_model_len=256, kv_cache_memory_bytes=8 << 20, load_progress=False,
+    llm = LLM(dtype="float32", max_model_len=256, kv_cache_memory_bytes=8 << 20, load_progress=False,
               structured_outputs_config={"backend": "xgrammar"})  # fmt: skip
     so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     params = SamplingParams(temperature=0, max_tokens=30, structured_outputs=so)
@@ -193,7 +193,7 @@ def test_smollm2_json_answer_matches_hf_under_each_librarys_own_token_lists(hf_r
     hf, prompts = hf_reference
     schema = {"type": "object", "properties": {"capital": {"type": "string"}, "country": {"type": "string"}},
               "required": ["capital", "country"], "additionalProperties": False}  # fmt: skip
-    llm = LLM(max_model_len=256, kv_cache_memory_bytes=8 << 20, load_progress=False,
+    llm = LLM(dtype="float32", max_model_len=256, kv_cache_memory_bytes=8 << 20, load_progress=False,
               structured_outputs_config={"backend": backend})  # fmt: skip
     so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     params = SamplingParams(temperature=0, max_tokens=30, structured_outputs=so)
