@@ -33,10 +33,11 @@ def test_dtypes_follow_vllm_rules():
     assert mamba_state_dtypes(f32, "float16", "auto") == (f16, f16)
 
 
-@pytest.mark.parametrize("arch", ["mamba2", "bamba"])
+@pytest.mark.parametrize("arch", ["mamba", "mamba2", "bamba"])
 def test_bfloat16_state_matches_transformers_bfloat16(tiny_models, arch):
-    """The default (state in the model's dtype) against transformers' bf16 model, which keeps its
-    cache in bf16 too: 12 greedy steps of prompts crossing chunks, prefill cut in 8-token steps."""
+    """The default (state in the model's dtype) against transformers' bf16 model (Mamba-1, Mamba-2,
+    the Bamba hybrid), which keeps its cache in bf16 too: 12 greedy steps of prompts crossing
+    chunks, prefill cut in 8-token steps."""
     folder, hf = tiny_models(arch)
     refs = hf_references(copy.deepcopy(hf).to(BF), PROMPTS, 12)
     llm = LLM(folder, dtype="bfloat16", **KW)
