@@ -41,7 +41,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from llmhal.benchmarks.engine import _peak_rss_mb
 from llmhal.benchmarks.ssm import _decode_rates, add_decode_args
+from llmhal.benchmarks.ssm import _hf_worker as _ssm_hf_worker
 
 FAMILIES = ("mixtral", "deepseek")
 DTYPES = ("float32", "bfloat16")
@@ -179,12 +181,6 @@ def make_checkpoints(
     return out
 
 
-def _peak_rss_mb() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def _llmhal_worker(a: argparse.Namespace) -> dict[str, Any]:
     from llmhal import LLM, SamplingParams
 
@@ -206,22 +202,8 @@ def _llmhal_worker(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def _hf_worker(a: argparse.Namespace) -> dict[str, Any]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    # A benchmarked checkpoint's own Python code never runs (docs/security.md).
-    model = AutoModelForCausalLM.from_pretrained(
-        a.model, dtype=getattr(torch, a.dtype), trust_remote_code=False
-    ).eval()
-
-    def gen(prompts: list[list[int]], n: int) -> None:
-        x = torch.tensor(prompts)
-        with torch.inference_mode():
-            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
-                           min_new_tokens=n, do_sample=False, pad_token_id=0)  # fmt: skip
-
-    out: dict[str, Any] = {"dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
-    out.update(_decode_rates(gen, model.config.vocab_size, a))
+    """``bench ssm``'s transformers worker (the same load and greedy decode), plus peak memory."""
+    out = _ssm_hf_worker(a)
     out["peak_rss_mb"] = _peak_rss_mb()
     return out
 
