@@ -340,10 +340,7 @@ class HeadProposer(Proposer):
             seq = self._empty()
             seq.pos = r.hidden_start
             self._seqs[r.request_id] = seq
-        rows = r.hidden_states
-        if rows is None or seq.pos + rows.shape[0] != r.num_tokens - 1:
-            return None
-        return seq
+        return seq if r.hidden_reaches_newest else None
 
     def finish(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)

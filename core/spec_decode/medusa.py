@@ -182,11 +182,7 @@ class MedusaProposer(Proposer):
         assert self.heads is not None, "load_model() was not called"
         # The hidden state that produced each request's newest token: the last row handed over.
         ready = [
-            i
-            for i, r in enumerate(requests)
-            if r.hidden_states is not None
-            and len(r.hidden_states)
-            and r.hidden_start + len(r.hidden_states) == r.num_tokens - 1
+            i for i, r in enumerate(requests) if r.hidden_reaches_newest and len(r.hidden_states)
         ]
         out: list[Any] = [[] for _ in requests]
         if not ready:

@@ -199,7 +199,7 @@ class MTPProposer(Proposer):
         # predecessor; its last row gives each request's first draft.
         work = []  # (index, state, first position, hidden rows, token ids)
         for i, r in enumerate(requests):
-            if r.hidden_states is None or r.hidden_start + len(r.hidden_states) != r.num_tokens - 1:
+            if not r.hidden_reaches_newest:
                 continue
             state = self.states.setdefault(r.request_id, _State())
             state.done = min(state.done, r.hidden_start)  # recomputed positions start over

@@ -69,6 +69,13 @@ class DraftRequest:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def hidden_reaches_newest(self) -> bool:
+        """Whether ``hidden_states`` run up to the newest token's predecessor (the row a head
+        drafts from); not so where the target skipped its positions or kept no rows."""
+        rows = self.hidden_states
+        return rows is not None and self.hidden_start + len(rows) == self.num_tokens - 1
+
 
 class Proposer:
     """Base class of speculative-decoding proposers (see the module docstring)."""
