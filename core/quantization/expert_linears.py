@@ -109,13 +109,13 @@ class _CheckpointNames(QuantizationConfig):
 
 
 def expert_layers(
-    config: QuantizationConfig, prefix: str, hidden: int, intermediate: int, dtype: torch.dtype
+    names: _CheckpointNames, prefix: str, hidden: int, intermediate: int, dtype: torch.dtype
 ) -> nn.Module:
-    """One expert as linear layers of ``config``'s method: ``gate_up_proj`` (shards 0 and 1) and
+    """One expert as linear layers of the checkpoint's method (``names``, built once per MoE layer:
+    its spelling is the config's, not the expert's): ``gate_up_proj`` (shards 0 and 1) and
     ``down_proj``, named ``<prefix>.gate_up_proj`` / ``.down_proj``."""
     from llmhal.layers.linear import MergedLinear, ReplicatedLinear
 
-    names = _CheckpointNames(config)
     expert = nn.Module()
     kw = {"quant_config": names, "params_dtype": dtype}
     expert.gate_up_proj = MergedLinear(
@@ -141,8 +141,9 @@ def moe_method(
     from llmhal.layers.linear import quant_and_dtype
 
     _, dtype = quant_and_dtype(config, None)
-    probe = expert_layers(config, f"{prefix}.0", layer.hidden_size, layer.intermediate_size, dtype)
-    return ExpertLinearsMoEMethod(config, first=probe) if _quantized(probe) else None
+    names = _CheckpointNames(config)
+    probe = expert_layers(names, f"{prefix}.0", layer.hidden_size, layer.intermediate_size, dtype)
+    return ExpertLinearsMoEMethod(names, first=probe) if _quantized(probe) else None
 
 
 def is_moe_layer(layer: nn.Module) -> bool:
@@ -157,8 +158,8 @@ def declines_router(layer: nn.Module) -> bool:
 class ExpertLinearsMoEMethod(FusedMoEMethodBase):
     """Experts as per-expert linear layers of the checkpoint's method (module docstring)."""
 
-    def __init__(self, config: QuantizationConfig, first: nn.Module | None = None) -> None:
-        self.config = config
+    def __init__(self, names: _CheckpointNames, first: nn.Module | None = None) -> None:
+        self.names, self.config = names, names.inner
         self._first = first  # expert 0, built when the method was chosen
 
     def create_weights(  # type: ignore[override]
@@ -176,7 +177,7 @@ class ExpertLinearsMoEMethod(FusedMoEMethodBase):
                 experts.append(self._first)
                 continue
             experts.append(
-                expert_layers(self.config, f"{layer.prefix}.{e}", hidden_size,
+                expert_layers(self.names, f"{layer.prefix}.{e}", hidden_size,
                               intermediate_size, params_dtype)
             )  # fmt: skip
         self._first = None
