@@ -192,10 +192,8 @@ class MedusaProposer(Proposer):
         top = logits.topk(self.top_k, dim=-1).indices.tolist()  # [heads][rows][k]
         tree = self.tree
         for row, i in enumerate(ready):
-            tokens = [top[len(path) - 1][row][path[-1]] for path in self.ranks]
             if tree.is_chain or tree.depth > requests[i].max_draft:
-                chain = [top[h][row][0] for h in range(requests[i].max_draft)]
-                out[i] = chain
+                out[i] = [top[h][row][0] for h in range(requests[i].max_draft)]
             else:
-                out[i] = TreeDraft(tokens, tree)
+                out[i] = TreeDraft([top[len(path) - 1][row][path[-1]] for path in self.ranks], tree)
         return out
