@@ -43,8 +43,8 @@ def status() -> str:
     return "native moe_experts" if LIBRARY.get() else f"torch ({LIBRARY.status})"
 
 
-def _host(x: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
-    return x.is_cpu and x.is_contiguous() and (dtype is None or x.dtype == dtype)
+def _host(x: torch.Tensor) -> bool:
+    return x.is_cpu and x.is_contiguous()
 
 
 def moe_experts(
