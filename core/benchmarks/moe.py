@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from llmhal.benchmarks.engine import _peak_rss_mb
-from llmhal.benchmarks.ssm import _decode_rates, add_decode_args
+from llmhal.benchmarks.ssm import _decode_rates, add_decode_args, split_choices
 from llmhal.benchmarks.ssm import _hf_worker as _ssm_hf_worker
 
 FAMILIES = ("mixtral", "deepseek")
@@ -281,13 +281,6 @@ def kv_report(shape: DeepseekShape, dtype: str) -> str:
     )
 
 
-def _split(value: str, allowed: tuple[str, ...], flag: str) -> list[str]:
-    items = [v.strip() for v in str(value).split(",") if v.strip()]
-    if not items or any(v not in allowed for v in items):
-        raise SystemExit(f"{flag} {value!r}: use {', '.join(allowed)}, or several comma-separated")
-    return items
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="llmhal bench moe", description=__doc__.split("\n\n")[0])
     for f in fields(MoeShape):
@@ -316,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         result = _llmhal_worker(a) if a.worker == "llmhal" else _hf_worker(a)
         print(json.dumps(result))
         return 0
-    families = _split(a.family, FAMILIES, "--family")
-    dtypes = _split(a.dtype, DTYPES, "--dtype")
+    families = split_choices(a.family, FAMILIES, "--family")
+    dtypes = split_choices(a.dtype, DTYPES, "--dtype")
     shapes: dict[str, MoeShape | DeepseekShape] = {
         "mixtral": MoeShape(**{f.name: getattr(a, f.name) for f in fields(MoeShape)}),
         "deepseek": DeepseekShape(

@@ -155,6 +155,17 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=2, help="timed runs per figure; the least counts")
 
 
+def split_choices(value: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    """A comma-separated flag's items, each one of ``allowed`` (shared with ``bench moe``)."""
+    items = [v.strip() for v in str(value).split(",") if v.strip()]
+    if not items or any(v not in allowed for v in items):
+        raise SystemExit(
+            f"{flag} {value!r}: use {', '.join(allowed)}, or several comma-separated "
+            f"(e.g. {flag} {','.join(allowed[:2])})"
+        )
+    return items
+
+
 def _prompts(vocab: int, batch: int, length: int) -> list[list[int]]:
     rng = random.Random(batch * 7919 + length)
     return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(batch)]
@@ -320,18 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.batch_sizes = [int(x) for x in str(a.batch_sizes).split(",")]
-    dtypes = [d.strip() for d in str(a.dtype).split(",") if d.strip()]
-    if not dtypes or any(d not in ("float32", "bfloat16") for d in dtypes):
-        raise SystemExit(
-            f"--dtype {a.dtype!r}: use float32, bfloat16, or both comma-separated "
-            "(e.g. --dtype float32,bfloat16)"
-        )
-    ssm_states = [d.strip() for d in str(a.mamba_ssm_cache_dtype).split(",") if d.strip()]
-    if not ssm_states or any(d not in ("auto", "float32", "bfloat16") for d in ssm_states):
-        raise SystemExit(
-            f"--mamba-ssm-cache-dtype {a.mamba_ssm_cache_dtype!r}: use auto, float32, bfloat16, "
-            "or several comma-separated (e.g. auto,float32)"
-        )
+    dtypes = split_choices(a.dtype, ("float32", "bfloat16"), "--dtype")
+    ssm_states = split_choices(
+        a.mamba_ssm_cache_dtype, ("auto", "float32", "bfloat16"), "--mamba-ssm-cache-dtype"
+    )
     if a.worker:
         result = _llmhal_worker(a) if a.worker == "llmhal" else _hf_worker(a)
         print(json.dumps(result))
