@@ -19,8 +19,8 @@ is constant in size, so its time per token should not grow with the context; the
 attention layers read a KV cache that does.
 
 ``--dtype float32,bfloat16`` measures both systems in each dtype in turn, in the same run (both
-load the weights in it; llmhal's CPU Mamba kernels take bf16 activations and keep the state in
-fp32); the context rows are measured once, in bfloat16 when it is asked for.
+load the weights in it; llmhal keeps the SSM state as ``--mamba-ssm-cache-dtype`` says, auto: the
+model's dtype); the context rows are measured once, in bfloat16 when it is asked for.
 """
 
 from __future__ import annotations
