@@ -252,7 +252,6 @@ class Speculator:
             or tree.depth > dreq.max_draft
             or req.num_tokens + tree.num_nodes > self.max_model_len
         ):
-            self.trees.pop(req.request_id, None)
             return [int(t) for t in draft.tokens[: tree.chain_len]]
         self.trees[req.request_id] = tree
         return [int(t) for t in draft.tokens]
