@@ -68,13 +68,6 @@ class DFlashProposer(HeadProposer):
                 f"num_speculative_tokens <= {self.block_size - 1}"
             )
 
-    def load_model(self, target_model: Any) -> None:
-        setter = getattr(target_model, "set_aux_hidden_state_layers", None)
-        if setter is None:
-            raise ValueError(f"speculative method 'dflash' needs the target to keep inner layers' hidden states; {type(target_model).__name__} does not implement set_aux_hidden_state_layers")  # fmt: skip
-        setter(self.aux_layers)
-        super().load_model(target_model)
-
     def build(self) -> None:
         n = int(getattr(self.cfg, "num_hidden_layers", 1))
         self._need(["fc.weight", "hidden_norm.weight", "norm.weight", *(f"layers.{i}.{p}.weight" for i in range(n) for p in _LAYER_PARTS)])  # fmt: skip

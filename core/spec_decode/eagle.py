@@ -151,6 +151,9 @@ class HeadProposer(Proposer):
     uses_target_hidden_states: ClassVar[bool] = True
     method_name: ClassVar[str] = "eagle"
     display_name: ClassVar[str] = "EAGLE"
+    # The target layers whose inputs the head reads (EAGLE-3, DFlash: set by check_head); empty:
+    # the target's last hidden state (EAGLE).
+    aux_layers: tuple[int, ...] = ()
 
     @classmethod
     def check_config(cls, config: Any) -> None:
@@ -223,6 +226,15 @@ class HeadProposer(Proposer):
     def load_model(self, target_model: Any) -> None:
         from llmhal.layers.rotary_embedding import get_rope_from_hf_config
 
+        if self.aux_layers:
+            setter = getattr(target_model, "set_aux_hidden_state_layers", None)
+            if setter is None:
+                raise ValueError(
+                    f"speculative method {self.method_name!r} needs the target to keep inner "
+                    f"layers' hidden states, and {type(target_model).__name__} does not implement "
+                    "set_aux_hidden_state_layers; use 'eagle' or a Llama-family target"
+                )
+            setter(self.aux_layers)
         param = next(target_model.parameters())
         self.device, self.dtype = param.device, self.engine_config.model.dtype
         self.target = target_model

@@ -20,7 +20,7 @@ through ``d2t``. Everything else (per-request keys and values, positions) is :mo
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -55,17 +55,6 @@ class Eagle3Proposer(HeadProposer):
                 f"in {self.folder / 'config.json'} to the layers the head was trained on"
             )
         self.aux_layers = tuple(ids)
-
-    def load_model(self, target_model: Any) -> None:
-        setter = getattr(target_model, "set_aux_hidden_state_layers", None)
-        if setter is None:
-            raise ValueError(
-                f"speculative method 'eagle3' needs the target to keep inner layers' hidden states, "
-                f"and {type(target_model).__name__} does not implement "
-                "set_aux_hidden_state_layers; use 'eagle' or a Llama-family target"
-            )
-        setter(self.aux_layers)
-        super().load_model(target_model)
 
     def build(self) -> None:
         prefix = "midlayer." if any(k.startswith("midlayer.") for k in self.weights) else "layers.0."  # fmt: skip
