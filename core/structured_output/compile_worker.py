@@ -10,9 +10,10 @@ automaton as JSON.
 
 Protocol, over the process's stdin and stdout: each message is a frame, ``<IQ`` (header length,
 payload length), a JSON header, then the payload bytes. The parent sends a request and reads the
-answer before sending the next; the worker answers every request, ``{"error": ...}`` when the
-library refused the constraint. It ends when its stdin closes. This module imports only the
-standard library until a request needs a library, so the worker starts in a fraction of a second.
+answer before sending the next; the worker answers every request, ``{"refused": ...}`` when the
+library refused the constraint, ``{"error": ...}`` when handling it failed otherwise. It ends when
+its stdin closes. This module imports only the standard library until a request needs a library,
+so the worker starts in a fraction of a second.
 """
 
 from __future__ import annotations
