@@ -159,7 +159,7 @@ class ExpertLinearsMoEMethod(FusedMoEMethodBase):
     """Experts as per-expert linear layers of the checkpoint's method (module docstring)."""
 
     def __init__(self, names: _CheckpointNames, first: nn.Module | None = None) -> None:
-        self.names, self.config = names, names.inner
+        self.names = names
         self._first = first  # expert 0, built when the method was chosen
 
     def create_weights(  # type: ignore[override]
@@ -226,4 +226,4 @@ class ExpertLinearsMoEMethod(FusedMoEMethodBase):
     def describe(self, layer: nn.Module) -> str:
         first = layer.expert_linears[0]
         parts = {m.quant_method.describe(m) for m in (first.gate_up_proj, first.down_proj)}
-        return f"{self.config.get_name()} experts ({' / '.join(sorted(parts))})"
+        return f"{self.names.inner.get_name()} experts ({' / '.join(sorted(parts))})"
