@@ -71,7 +71,12 @@ def test_smollm2_gguf_matches_hf(backend, hf_reference, monkeypatch):
     monkeypatch.setenv("LLMHAL_GGUF_KERNEL", "dequant")
     hf, prompts = hf_reference
     engine, report = build_engine(
-        EngineArgs(attention_backend=backend, dtype="float32", max_model_len=256, kv_cache_memory_bytes=8 << 20)
+        EngineArgs(
+            attention_backend=backend,
+            dtype="float32",
+            max_model_len=256,
+            kv_cache_memory_bytes=8 << 20,
+        )
     )
     assert report.architecture == "LlamaForCausalLM" and report.dtype == torch.float32
     result = compare_with_hf(
