@@ -1,9 +1,10 @@
 """CPU ``fused_moe`` (signature in :mod:`llmhal.ops.fused_moe`).
 
 Decode-sized calls (at most :data:`KERNEL_ROWS_PER_EXPERT` (token, choice) pairs per expert on
-average) run the native kernel ``kernels/moe_experts.cpp``: routing in torch, then the whole layer
-in one call that streams each active expert's weights once for all its tokens (float32, bfloat16
-or int8 weights). Measured on this 2-core VM (one thread, CPU time, DeepSeek-V2-Lite-like layer
+average) run the native kernel ``kernels/moe_experts.cpp``: the whole layer in one call, the routing
+(the same experts as core's ``select_experts``) and then each active expert's weights streamed once
+for all its tokens (float32, bfloat16 or int8 weights). The call makes no torch op, so a decode
+step of a MoE model can be recorded as a step graph (:mod:`llmhal_cpu.step_graph`). Measured on this 2-core VM (one thread, CPU time, DeepSeek-V2-Lite-like layer
 [8 tokens, 16 experts of 384, top-4, hidden 512]): 0.73 ms against 2.6 ms through torch in
 bfloat16, 1.16 ms against 3.9 ms in float32; Mixtral-like [8 tokens, 8 experts of 2816, top-2,
 hidden 1024] in bfloat16: 6.6 ms against 10.2 ms. With 8 rows an expert the kernel's
@@ -62,16 +63,17 @@ def fused_moe(
     w2_scale: torch.Tensor | None = None,
     **routing: Any,
 ) -> torch.Tensor:
-    weights, ids = core_moe.select_experts(router_logits, top_k, **routing)
-    stacked = isinstance(w13, torch.Tensor)  # not ExpertKernels (per-expert quantized kernels)
     if (
-        stacked
+        isinstance(w13, torch.Tensor)  # not ExpertKernels (per-expert quantized kernels)
         and activation == "silu"
         and hidden.shape[0] * top_k <= KERNEL_ROWS_PER_EXPERT * w13.shape[0]
     ):
-        out = moe_experts.moe_experts(hidden, weights, ids, w13, w2, w13_scale, w2_scale)
+        out = moe_experts.moe_layer(
+            hidden, router_logits, top_k, w13, w2, w13_scale, w2_scale, **routing
+        )
         if out is not None:
-            return out.to(hidden.dtype)
+            return out
+    weights, ids = core_moe.select_experts(router_logits, top_k, **routing)
     act = cpu_ops.silu_and_mul if activation == "silu" else core_moe.gated_activation(activation)
     return core_moe.grouped_experts(
         hidden,

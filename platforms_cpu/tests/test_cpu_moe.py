@@ -114,9 +114,9 @@ def test_kernel_for_decode_sizes_torch_for_prefill(monkeypatch):
     from llmhal_cpu.kernels import moe_experts
 
     calls = []
-    real = moe_experts.moe_experts
+    real = moe_experts.moe_layer
     monkeypatch.setattr(
-        moe_experts, "moe_experts", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw)
+        moe_experts, "moe_layer", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw)
     )
     w13, w2 = torch.randn(4, 16, 32) * 0.1, torch.randn(4, 32, 8) * 0.1
     limit = moe.KERNEL_ROWS_PER_EXPERT * 4 // 2  # tokens at top-2
@@ -143,3 +143,94 @@ def test_kernel_switch_turns_it_off_and_doctor_says_so(monkeypatch):
     if moe_experts.LIBRARY.get() is not None:
         assert moe.fused_moe.status() == "native moe_experts"
         assert moe_experts.moe_experts(torch.randn(1, 16), weights, ids, w13, w2) is not None
+
+
+# Routing: the kernel chooses the experts core's select_experts (torch) chooses, in the same order.
+# Integer logits make ties everywhere (softmax and sigmoid of equal logits are equal in any
+# implementation), which torch.topk orders by its own unstable algorithm; random ones test the rest.
+ROUTINGS = {
+    "softmax": {},
+    "softmax, not renormalized": {"renormalize": False},
+    "sigmoid": {"scoring_func": "sigmoid"},
+    "grouped": {"num_expert_group": 4, "topk_group": 2},
+    "v3": {"scoring_func": "sigmoid", "num_expert_group": 4, "topk_group": 2, "bias": True,
+           "routed_scaling_factor": 2.5},
+}  # fmt: skip
+
+
+def _routing(name: str, experts: int, g: torch.Generator) -> dict:
+    opts = dict(ROUTINGS[name])
+    if opts.pop("bias", False):  # a bias of 0 or 0.5: ties survive it
+        opts["e_score_correction_bias"] = torch.randint(0, 2, (experts,), generator=g) * 0.5
+    return opts
+
+
+def _logits(tokens: int, experts: int, g: torch.Generator, ties: bool) -> torch.Tensor:
+    if ties:
+        return torch.randint(-2, 3, (tokens, experts), generator=g).float()
+    return torch.randn(tokens, experts, generator=g)
+
+
+@pytest.mark.parametrize("name", list(ROUTINGS))
+@pytest.mark.parametrize("experts", [8, 16, 64, 256])
+def test_native_routing_chooses_as_torch_does_ties_included(name, experts):
+    from llmhal_cpu.kernels import moe_experts
+
+    if moe_experts.LIBRARY.get() is None:
+        pytest.skip(f"native kernel unavailable: {moe_experts.LIBRARY.status}")
+    g = torch.Generator().manual_seed(experts)
+    for k in (1, 2, 4, 8):  # 256 experts at k 1..4: torch.topk's partial_sort branch
+        for trial in range(6):
+            logits, opts = _logits(7, experts, g, ties=trial % 2 == 0), _routing(name, experts, g)
+            want_w, want_ids = core_moe.select_experts(logits, k, **opts)
+            got = moe_experts.route(logits, k, **opts)
+            assert got is not None
+            assert torch.equal(got[1], want_ids), (k, trial, logits, got[1], want_ids)
+            torch.testing.assert_close(got[0], want_w, rtol=1e-6, atol=1e-7)
+            # bf16 logits are read as they are (the router's output in a bf16 model)
+            bf = logits.bfloat16()
+            assert torch.equal(moe_experts.route(bf, k, **opts)[1],
+                               core_moe.select_experts(bf, k, **opts)[1])  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(ROUTINGS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_whole_layer_in_one_call_matches_the_reference(name, dtype):
+    """moe_layer (routing and experts) against core's fused_moe, in the activations' dtype."""
+    from llmhal_cpu.kernels import moe_experts
+
+    if moe_experts.LIBRARY.get() is None:
+        pytest.skip(f"native kernel unavailable: {moe_experts.LIBRARY.status}")
+    g = torch.Generator().manual_seed(3)
+    experts = 8
+    x = torch.randn(6, KH, generator=g).to(dtype)
+    w13 = (torch.randn(experts, 2 * KI, KH, generator=g) * 0.2).to(dtype)
+    w2 = (torch.randn(experts, KH, KI, generator=g) * 0.2).to(dtype)
+    logits, opts = _logits(6, experts, g, ties=True).to(dtype), _routing(name, experts, g)
+    got = moe.fused_moe(x, w13, w2, logits, 2, **opts)
+    weights, ids = core_moe.select_experts(logits, 2, **opts)
+    ref = _float64_reference(x, weights, ids, w13, w2)
+    assert got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: the output's rounding
+    assert float((got.double() - ref).abs().max() / ref.abs().max()) < tol
+
+
+def test_a_decode_sized_moe_layer_records_as_a_step_graph():
+    """The CPU fused_moe for decode sizes makes native calls only: it records, and a replay on new
+    values equals the eager call on them."""
+    from llmhal_cpu import step_graph
+    from llmhal_cpu.kernels import moe_experts
+
+    if moe_experts.LIBRARY.get() is None or step_graph.LIBRARY.get() is None:
+        pytest.skip("native kernels unavailable")
+    g = torch.Generator().manual_seed(4)
+    x, logits = torch.randn(4, KH, generator=g).bfloat16(), torch.randn(4, 16, generator=g)
+    w13 = (torch.randn(16, 2 * KI, KH, generator=g) * 0.2).bfloat16()
+    w2 = (torch.randn(16, KH, KI, generator=g) * 0.2).bfloat16()
+    opts = _routing("v3", 16, g)
+    out, graph, reason = step_graph.capture(lambda: moe.fused_moe(x, w13, w2, logits, 4, **opts))
+    assert graph is not None, reason
+    x.copy_(torch.randn(4, KH, generator=g))
+    logits.copy_(torch.randn(4, 16, generator=g))
+    graph.replay()
+    assert torch.equal(out, moe.fused_moe(x, w13, w2, logits, 4, **opts))

@@ -1,18 +1,22 @@
-// The routed experts of one MoE layer in one call, for decode-sized batches (llmhal_cpu/moe.py).
+// One MoE layer in one call, for decode-sized batches (llmhal_cpu/moe.py): the routing and the
+// routed experts.
 //
-// Through torch, a decode step of a MoE layer is ~10 ops of routing bookkeeping (argsort,
-// bincount, a host sync, gathers, index_add) plus four tensor calls per active expert (two
-// matmuls, the activation, a copy), each a few microseconds of dispatch around a matmul that at
-// 1-8 rows is a matrix-vector product: the torch path read the experts' weights at 7-9 GB/s on one
-// thread. Here the whole layer is one pass: the (token, choice) pairs are grouped by expert with a
-// counting sort, and each active expert's weight rows are streamed once for all of its tokens
-// (a dot product per token per row, float32 accumulation), gate/up -> silu(gate) * up -> down,
-// each token's result added into its output row times its routing weight.
+// Through torch, a decode step of a MoE layer is ~10 ops of routing (softmax or sigmoid, top-k,
+// grouped top-k, renormalisation) and ~10 of bookkeeping (argsort, bincount, a host sync, gathers,
+// index_add), plus four tensor calls per active expert (two matmuls, the activation, a copy),
+// each a few microseconds of dispatch around a matmul that at 1-8 rows is a matrix-vector
+// product. Any of those torch calls also keeps the step from being recorded as a step graph
+// (llmhal_cpu/step_graph.py). Here the whole layer is one call: each token's experts are chosen
+// from its router logits exactly as torch's select_experts chooses them (ties in torch.topk's
+// order), the (token, choice) pairs are grouped by expert with a counting sort, and each active
+// expert's weight rows are streamed once for all of its tokens (a dot product per token per row,
+// float32 accumulation), gate/up -> silu(gate) * up -> down, each token's result added into its
+// output row times its routing weight.
 //
 // Weights are float32, bfloat16 (widened to float32 in registers) or int8 with one float32 scale
-// per output row (experts_int8); activations come in float32 (the caller widens bf16 once).
+// per output row (experts_int8); activations and logits float32 or bfloat16 (widened here).
 // Intermediates stay float32 (torch's bf16 path rounds gate/up and the activation to bf16: this
-// is closer to the float32 result). The output is float32 [t, h]; the caller casts it.
+// is closer to the float32 result); the output is rounded once to the activations' dtype.
 //
 // Rows of a projection are split over the caller's OpenMP team when there is enough work; the
 // team size is always the caller's (num_threads(threads)) and serial runs go through if(), for
@@ -22,111 +26,33 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include <omp.h>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-#include "simd_math.h"
+#include "dot_rows.h"
+#include "float_bits.h"
 
 namespace {
 
+using llmhal_cpu::dots;
 using llmhal_cpu::exp_approx;
-using llmhal_cpu::hsum;
+using llmhal_cpu::f32_to_bf16_bits;
+using llmhal_cpu::kRowBlock;
 using llmhal_cpu::vf;
-using llmhal_cpu::vload;
 using llmhal_cpu::W;
+using llmhal_cpu::widen_rows;
 
 enum WeightType : int32_t { kF32 = 0, kBF16 = 1, kI8 = 2 };
+enum Scoring : int32_t { kGiven = -1, kSoftmax = 0, kSigmoid = 1 };
 
-// Tokens of one expert handled together: each weight row is read once per block.
-constexpr int kBlock = 8;
+constexpr int kBlock = kRowBlock;
 // Below this many weight elements in an expert's gate/up projection a call runs on one thread.
 constexpr int64_t kMinParallel = 1 << 15;
 
-typedef uint16_t vu16 __attribute__((vector_size(W * sizeof(uint16_t))));
-typedef uint32_t vu32 __attribute__((vector_size(W * sizeof(uint32_t))));
-typedef int8_t vi8 __attribute__((vector_size(W * sizeof(int8_t))));
-typedef int32_t vi32 __attribute__((vector_size(W * sizeof(int32_t))));
-
-inline vf load_w(const float* p) { return vload(p); }
-
-// bfloat16 is the high half of a float32: widen and shift.
-inline vf load_w(const uint16_t* p) {
-  vu16 h;
-  std::memcpy(&h, p, sizeof h);
-  vu32 u = __builtin_convertvector(h, vu32) << 16;
-  vf f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-// int8 -> float32: GCC scalarizes __builtin_convertvector from a char vector (4x slower than
-// the weights' bfloat16 form on a Mixtral-sized layer), so the x86 forms use the intrinsics.
-inline vf load_w(const int8_t* p) {
-#if defined(__AVX512F__)
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
-  vf v;
-  std::memcpy(&v, &f, sizeof v);
-  return v;
-#elif defined(__AVX2__)
-  const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
-  vf v;
-  std::memcpy(&v, &f, sizeof v);
-  return v;
-#else
-  vi8 q;
-  std::memcpy(&q, p, sizeof q);
-  return __builtin_convertvector(__builtin_convertvector(q, vi32), vf);
-#endif
-}
-
-inline float scalar_w(float v) { return v; }
-inline float scalar_w(uint16_t v) {
-  const uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline float scalar_w(int8_t v) { return static_cast<float>(v); }
-
-// dots[j] = w . x[j] for the n (<= kBlock) rows x[j] of length len.
-template <typename T, int N>
-inline void dots_fixed(const T* w, const float* const* x, int64_t len, float* dots) {
-  vf acc[N] = {};
-  int64_t d = 0;
-  for (; d + W <= len; d += W) {
-    const vf wv = load_w(w + d);
-    for (int j = 0; j < N; ++j) acc[j] += wv * vload(x[j] + d);
-  }
-  for (int j = 0; j < N; ++j) {
-    float s = hsum(acc[j]);
-    for (int64_t e = d; e < len; ++e) s += scalar_w(w[e]) * x[j][e];
-    dots[j] = s;
-  }
-}
-
-template <typename T>
-inline void dots(const T* w, const float* const* x, int n, int64_t len, float* out) {
-  switch (n) {
-    case 1: return dots_fixed<T, 1>(w, x, len, out);
-    case 2: return dots_fixed<T, 2>(w, x, len, out);
-    case 3: return dots_fixed<T, 3>(w, x, len, out);
-    case 4: return dots_fixed<T, 4>(w, x, len, out);
-    case 5: return dots_fixed<T, 5>(w, x, len, out);
-    case 6: return dots_fixed<T, 6>(w, x, len, out);
-    case 7: return dots_fixed<T, 7>(w, x, len, out);
-    default: return dots_fixed<T, kBlock>(w, x, len, out);
-  }
-}
-
 struct Layer {
-  const float* x;  // [t, h] float32 (widened by the caller of run())
+  const float* x;  // [t, h] float32 (widened by llmhal_moe_call)
   const void* w13;
   const void* w2;
   const float* s13;  // [e, 2i] int8 scales or null
@@ -185,7 +111,7 @@ void expert_block(const Layer& L, int64_t e, const int64_t* rows, const float* w
 }
 
 template <typename T>
-void run(const Layer& L, const int64_t* ids, const float* weights, int64_t t, int k,
+void run(const Layer& L, const int64_t* ids, const float* weights, int64_t t, int64_t k,
          int64_t experts) {
   // Counting sort of the (token, choice) pairs by expert; within an expert, token order.
   std::vector<int64_t> start(experts + 1, 0), rows(t * k);
@@ -212,28 +138,175 @@ void run(const Layer& L, const int64_t* ids, const float* weights, int64_t t, in
   }
 }
 
+// ---- Routing: select_experts (llmhal/ops/fused_moe.py) for one token, in float32 --------------
+
+using Entry = std::pair<double, int64_t>;  // ATen's topk queue: (value as its accscalar, index)
+
+// NaN sorts above every number (numpy's order), as in torch.topk.
+inline bool above(const Entry& a, const Entry& b) {
+  return (std::isnan(a.first) && !std::isnan(b.first)) || a.first > b.first;
+}
+
+// The k largest of v[0..n) as torch.topk(largest=True, sorted=True) returns them on the CPU, ties
+// included: ATen's kernel (TopKImpl.h) fills (value, index) pairs in index order, then runs
+// std::partial_sort when k * 64 <= n, else std::nth_element and std::sort of the first k - 1.
+// Neither is stable, so which of two equal values comes first is whatever those algorithms do:
+// running the same libstdc++ algorithms on the same queue gives the same order (checked against
+// torch.topk on tie-heavy inputs by the tests).
+void topk_like_torch(const float* v, int64_t n, int64_t k, std::vector<Entry>& q, int64_t* ids,
+                     float* values) {
+  q.resize(n);
+  for (int64_t j = 0; j < n; ++j) q[j] = Entry(v[j], j);
+  if (k * 64 <= n) {
+    std::partial_sort(q.begin(), q.begin() + k, q.end(), above);
+  } else {
+    std::nth_element(q.begin(), q.begin() + k - 1, q.end(), above);
+    std::sort(q.begin(), q.begin() + k - 1, above);
+  }
+  for (int64_t j = 0; j < k; ++j) {
+    ids[j] = q[j].second;
+    if (values) values[j] = static_cast<float>(q[j].first);
+  }
+}
+
+struct Routing {
+  int32_t scoring, renormalize, groups, topk_group;
+  const float* bias;  // e_score_correction_bias [experts] or null
+  float scale;        // routed_scaling_factor
+};
+
+// One token's expert ids and weights from its router logits (float32 [experts]): torch's
+// select_experts step by step, so the same experts are chosen in the same order. The scores'
+// exp is std::exp (torch's vectorised exp may differ in the last bit; the weights then differ by
+// an ulp, the choice only at an exact tie the rounding created).
+void route_token(const float* logits, int64_t experts, int64_t k, const Routing& r,
+                 std::vector<float>& scores, std::vector<float>& choice,
+                 std::vector<Entry>& q, int64_t* ids, float* weights) {
+  scores.resize(experts);
+  if (r.scoring == kSoftmax) {
+    float m = -INFINITY;
+    for (int64_t e = 0; e < experts; ++e) m = std::max(m, logits[e]);
+    float sum = 0.f;
+    for (int64_t e = 0; e < experts; ++e) sum += (scores[e] = std::exp(logits[e] - m));
+    const float inv = 1.f / sum;  // ATen's softmax multiplies by the reciprocal of the sum
+    for (int64_t e = 0; e < experts; ++e) scores[e] *= inv;
+  } else {
+    for (int64_t e = 0; e < experts; ++e) scores[e] = 1.f / (1.f + std::exp(-logits[e]));
+  }
+  const float* pick = scores.data();
+  if (r.bias || r.groups > 1) {
+    choice.resize(experts);
+    for (int64_t e = 0; e < experts; ++e) choice[e] = scores[e] + (r.bias ? r.bias[e] : 0.f);
+    if (r.groups > 1) {
+      const int64_t per = experts / r.groups;
+      float group_score[256];  // groups <= 256 (checked by the caller)
+      float top2[2];
+      int64_t top2_ids[2];
+      std::vector<Entry> gq;
+      for (int64_t g = 0; g < r.groups; ++g) {
+        const float* c = choice.data() + g * per;
+        if (r.bias) {  // the sum of the group's best two, summed in topk's order
+          topk_like_torch(c, per, 2, gq, top2_ids, top2);
+          group_score[g] = top2[0] + top2[1];
+        } else {
+          float m = c[0];
+          for (int64_t e = 1; e < per; ++e) m = (std::isnan(c[e]) || c[e] > m) ? c[e] : m;
+          group_score[g] = m;
+        }
+      }
+      int64_t kept[256];
+      topk_like_torch(group_score, r.groups, r.topk_group, gq, kept, nullptr);
+      bool keep[256] = {};
+      for (int64_t j = 0; j < r.topk_group; ++j) keep[kept[j]] = true;
+      for (int64_t e = 0; e < experts; ++e) {
+        if (!keep[e / per]) choice[e] = -1e30f;
+      }
+    }
+    pick = choice.data();
+  }
+  topk_like_torch(pick, experts, k, q, ids, nullptr);
+  float sum = 0.f;
+  for (int64_t j = 0; j < k; ++j) sum += (weights[j] = scores[ids[j]]);
+  for (int64_t j = 0; j < k; ++j) {
+    if (r.renormalize) weights[j] = weights[j] / (sum + 1e-20f);
+    if (r.scale != 1.f) weights[j] = weights[j] * r.scale;
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
-// x: [t, h] float32, contiguous; ids/weights: [t, k] (int64 expert ids, float32 weights),
-// contiguous; w13 [experts, 2 * inter, h], w2 [experts, h, inter] contiguous, of wtype;
-// s13/s2 the int8 row scales (null otherwise); out: [t, h] float32, contiguous.
-// Returns 0, or -1 for an expert id out of range or an unknown wtype (nothing written).
-int llmhal_moe_experts(const float* x, const int64_t* ids, const float* weights, int64_t t, int k,
-                       const void* w13, const void* w2, const float* s13, const float* s2,
-                       int32_t wtype, int64_t experts, int64_t h, int64_t inter, float* out,
-                       int threads) {
-  for (int64_t p = 0; p < t * k; ++p) {
-    if (ids[p] < 0 || ids[p] >= experts) return -1;
+// One MoE layer for a few tokens (the struct form that llmhal_cpu/step_graph.py records; it
+// mirrors MoeArgs in moe_experts.py). x: [t, h] rows of stride x_s, float32 or (x_bf16)
+// bfloat16. Routing: when scoring is kSoftmax or kSigmoid, from logits ([t, experts] rows of
+// stride logits_s, float32 or (logits_bf16) bf16) into ids/weights [t, k] (int64 / float32,
+// contiguous); with kGiven, ids/weights are read. Then, when out is set, the experts: w13
+// [experts, 2 * inter, h] and w2 [experts, h, inter] of wtype (s13/s2 the int8 row scales),
+// out [t, h] contiguous, float32 or (out_bf16) bf16 rounded once. Returns 0, or -1 for an expert
+// id out of range, an unknown type or an unusable grouping (nothing is written to out).
+struct MoeArgs {
+  const void* x;
+  int64_t x_s;
+  const void* logits;
+  int64_t logits_s;
+  const float* bias;
+  int64_t* ids;
+  float* weights;
+  const void* w13;
+  const void* w2;
+  const float* s13;
+  const float* s2;
+  void* out;
+  int64_t t, experts, h, inter, k;
+  float scale;
+  int32_t x_bf16, logits_bf16, out_bf16, wtype, scoring, renormalize, groups, topk_group, threads;
+};
+
+int llmhal_moe_call(const void* p) {
+  const auto& a = *static_cast<const MoeArgs*>(p);
+  const int64_t t = a.t, k = a.k, experts = a.experts;
+  if (k < 1 || k > experts || a.wtype < kF32 || a.wtype > kI8) return -1;
+  if (a.scoring != kGiven) {
+    if (a.groups > 1 && (a.groups > 256 || experts % a.groups || a.topk_group < 1 ||
+                         a.topk_group > a.groups || (a.bias && experts / a.groups < 2)))
+      return -1;
+    const Routing r{a.scoring, a.renormalize, a.groups, a.topk_group, a.bias, a.scale};
+    std::vector<float> logits(experts), scores, choice;
+    std::vector<Entry> q;
+    for (int64_t i = 0; i < t; ++i) {
+      widen_rows(static_cast<const char*>(a.logits) +
+                     i * a.logits_s * (a.logits_bf16 ? sizeof(uint16_t) : sizeof(float)),
+                 0, a.logits_bf16, 1, experts, logits.data());
+      route_token(logits.data(), experts, k, r, scores, choice, q, a.ids + i * k,
+                  a.weights + i * k);
+    }
   }
-  const Layer L{x, w13, w2, s13, s2, out, h, inter, threads};
-  switch (wtype) {
-    case kF32: run<float>(L, ids, weights, t, k, experts); return 0;
-    case kBF16: run<uint16_t>(L, ids, weights, t, k, experts); return 0;
-    case kI8: run<int8_t>(L, ids, weights, t, k, experts); return 0;
-    default: return -1;
+  if (!a.out) return 0;
+  for (int64_t p2 = 0; p2 < t * k; ++p2) {
+    if (a.ids[p2] < 0 || a.ids[p2] >= experts) return -1;
   }
+  std::vector<float> x(t * a.h);
+  widen_rows(a.x, a.x_s, a.x_bf16, t, a.h, x.data());
+  std::vector<float> acc;
+  float* out = static_cast<float*>(a.out);
+  if (a.out_bf16) {
+    acc.resize(t * a.h);
+    out = acc.data();
+  }
+  const Layer L{x.data(), a.w13, a.w2, a.s13, a.s2, out, a.h, a.inter, a.threads};
+  switch (a.wtype) {
+    case kF32: run<float>(L, a.ids, a.weights, t, k, experts); break;
+    case kBF16: run<uint16_t>(L, a.ids, a.weights, t, k, experts); break;
+    default: run<int8_t>(L, a.ids, a.weights, t, k, experts); break;
+  }
+  if (a.out_bf16) {
+    auto* o = static_cast<uint16_t*>(a.out);
+    for (int64_t j = 0; j < t * a.h; ++j) o[j] = f32_to_bf16_bits(acc[j]);
+  }
+  return 0;
 }
+
+int64_t llmhal_moe_args_size() { return sizeof(MoeArgs); }
 
 }  // extern "C"

@@ -1,10 +1,16 @@
-"""The native routed-experts kernel (``moe_experts.cpp``): loading and the call.
+"""The native MoE layer kernel (``moe_experts.cpp``): loading and the calls.
 
-:func:`moe_experts` takes a layer's routing (expert ids and weights per token, from
-``select_experts``) and its stacked expert weights, and returns the weighted sum of the chosen
-experts' gated MLPs in float32, or None when the call is not one the kernel takes (a dtype or
-layout it does not read, the library unavailable), so :mod:`llmhal_cpu.moe` falls back to core's
-grouped torch path. Built on first use by :mod:`llmhal_cpu.native_build`;
+:func:`moe_layer` runs a whole decode-sized ``fused_moe`` in one native call, launched through
+:func:`llmhal_cpu.step_graph.launch` so a decode step that contains it can be recorded: the routing
+(softmax or sigmoid scores, the correction bias, grouped top-k, renormalisation, the scaling
+factor; the same experts in the same order as core's ``select_experts``, ties included) and the
+chosen experts' gated MLPs, summed in float32 and rounded once to the activations' dtype.
+:func:`route` is the routing alone and :func:`moe_experts` the experts for a given routing.
+
+Each returns None when the call is not one the kernel takes (a dtype or layout it does not read,
+the library unavailable), so :mod:`llmhal_cpu.moe` falls back to core's torch path. Nothing here
+converts or copies a tensor through torch: a call either passes the tensors it is given straight
+to the kernel or declines. Built on first use by :mod:`llmhal_cpu.native_build`;
 ``LLMHAL_CPU_MOE_KERNEL=0`` turns it off.
 """
 
@@ -12,23 +18,39 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from llmhal_cpu import native_build
+from llmhal_cpu import native_build, step_graph
 
 SOURCE = Path(__file__).with_name("moe_experts.cpp")
 # The weight types the kernel reads (moe_experts.cpp's WeightType).
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 ACTIVATION_TYPES = (torch.float32, torch.bfloat16)
+_SCORING = {"softmax": 0, "sigmoid": 1}  # moe_experts.cpp's Scoring; -1: routing given
+_MAX_GROUPS = 256  # the kernel's bound on num_expert_group
 
-_p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+_p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+
+
+class MoeArgs(ctypes.Structure):  # mirrors moe_experts.cpp
+    _fields_ = [
+        ("x", _p), ("x_s", _i64), ("logits", _p), ("logits_s", _i64), ("bias", _p),
+        ("ids", _p), ("weights", _p), ("w13", _p), ("w2", _p), ("s13", _p), ("s2", _p),
+        ("out", _p), ("t", _i64), ("experts", _i64), ("h", _i64), ("inter", _i64), ("k", _i64),
+        ("scale", _f32), ("x_bf16", _i32), ("logits_bf16", _i32), ("out_bf16", _i32),
+        ("wtype", _i32), ("scoring", _i32), ("renormalize", _i32), ("groups", _i32),
+        ("topk_group", _i32), ("threads", _i32),
+    ]  # fmt: skip
 
 
 def _setup(lib: ctypes.CDLL) -> None:
-    fn = lib.llmhal_moe_experts
-    fn.argtypes = [_p, _p, _p, _i64, _i32, _p, _p, _p, _p, _i32, _i64, _i64, _i64, _p, _i32]
-    fn.restype = ctypes.c_int
+    lib.llmhal_moe_args_size.argtypes = []
+    lib.llmhal_moe_args_size.restype = ctypes.c_int64
+    native_build.declare_struct_calls(
+        lib, ("llmhal_moe_call",), {MoeArgs: lib.llmhal_moe_args_size()}
+    )
 
 
 LIBRARY = native_build.KernelLibrary(
@@ -43,8 +65,138 @@ def status() -> str:
     return "native moe_experts" if LIBRARY.get() else f"torch ({LIBRARY.status})"
 
 
-def _host(x: torch.Tensor) -> bool:
-    return x.is_cpu and x.is_contiguous()
+def _rows(x: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> bool:
+    """2-D host memory of one of ``dtypes`` with contiguous rows (the layout the kernel reads)."""
+    return x.dtype in dtypes and x.dim() == 2 and x.stride(-1) == 1 and x.is_cpu
+
+
+def _f32_vector(x: torch.Tensor | None, n: int) -> bool:
+    return x is None or (
+        x.dtype == torch.float32 and x.numel() == n and x.is_contiguous() and x.is_cpu
+    )
+
+
+def _routing_fields(top_k: int, experts: int, routing: dict[str, Any]) -> dict[str, Any] | None:
+    """The struct's routing fields for ``select_experts``'s options (absent ones at its
+    defaults), or None for a routing the kernel does not take (core's ``select_experts`` then
+    runs, and raises for the invalid ones with its own message)."""
+    scoring_func = routing.get("scoring_func", "softmax")
+    num_expert_group, topk_group = routing.get("num_expert_group"), routing.get("topk_group")
+    e_score_correction_bias = routing.get("e_score_correction_bias")
+    groups = num_expert_group or 1
+    if scoring_func not in _SCORING or not _f32_vector(e_score_correction_bias, experts):
+        return None
+    if groups > 1 and (
+        groups > _MAX_GROUPS or experts % groups or not topk_group or not 0 < topk_group <= groups
+    ):
+        return None
+    if groups > 1 and e_score_correction_bias is not None and experts // groups < 2:
+        return None
+    if not 0 < top_k <= experts:
+        return None
+    return dict(
+        bias=None if e_score_correction_bias is None else e_score_correction_bias.data_ptr(),
+        k=top_k, scale=float(routing.get("routed_scaling_factor", 1.0)),
+        scoring=_SCORING[scoring_func], renormalize=int(bool(routing.get("renormalize", True))),
+        groups=groups if groups > 1 else 1,
+        topk_group=int(topk_group or 0),
+    )  # fmt: skip
+
+
+def _launch(args: MoeArgs, experts: int) -> None:
+    lib = LIBRARY.get()
+    assert lib is not None
+    if step_graph.launch(lib.llmhal_moe_call, args) != 0:
+        raise IndexError(f"fused_moe: an expert id is outside 0..{experts - 1}")
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, **routing: Any
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``select_experts(router_logits, top_k, **routing)`` natively: (weights float32 [T, k],
+    ids int64 [T, k]), or None."""
+    e = router_logits.shape[-1]
+    fields = _routing_fields(top_k, e, routing)
+    if fields is None or not _rows(router_logits, ACTIVATION_TYPES) or LIBRARY.get() is None:
+        return None
+    t = router_logits.shape[0]
+    ids = torch.empty(t, top_k, dtype=torch.int64, device="cpu")
+    weights = torch.empty(t, top_k, dtype=torch.float32, device="cpu")
+    args = MoeArgs(
+        logits=router_logits.data_ptr(), logits_s=router_logits.stride(0), ids=ids.data_ptr(),
+        weights=weights.data_ptr(), t=t, experts=e, wtype=0,
+        logits_bf16=int(router_logits.dtype == torch.bfloat16), **fields,
+    )  # fmt: skip
+    _launch(args, e)
+    return weights, ids
+
+
+def _expert_fields(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+) -> dict[str, Any] | None:
+    """The struct's expert fields for these tensors, or None when the kernel does not read them."""
+    wtype = WEIGHT_TYPES.get(w13.dtype)
+    if wtype is None or w2.dtype != w13.dtype or not _rows(hidden, ACTIVATION_TYPES):
+        return None
+    e, two_i, h = w13.shape
+    if hidden.shape[1] != h or w2.shape != (e, h, two_i // 2):
+        return None
+    if not (w13.is_cpu and w13.is_contiguous() and w2.is_cpu and w2.is_contiguous()):
+        return None
+    int8 = wtype == WEIGHT_TYPES[torch.int8]
+    if int8 != (w13_scale is not None and w2_scale is not None):
+        return None
+    if int8 and not (_f32_vector(w13_scale, e * two_i) and _f32_vector(w2_scale, e * h)):
+        return None
+    if LIBRARY.get() is None:  # reads LLMHAL_CPU_MOE_KERNEL each call: ~1 us a layer
+        return None
+    return dict(
+        x=hidden.data_ptr(), x_s=hidden.stride(0), x_bf16=int(hidden.dtype == torch.bfloat16),
+        w13=w13.data_ptr(), w2=w2.data_ptr(), wtype=wtype, experts=e, h=h, inter=two_i // 2,
+        s13=None if w13_scale is None else w13_scale.data_ptr(),
+        s2=None if w2_scale is None else w2_scale.data_ptr(), t=hidden.shape[0],
+        threads=torch.get_num_threads(),
+    )  # fmt: skip
+
+
+def moe_layer(
+    hidden: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    **routing: Any,
+) -> torch.Tensor | None:
+    """``fused_moe`` (silu) in one native call, in ``hidden``'s dtype [T, H], or None.
+
+    ``hidden`` [T, H] and ``router_logits`` [T, E] float32 or bfloat16 with contiguous rows;
+    ``w13`` [E, 2I, H] / ``w2`` [E, H, I] contiguous float32, bfloat16, or int8 with float32 row
+    scales ``w13_scale`` [E, 2I] / ``w2_scale`` [E, H]; ``routing``: ``select_experts``'s options.
+    """
+    fields = _expert_fields(hidden, w13, w2, w13_scale, w2_scale)
+    route_fields = _routing_fields(top_k, w13.shape[0], routing)
+    if fields is None or route_fields is None or not _rows(router_logits, ACTIVATION_TYPES):
+        return None
+    t, h = hidden.shape
+    if router_logits.shape != (t, w13.shape[0]):
+        return None
+    ids = torch.empty(t, top_k, dtype=torch.int64, device="cpu")
+    weights = torch.empty(t, top_k, dtype=torch.float32, device="cpu")
+    out = torch.empty(t, h, dtype=hidden.dtype, device="cpu")
+    args = MoeArgs(
+        logits=router_logits.data_ptr(), logits_s=router_logits.stride(0),
+        logits_bf16=int(router_logits.dtype == torch.bfloat16), ids=ids.data_ptr(),
+        weights=weights.data_ptr(), out=out.data_ptr(),
+        out_bf16=int(hidden.dtype == torch.bfloat16), **fields, **route_fields,
+    )  # fmt: skip
+    _launch(args, w13.shape[0])
+    return out
 
 
 def moe_experts(
@@ -56,40 +208,22 @@ def moe_experts(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """``sum_k weights[:, k] * w2[e_k] @ silu(gate) * up`` in float32 [T, H], or None.
+    """``sum_k weights[:, k] * w2[e_k] @ silu(gate) * up`` for a given routing, float32 [T, H],
+    or None.
 
-    ``hidden`` [T, H] float32 or bfloat16; ``weights`` float32 / ``ids`` int64 [T, k];
-    ``w13`` [E, 2I, H] and ``w2`` [E, H, I] float32, bfloat16, or int8 with float32 row scales
-    ``w13_scale`` [E, 2I] / ``w2_scale`` [E, H].
+    ``weights`` float32 / ``ids`` int64 [T, k], contiguous (``select_experts``'s output); the
+    other arguments as for :func:`moe_layer`.
     """
-    wtype = WEIGHT_TYPES.get(w13.dtype)
-    if wtype is None or w2.dtype != w13.dtype or hidden.dtype not in ACTIVATION_TYPES:
+    fields = _expert_fields(hidden, w13, w2, w13_scale, w2_scale)
+    if fields is None or ids.dtype != torch.int64 or weights.dtype != torch.float32:
         return None
-    int8 = w13.dtype == torch.int8
-    if int8 != (w13_scale is not None and w2_scale is not None):
+    if not (ids.is_contiguous() and weights.is_contiguous() and ids.shape == weights.shape):
         return None
-    e, two_i, h = w13.shape
-    if hidden.dim() != 2 or hidden.shape[1] != h or w2.shape != (e, h, two_i // 2):
-        return None
-    if not (_host(w13) and _host(w2) and hidden.is_cpu):
-        return None
-    lib = LIBRARY.get()  # reads LLMHAL_CPU_MOE_KERNEL each call: ~1 us against a layer's ~1 ms
-    if lib is None:
-        return None
-    scales: list[torch.Tensor | None] = [None, None]
-    if int8:
-        scales = [s.float().contiguous() for s in (w13_scale, w2_scale)]  # type: ignore[union-attr]
-    x = hidden.float().contiguous()
-    ids = ids.to(torch.int64).contiguous()
-    weights = weights.float().contiguous()
     t, k = ids.shape
-    out = torch.empty(t, h, dtype=torch.float32)
-    rc = lib.llmhal_moe_experts(
-        x.data_ptr(), ids.data_ptr(), weights.data_ptr(), t, k, w13.data_ptr(), w2.data_ptr(),
-        None if scales[0] is None else scales[0].data_ptr(),
-        None if scales[1] is None else scales[1].data_ptr(),
-        wtype, e, h, two_i // 2, out.data_ptr(), torch.get_num_threads(),
+    out = torch.empty(t, hidden.shape[1], dtype=torch.float32, device="cpu")
+    args = MoeArgs(
+        ids=ids.data_ptr(), weights=weights.data_ptr(), out=out.data_ptr(), k=k, scale=1.0,
+        scoring=-1, **fields,
     )  # fmt: skip
-    if rc != 0:
-        raise IndexError(f"fused_moe: an expert id is outside 0..{e - 1}")
+    _launch(args, w13.shape[0])
     return out
