@@ -45,7 +45,7 @@ def test_an_mla_model_gets_its_latent_row_and_llm_allocates_what_doctor_says(
     monkeypatch.setenv("LLMHAL_MODEL", deepseek)
     report = doctor.collect(name)
     kv = report["kv_cache"]
-    assert kv["backend"] == "torch_mla" and kv["kv_cache_dtype"] == name
+    assert kv["backend"] == "cpu_mla" and kv["kv_cache_dtype"] == name  # the CPU's own
     # (kv_lora_rank 32 + qk_rope_head_dim 16) x 3 layers: fp32 4 B a value, int8 48 + 4 B a row.
     assert kv["bytes_per_token"] == 3 * (48 * 4 if name == "auto" else 52)
     assert kv["formula"].startswith("3 layers x 1 latent row of 32 + 16 values")

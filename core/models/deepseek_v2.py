@@ -153,9 +153,13 @@ class DeepseekMLA(nn.Module):
         kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split(
             [d.kv_lora_rank, d.qk_rope_head_dim], dim=-1
         )
-        kv_c = self.kv_a_layernorm(kv_c.contiguous())
-        q_pe, k_pe = self._rotary[0](positions, q_pe.reshape(t, -1), k_pe.contiguous())
-        q = torch.cat([q_nope, q_pe.view(t, d.num_heads, -1)], dim=-1)
+        # Views, no copies: the norm reads strided rows, and a rotary kernel that takes a
+        # [t, heads, rope] view rotates q_pe inside q (the CPU's does), so a decode step makes no
+        # torch call here and can be recorded as a step graph.
+        kv_c = self.kv_a_layernorm(kv_c)
+        q_pe_rotated, k_pe = self._rotary[0](positions, q_pe, k_pe)
+        if q_pe_rotated is not q_pe:  # rotated out of place (torch's kernels): put it into q
+            q = torch.cat([q_nope, q_pe_rotated.view(t, d.num_heads, -1)], dim=-1)
         return self.o_proj(self.attn(q, kv_c, k_pe))
 
 

@@ -82,6 +82,17 @@ def check_attention_backend(platform: Platform, name: str, *, quick: bool = True
     backend, bad = _load(kind, name, platform.attention_backends[name])
     if bad:
         return bad
+    if getattr(backend, "kind", None) == "mla":  # the latent cache: MLA's own workload
+        from llmhal.testing.mla_steps import check_mla_backend
+
+        dtypes = [
+            d
+            for d in _dtypes(platform)
+            if str(d).removeprefix("torch.") in backend.supported_dtypes
+        ]
+        return Finding(
+            kind, name, tuple(check_mla_backend(backend, platform.torch_device(), dtypes))
+        )
     report = run_attention_conformance(
         backend,
         device=platform.torch_device(),

@@ -30,6 +30,7 @@ class CpuPlatform(Platform):
 
     attention_backends: ClassVar[dict[str, str]] = {
         "cpu_attn": "llmhal_cpu.attention.cpu_attn:CpuAttentionBackend",
+        "cpu_mla": "llmhal_cpu.attention.cpu_mla:CpuMLABackend",
     }
     op_kernels: ClassVar[dict[str, str]] = {
         "rms_norm": "llmhal_cpu.ops:rms_norm",
@@ -118,6 +119,8 @@ class CpuPlatform(Platform):
         return int(min(4 * GiB, cpuinfo.available_memory() * 0.5))
 
     def attention_backend_priority(self, requirements: Any) -> list[str]:
+        if requirements.kind == "mla":  # core's MLA backends follow as the unranked ones
+            return ["cpu_mla"]
         return ["cpu_attn", "flex_attention", "reference"]
 
     def capture_step_graph(

@@ -8,110 +8,18 @@ the cache layout, the fp8 latent cache, and selection by kind.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from llmhal.attention.backend import AttentionRequirements
-from llmhal.attention.batch import build_common_metadata
-from llmhal.attention.mla.common import LatentKVLayout, MLADims
+from llmhal.attention.mla.common import LatentKVLayout
 from llmhal.attention.mla.reference import (
     ReferenceMLABackend,
     absorbed_attention,
     decompressed_attention,
 )
 from llmhal.attention.mla.torch_mla import TorchMLABackend
-
-DIMS = MLADims(num_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, kv_lora_rank=32)
-BLOCK = 4
-SCALE = 0.21
-
-
-class StubLayer:
-    """What an MLA impl reads from its layer: the sizes, the split kv_b_proj weight, the scale."""
-
-    def __init__(self, dims: MLADims, seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.dims = dims
-        self.w_uk = (
-            torch.randn(dims.num_heads, dims.qk_nope_head_dim, dims.kv_lora_rank, generator=g) * 0.2
-        )
-        self.w_uv = (
-            torch.randn(dims.num_heads, dims.v_head_dim, dims.kv_lora_rank, generator=g) * 0.2
-        )
-        self.k_scale = torch.tensor(1.0)
-        self.v_scale = torch.tensor(1.0)
-
-    def mla_weights(self, dtype, device):
-        return self.w_uk.to(dtype), self.w_uv.to(dtype)
-
-
-def dense(layer: StubLayer, q, c, k_pe, positions):
-    """float64 attention of queries ``q`` [t, H, D] at ``positions`` over all keys [S]."""
-    d = layer.dims
-    w_uk, w_uv = layer.w_uk.double(), layer.w_uv.double()
-    k = torch.cat(
-        [torch.einsum("sl,hnl->shn", c, w_uk), k_pe[:, None].expand(-1, d.num_heads, -1)], -1
-    )
-    v = torch.einsum("sl,hvl->shv", c, w_uv)
-    scores = torch.einsum("thd,shd->hts", q, k) * SCALE
-    mask = torch.arange(c.shape[0])[None, :] <= positions[:, None]
-    probs = scores.masked_fill(~mask[None], float("-inf")).softmax(-1)
-    return torch.einsum("hts,shv->thv", probs, v)
-
-
-def run_steps(backend, layer, dtype=torch.float32, cache_dtype="auto"):
-    """Step 1 prefills (6, 9 and 3 tokens); step 2 decodes two of them, adds a 5-token chunk to
-    the third and prefills a new 7-token request. Returns the step-2 output and its dense twin."""
-    d = layer.dims
-    g = torch.Generator().manual_seed(3)
-    num_blocks = 32
-    free = list(range(num_blocks))
-    random.Random(0).shuffle(free)
-    req = AttentionRequirements(
-        head_size=d.latent_size, num_heads=d.num_heads, num_kv_heads=1, dtype=dtype,
-        kv_cache_dtype=cache_dtype, block_size=BLOCK, kind="mla",
-    )  # fmt: skip
-    shape = backend.get_kv_cache_shape(num_blocks, BLOCK, 1, d.latent_size, cache_dtype)
-    cache = torch.zeros(shape, dtype=backend.kv_cache_torch_dtype(dtype, cache_dtype))
-    impl = backend.get_impl_cls()(d.num_heads, d.latent_size, SCALE, 1, kv_cache_dtype=cache_dtype)
-    builder = backend.get_builder_cls()(req, torch.device("cpu"))
-    tokens: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # request -> (c, k_pe) so far
-    tables: dict[int, list[int]] = {}
-
-    def step(items):
-        lens, computed, blocks, qs, cs, ps = [], [], [], [], [], []
-        for rid, n in items:
-            start = tokens[rid][0].shape[0] if rid in tokens else 0
-            table = tables.setdefault(rid, [])
-            while len(table) * BLOCK < start + n:
-                table.append(free.pop())
-            c = torch.randn(n, d.kv_lora_rank, generator=g)
-            p = torch.randn(n, d.qk_rope_head_dim, generator=g)
-            old = tokens.get(rid, (c[:0], p[:0]))
-            tokens[rid] = (torch.cat([old[0], c]), torch.cat([old[1], p]))
-            lens.append(n), computed.append(start), blocks.append(list(table))
-            (
-                qs.append(torch.randn(n, d.num_heads, d.qk_head_dim, generator=g)),
-                cs.append(c),
-                ps.append(p),
-            )
-        common = build_common_metadata(lens, computed, blocks, BLOCK)
-        q, c, p = torch.cat(qs), torch.cat(cs), torch.cat(ps)
-        out = impl.forward(
-            layer, q.to(dtype), c.to(dtype), p.to(dtype), cache, builder.build(common)
-        )
-        want, row = [], 0
-        for (rid, n), start in zip(items, computed, strict=True):
-            allc, allp = tokens[rid]
-            pos = torch.arange(start, start + n)
-            want.append(dense(layer, q[row : row + n].double(), allc.double(), allp.double(), pos))
-            row += n
-        return out, torch.cat(want)
-
-    step([(0, 6), (1, 9), (2, 3)])
-    return step([(0, 1), (1, 1), (2, 5), (3, 7)])
+from llmhal.testing.mla_steps import DIMS, SCALE, StubLayer, run_steps
 
 
 @pytest.mark.parametrize("backend", [ReferenceMLABackend, TorchMLABackend])

@@ -115,7 +115,7 @@ def test_matches_hf(case, checkpoints):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["torch_mla", "reference_mla"])
+@pytest.mark.parametrize("backend", ["cpu_mla", "torch_mla", "reference_mla"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_hf_for_64_steps(case, backend, checkpoints):
     hf, folder = checkpoints(case)
@@ -197,7 +197,7 @@ def test_engine_matches_transformers_across_preemption(engine_checkpoint):
     block = 3 * (32 + 8) * 4 * 16
     llm = LLM(str(folder), dtype="float32", kv_cache_memory_bytes=6 * block, block_size=16)
     assert llm.load_report.kv_cache_bytes == 6 * block  # the latent layout, nothing per head
-    assert llm.load_report.attention_backends == ["torch_mla"]
+    assert llm.load_report.attention_backends == ["cpu_mla"]  # the CPU platform's own
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     assert llm.engine.stats.preemptions > 0

@@ -50,6 +50,43 @@ class TorchMLAMetadata:
     prefills: tuple[PrefillSpan, ...]
 
 
+def decode_gather(
+    common: CommonAttentionMetadata, block_size: int, device: torch.device, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decodes' cache slots [num_decodes, width] (padding repeats position 0's slot, a real,
+    written one) and which of them are real (position < seq_len); ``width`` defaults to the longest
+    decode."""
+    seq = common.seq_lens_cpu.long()
+    nd = common.num_decodes
+    if width is None:
+        width = int(seq[:nd].max()) if nd else 0
+    pos = torch.arange(width, device=device)
+    valid = pos[None, :] < seq[:nd, None].to(device)
+    padded = torch.where(valid, pos[None, :], 0)
+    table = common.block_table[:nd].long()
+    return table.gather(1, padded // block_size) * block_size + padded % block_size, valid
+
+
+def prefill_spans(
+    common: CommonAttentionMetadata, block_size: int, device: torch.device
+) -> tuple[PrefillSpan, ...]:
+    """The step's prefills and prefill chunks (the requests after the decodes)."""
+    seq = common.seq_lens_cpu.long()
+    qsl = [int(x) for x in common.query_start_loc_cpu]
+    return tuple(
+        PrefillSpan(
+            qsl[r],
+            qsl[r + 1],
+            paged_kv.slots_of(
+                common.block_table[r], torch.arange(int(seq[r]), device=device), block_size
+            ),
+            int(common.num_computed_tokens_cpu[r]),
+        )
+        for r in range(common.num_decodes, common.num_reqs)
+        if qsl[r + 1] > qsl[r]
+    )
+
+
 class TorchMLAMetadataBuilder(AttentionMetadataBuilder[TorchMLAMetadata]):
     # Whether decodes read a gathered [B, S_max] slot table (a kernel reading the block table
     # itself sets this False and gets an empty one).
@@ -58,29 +95,10 @@ class TorchMLAMetadataBuilder(AttentionMetadataBuilder[TorchMLAMetadata]):
     def build(self, common: CommonAttentionMetadata) -> TorchMLAMetadata:
         check_step(common, "torch_mla attention")
         bs = self.requirements.block_size
-        seq = common.seq_lens_cpu.long()
-        qsl = [int(x) for x in common.query_start_loc_cpu]
-        nd = common.num_decodes
-        width = int(seq[:nd].max()) if nd and self.gathers_decodes else 0
-        pos = torch.arange(width, device=self.device)
-        valid = pos[None, :] < seq[:nd, None].to(self.device)
-        # Padding positions read position 0's slot (a real, written slot) and are masked out.
-        padded = torch.where(valid, pos[None, :], 0)
-        table = common.block_table[:nd].long()
-        decode_slots = table.gather(1, padded // bs) * bs + padded % bs
-        prefills = tuple(
-            PrefillSpan(
-                qsl[r],
-                qsl[r + 1],
-                paged_kv.slots_of(
-                    common.block_table[r], torch.arange(int(seq[r]), device=self.device), bs
-                ),
-                int(common.num_computed_tokens_cpu[r]),
-            )
-            for r in range(nd, common.num_reqs)
-            if qsl[r + 1] > qsl[r]
-        )
-        return TorchMLAMetadata(common, nd, decode_slots, valid, prefills)
+        width = None if self.gathers_decodes else 0
+        decode_slots, valid = decode_gather(common, bs, self.device, width)
+        prefills = prefill_spans(common, bs, self.device)
+        return TorchMLAMetadata(common, common.num_decodes, decode_slots, valid, prefills)
 
 
 class TorchMLAImpl(MLAImpl):
@@ -102,14 +120,30 @@ class TorchMLAImpl(MLAImpl):
             out[: m.num_decodes] = self._decode(
                 layer, query[: m.num_decodes], kv_cache, m, w_uk, w_uv
             )
-        for p in m.prefills:
+        self._prefills(layer, query, kv_cache, m.common, m.prefills, w_uk, w_uv, out)
+        return out
+
+    def _prefills(
+        self,
+        layer: MLAAttention,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        common: CommonAttentionMetadata,
+        prefills: tuple[PrefillSpan, ...],
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """Each prefill's rows of ``out``, in the decompressed form (its latents are cached)."""
+        d = layer.dims
+        for p in prefills:
             latent = read_latent(kv_cache, p.slots, layer.k_scale, query.dtype)
             k, v = decompress(latent, d, w_uk, w_uv)
             q = query[p.start : p.end]
             if p.num_computed == 0:
                 mask, causal = None, True
             else:
-                qpos = m.common.positions[p.start : p.end, None]
+                qpos = common.positions[p.start : p.end, None]
                 mask = causal_window_mask(
                     qpos, torch.arange(k.shape[0], device=q.device)[None, :], None
                 )
@@ -119,7 +153,6 @@ class TorchMLAImpl(MLAImpl):
                 attn_mask=mask, is_causal=causal, scale=self.scale,
             )  # fmt: skip
             out[p.start : p.end] = o.transpose(0, 1)
-        return out
 
     def _decode(
         self,

@@ -154,6 +154,17 @@ def rms_norm(
     return out, summed
 
 
+def _head_rows(x: torch.Tensor, head_size: int, dt: torch.dtype) -> tuple[int, int] | None:
+    """(heads, head stride) of ``x``: [t, heads * head_size] with contiguous rows, or a
+    [t, heads, head_size] view with contiguous heads at any stride (e.g. DeepSeek's rotary part of
+    each query head, the last 64 of its 192 values); None when the kernel does not address it."""
+    if _rows(x, 2, (dt,)) and x.shape[1] % head_size == 0:
+        return x.shape[1] // head_size, head_size
+    if _rows(x, 3, (dt,)) and x.shape[2] == head_size:
+        return x.shape[1], x.stride(1)
+    return None
+
+
 def rotary_(
     positions: torch.Tensor,
     query: torch.Tensor,
@@ -163,11 +174,20 @@ def rotary_(
     is_neox: bool,
 ) -> bool:
     """Rotate ``query`` and ``key`` in place; False (nothing done) when the kernel does not take
-    these arguments."""
+    these arguments. Each is [t, heads * head_size] or a [t, heads, head_size] view (see
+    :func:`_head_rows`)."""
     lib = _loaded()
     dt = query.dtype
-    if lib is None or dt not in _ACTS or not (_rows(query, 2, (dt,)) and _rows(key, 2, (dt,))):
+    if lib is None or dt not in _ACTS or key.dtype != dt:
         return False
+    q_heads, k_heads = _head_rows(query, head_size, dt), _head_rows(key, head_size, dt)
+    if q_heads is None or k_heads is None:
+        return False
+    # The kernel steps from head to head by one stride for both: they must agree, unless one of
+    # them has a single head (no step taken).
+    if q_heads[1] != k_heads[1] and q_heads[0] > 1 and k_heads[0] > 1:
+        return False
+    stride = q_heads[1] if q_heads[0] > 1 else k_heads[1]
     if not _rows(cos_sin_cache, 2, (_F32,) if dt == _F32 else _ACTS):
         return False
     if positions.dtype != torch.int64 or not positions.is_contiguous():
@@ -179,7 +199,7 @@ def rotary_(
         return False
     # What the native definition would reject (or the kernel would read or write past a head):
     # torch's path raises the error.
-    if rot % 2 or rot > head_size or query.shape[1] % head_size or key.shape[1] % head_size:
+    if rot % 2 or rot > head_size:
         return False
     # An out-of-range position makes the kernel return -1 before it writes anything; torch's path
     # then raises its IndexError.
@@ -193,9 +213,9 @@ def rotary_(
         cache_s=cos_sin_cache.stride(0),
         max_pos=cos_sin_cache.shape[0],
         t=t,
-        q_heads=query.shape[1] // head_size,
-        k_heads=key.shape[1] // head_size,
-        head_size=head_size,
+        q_heads=q_heads[0],
+        k_heads=k_heads[0],
+        head_size=stride,  # the kernel's head step; it rotates the first rot values of each
         rot=rot,
         neox=int(is_neox),
         threads=torch.get_num_threads(),

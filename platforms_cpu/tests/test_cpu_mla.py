@@ -1,0 +1,220 @@
+"""``cpu_mla``: the native MLA decode kernel against the float64 dense attention, its fallback, a
+recorded decode step replaying new values, and the rotary of a strided query view (DeepSeek's q_pe).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from llmhal.attention.backend import AttentionRequirements
+from llmhal.attention.batch import build_common_metadata
+from llmhal.attention.mla.common import MLADims
+from llmhal.attention.mla.torch_mla import TorchMLABackend
+from llmhal.ops import native as native_ops
+from llmhal.testing.mla_steps import (
+    BLOCK,
+    DIMS,
+    SCALE,
+    StubLayer,
+    dense,
+    relative_error,
+    run_steps,
+)
+from llmhal_cpu import native_build, step_graph
+from llmhal_cpu.attention.cpu_mla import CpuMLABackend
+from llmhal_cpu.kernels import fused_ops, mla_decode
+
+needs_kernel = pytest.mark.skipif(
+    mla_decode.LIBRARY.get() is None, reason=f"no native mla_decode ({mla_decode.LIBRARY.status})"
+)
+
+
+@needs_kernel
+def test_float32_matches_dense_attention():
+    out, want = run_steps(CpuMLABackend, StubLayer(DIMS))
+    assert out.shape == (14, DIMS.num_heads, DIMS.v_head_dim)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+
+
+@needs_kernel
+def test_bf16_closer_to_dense_than_torch_mla():
+    """float32 intermediates: only the output is rounded (torch_mla rounds three times more)."""
+    out, want = run_steps(CpuMLABackend, StubLayer(DIMS), dtype=torch.bfloat16)
+    torch_out, _ = run_steps(TorchMLABackend, StubLayer(DIMS), dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    # Decode rows (the first two) come from the kernel, the rest from torch_mla's prefill path.
+    assert relative_error(out[:2], want[:2]) <= relative_error(torch_out[:2], want[:2])
+    assert relative_error(out, want) < 3e-2
+
+
+@needs_kernel
+def test_two_threads_give_the_one_thread_result():
+    dims = MLADims(num_heads=20, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                   kv_lora_rank=40)  # fmt: skip  # two head groups, vector tails
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, want = run_steps(CpuMLABackend, StubLayer(dims))
+        torch.set_num_threads(2)
+        two, _ = run_steps(CpuMLABackend, StubLayer(dims))
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(one.double(), want, atol=2e-5, rtol=2e-5)
+    # The decode rows (the kernel's; each head group's sums run in one order on any thread).
+    assert torch.equal(one[:2], two[:2])
+
+
+def test_kernel_off_runs_torch_mla(monkeypatch):
+    monkeypatch.setenv("LLMHAL_CPU_MLA_KERNEL", "0")
+    out, _ = run_steps(CpuMLABackend, StubLayer(DIMS), dtype=torch.bfloat16)
+    want, _ = run_steps(TorchMLABackend, StubLayer(DIMS), dtype=torch.bfloat16)
+    assert torch.equal(out, want)
+    assert "LLMHAL_CPU_MLA_KERNEL=0" in mla_decode.status()
+
+
+def test_fp8_latent_cache_takes_torch_mla():
+    """The kernel reads model-dtype caches only; fp8 steps run torch_mla's ops, same values."""
+    out, want = run_steps(CpuMLABackend, StubLayer(DIMS), cache_dtype="fp8_e4m3")
+    ref, _ = run_steps(TorchMLABackend, StubLayer(DIMS), cache_dtype="fp8_e4m3")
+    assert torch.equal(out, ref)
+    assert relative_error(out, want) < 0.1
+
+
+class _DecodeStep:
+    """Three requests with cached context decoding one token each, over static metadata tensors
+    (as the decode-graph runner keeps them) that :meth:`advance` refills in place."""
+
+    def __init__(self, dims: MLADims, dtype: torch.dtype) -> None:
+        self.dims, self.dtype = dims, dtype
+        self.layer = StubLayer(dims, seed=1)
+        self.layer.mla_weights(dtype, torch.device("cpu"))  # cast, as the prefill steps did
+        self.g = torch.Generator().manual_seed(5)
+        free = list(range(40))
+        random.Random(1).shuffle(free)
+        self.lens = [5, 11, 2]
+        self.tables = [[free.pop() for _ in range(6)] for _ in self.lens]
+        d = dims
+        self.cache = torch.randn(40, BLOCK, d.latent_size, generator=self.g).to(dtype)
+        self.common = build_common_metadata([1, 1, 1], self.lens, self.tables, BLOCK)
+        req = AttentionRequirements(
+            head_size=d.latent_size, num_heads=d.num_heads, num_kv_heads=1, dtype=dtype,
+            block_size=BLOCK, kind="mla",
+        )  # fmt: skip
+        self.meta = CpuMLABackend.get_builder_cls()(req, torch.device("cpu")).build(self.common)
+        self.impl = CpuMLABackend.get_impl_cls()(d.num_heads, d.latent_size, SCALE, 1)
+        self.q = torch.empty(3, d.num_heads, d.qk_head_dim, dtype=dtype)
+        self.kv_c = torch.empty(3, d.kv_lora_rank, dtype=dtype)
+        self.k_pe = torch.empty(3, d.qk_rope_head_dim, dtype=dtype)
+        self.refill()
+
+    def refill(self) -> None:
+        for t in (self.q, self.kv_c, self.k_pe):
+            t.copy_(torch.randn(t.shape, generator=self.g))
+
+    def advance(self) -> None:
+        """The next step: every request one token longer, new inputs, the same buffers."""
+        self.lens = [n + 1 for n in self.lens]
+        c = self.common
+        c.seq_lens.add_(1)
+        c.positions.add_(1)
+        for i, n in enumerate(self.lens):
+            c.slot_mapping[i] = self.tables[i][n // BLOCK] * BLOCK + n % BLOCK
+        self.refill()
+
+    def forward(self) -> torch.Tensor:
+        return self.impl.forward(self.layer, self.q, self.kv_c, self.k_pe, self.cache, self.meta)
+
+    def expected(self) -> torch.Tensor:
+        """The float64 dense attention of this step over what the cache holds after it."""
+        flat = self.cache.view(-1, self.dims.latent_size).double()
+        rows = []
+        for i, n in enumerate(self.lens):
+            slots = [self.tables[i][p // BLOCK] * BLOCK + p % BLOCK for p in range(n + 1)]
+            lat = flat[slots]
+            c, k_pe = lat.split([self.dims.kv_lora_rank, self.dims.qk_rope_head_dim], -1)
+            q = self.q[i : i + 1].double()
+            rows.append(dense(self.layer, q, c, k_pe, torch.tensor([n])))
+        return torch.cat(rows)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_step_is_recorded_and_replays_new_values(dtype):
+    step = _DecodeStep(DIMS, dtype)
+    out, graph, reason = step_graph.capture(step.forward)
+    assert graph is not None, reason
+    assert graph.num_calls == 1  # latents stored, attended and projected in one native call
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    assert relative_error(out, step.expected()) < tol
+    for _ in range(3):  # the replays cross block boundaries (lengths 6..9 with 4-token blocks)
+        step.advance()
+        graph.replay()
+        want = step.expected()
+        assert relative_error(out, want) < tol
+        torch.testing.assert_close(out, step.forward())  # and equal to the eager call
+
+
+@needs_kernel
+def test_a_slot_outside_the_cache_is_refused_before_anything_is_written():
+    step = _DecodeStep(DIMS, torch.float32)
+    before = step.cache.clone()
+    step.common.slot_mapping[1] = step.cache.shape[0] * BLOCK
+    with pytest.raises(IndexError, match="slot_mapping is outside the latent cache"):
+        step.forward()
+    assert torch.equal(step.cache, before)
+
+
+def test_mla_layers_get_cpu_mla_on_the_cpu():
+    from llmhal_cpu.platform import CpuPlatform
+
+    req = AttentionRequirements(
+        head_size=288, num_heads=8, num_kv_heads=1, dtype=torch.bfloat16, kind="mla"
+    )
+    assert CpuPlatform().attention_backend_priority(req) == ["cpu_mla"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_rotates_a_strided_query_view_in_place(dtype):
+    """DeepSeek's rotary part of each head (the last 8 of 24 values here) and the shared key,
+    rotated where they lie, as the native definition rotates copies of them."""
+    if fused_ops.load_library() is None:
+        pytest.skip(f"no native fused_ops ({fused_ops.LIBRARY.status})")
+    g = torch.Generator().manual_seed(0)
+    t, heads, nope, rope = 5, 3, 16, 8
+    q = torch.randn(t, heads, nope + rope, generator=g).to(dtype)
+    kv = torch.randn(t, 32 + rope, generator=g).to(dtype)
+    cache = torch.randn(64, rope, generator=g)
+    positions = torch.tensor([0, 3, 7, 63, 12])
+    q_pe, k_pe = q[..., nope:], kv[:, 32:]
+    want_q, want_k = native_ops.rotary_embedding(
+        positions, q_pe.clone(), k_pe.clone(), cache, rope, False
+    )
+    before_nope = q[..., :nope].clone()
+    assert fused_ops.rotary_(positions, q_pe, k_pe, cache, rope, False)
+    torch.testing.assert_close(q_pe, want_q.view(t, heads, rope), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(k_pe, want_k, atol=1e-2, rtol=1e-2)
+    assert torch.equal(q[..., :nope], before_nope)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["-march=haswell", "-march=x86-64"], ids=["avx2", "sse2"])
+def test_portable_builds_match(monkeypatch, tmp_path, arch):
+    """The kernel must not assume AVX-512: the AVX2 build (what CI may have) and the baseline
+    x86-64 one give the dense attention too."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64") or native_build.compiler() is None:
+        pytest.skip("x86-64 with a C++ compiler only")
+    monkeypatch.setenv("LLMHAL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("LLMHAL_CPU_KERNEL_ARCH", arch)
+    monkeypatch.setattr(mla_decode.LIBRARY, "lib", None)
+    monkeypatch.setattr(mla_decode.LIBRARY, "status", None)
+    assert mla_decode.LIBRARY.get() is not None, mla_decode.LIBRARY.status
+    assert len(list(tmp_path.glob("kernels/mla_decode-*.so"))) == 1
+    out, want = run_steps(CpuMLABackend, StubLayer(DIMS))
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+    out, want = run_steps(CpuMLABackend, StubLayer(DIMS), dtype=torch.bfloat16)
+    assert relative_error(out, want) < 3e-2
