@@ -9,6 +9,16 @@ removes it. Measured on this project's 2-core AVX-512 (avx512_bf16) host, one th
 [768, 3352] 0.17-0.22 -> 0.09 ms; prompt-sized products (256 rows) the same or a few % faster. The
 results are bit-identical to ``F.linear``'s (the same oneDNN kernel, without the reorder).
 
+Where the native few-row kernel (:mod:`llmhal_cpu.kernels.rows_linear`) is available, a bf16 weight
+is kept plain instead (:class:`RowsBf16Linear`): calls of up to ``rows_linear.MAX_ROWS`` rows (decode
+steps) run that kernel, which is as fast as the packed product at those sizes ([8, 1024] x [1024,
+1536]: 0.10 ms, packed 0.095 ms; [8, 1024] x [1024, 1024]: 0.067 ms against 0.071) and, being a
+native call, lets a bf16 model's decode step be recorded as a step graph (a oneDNN call cannot be:
+:mod:`llmhal_cpu.step_graph`); larger calls run ``F.linear`` on the plain weight, where oneDNN's
+reorder costs about a quarter more at 16 rows and little beyond 64. Its results differ from
+``F.linear``'s only in the order of the float32 sums (one bf16 rounding of the output either way).
+``LLMHAL_CPU_ROWS_KERNEL=0`` keeps the packed form.
+
 Only bfloat16 weights are packed: for float32 oneDNN's packed product is faster too but rounds
 differently from ``F.linear`` (1e-4 on these shapes), which would move the float32 parity tests'
 log-probabilities; float16 and other dtypes keep ``F.linear``. ``LLMHAL_CPU_DENSE_KERNEL=0`` turns
@@ -22,6 +32,9 @@ import os
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+
+from llmhal_cpu.kernels import rows_linear
 
 
 @functools.cache
@@ -38,6 +51,8 @@ def _enabled() -> bool:
 
 def status() -> str:
     """Which path runs (for ``llmhal doctor``)."""
+    if rows_linear.LIBRARY.get() is not None:
+        return f"bfloat16: native rows kernel ({rows_linear.status()}), F.linear beyond"
     if not _enabled():
         return "torch F.linear (oneDNN packing off or unavailable)"
     return "oneDNN packed bfloat16 weights (F.linear for other dtypes)"
@@ -76,13 +91,34 @@ class PackedBf16Linear:
         return y.view(*lead, self.out_features)
 
 
+class RowsBf16Linear:
+    """A plain bf16 weight: decode-sized calls through the native few-row kernel, others
+    ``F.linear`` (see the module docstring)."""
+
+    name = "native_rows_bf16"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight.contiguous()
+        self.out_features, self.in_features = weight.shape
+
+    def weight_bytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = rows_linear.rows_linear(x, self.weight, bias) if x.dtype == torch.bfloat16 else None
+        return out if out is not None else F.linear(x, self.weight, bias)
+
+
 def prepare(weight: torch.Tensor) -> Any:
-    """A packed kernel for a bf16 host weight, else None (the layer keeps ``F.linear``)."""
-    if weight.dtype != torch.bfloat16 or not weight.is_cpu or weight.dim() != 2 or not _enabled():
+    """A kernel for a bf16 host weight (the native few-row one, else oneDNN's packed form), else
+    None (the layer keeps ``F.linear``)."""
+    if weight.dtype != torch.bfloat16 or not weight.is_cpu or weight.dim() != 2:
         return None
     if weight.numel() == 0:
         return None
-    return PackedBf16Linear(weight)
+    if rows_linear.LIBRARY.get() is not None:
+        return RowsBf16Linear(weight)
+    return PackedBf16Linear(weight) if _enabled() else None
 
 
 prepare.status = status  # type: ignore[attr-defined]  # shown by llmhal doctor

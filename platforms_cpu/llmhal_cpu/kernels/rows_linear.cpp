@@ -1,0 +1,177 @@
+// y = x @ W.T (+ bias) for the few rows of a decode step (llmhal_cpu/kernels/rows_linear.py).
+//
+// At 1-8 rows a linear layer is a matrix-vector product bound by reading its weight; a GEMM
+// library adds a per-call cost (and oneDNN needs its weight in a packed layout that only its own
+// calls can read). Here each weight row is streamed once for all rows of x (dot_rows.h: float32
+// accumulation, bfloat16 widened in registers) and the result is rounded once to the output's
+// dtype, as a GEMM with float32 accumulation rounds it. Being a plain C call, it is launched
+// through step_graph.launch, so a decode step made of such calls can be recorded.
+//
+// Output rows are split over the caller's OpenMP team when there is enough work (the team size is
+// always the caller's, serial runs go through if(); see attention/paged_attention.cpp).
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include <omp.h>
+
+#include "dot_rows.h"
+#include "float_bits.h"
+
+namespace {
+
+using llmhal_cpu::dots;
+using llmhal_cpu::f32_to_bf16_bits;
+using llmhal_cpu::kRowBlock;
+using llmhal_cpu::scalar_w;
+using llmhal_cpu::widen_rows;
+
+// Below this many weight elements a call runs on one thread.
+constexpr int64_t kMinParallel = 1 << 16;
+
+inline float bias_at(const void* bias, int bias_bf16, int64_t r) {
+  if (!bias) return 0.f;
+  return bias_bf16 ? scalar_w(static_cast<const uint16_t*>(bias)[r])
+                   : static_cast<const float*>(bias)[r];
+}
+
+inline void store(void* out, int out_bf16, int64_t i, float v) {
+  if (out_bf16)
+    static_cast<uint16_t*>(out)[i] = f32_to_bf16_bits(v);
+  else
+    static_cast<float*>(out)[i] = v;
+}
+
+#if defined(__AVX512BF16__)
+// bfloat16 rows times bfloat16 weights with AVX512-BF16's dot instruction: 32 products a call,
+// twice the widened float32 FMAs, and no widening of the weight. This is what oneDNN's bf16
+// GEMM uses; at 8 rows the widening form was compute-bound at a third of its speed.
+// Two weight rows at a time: each activation load serves two dot instructions (the loads, not
+// the dots, bound one row at a time).
+template <int N>
+inline void dots_bf16_fixed(const uint16_t* w, int64_t rows, int64_t len,
+                            const uint16_t* const* x, float* out /* [rows][N] */) {
+  __m512 acc[2][N];
+  for (int r = 0; r < 2; ++r)
+    for (int j = 0; j < N; ++j) acc[r][j] = _mm512_setzero_ps();
+  const uint16_t* w1 = rows > 1 ? w + len : w;
+  int64_t d = 0;
+  for (; d + 32 <= len; d += 32) {
+    const __m512bh w0v = (__m512bh)_mm512_loadu_si512(w + d);
+    const __m512bh w1v = (__m512bh)_mm512_loadu_si512(w1 + d);
+    for (int j = 0; j < N; ++j) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[j] + d);
+      acc[0][j] = _mm512_dpbf16_ps(acc[0][j], w0v, xv);
+      acc[1][j] = _mm512_dpbf16_ps(acc[1][j], w1v, xv);
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const uint16_t* wr = r ? w1 : w;
+    for (int j = 0; j < N; ++j) {
+      float s = _mm512_reduce_add_ps(acc[r][j]);
+      for (int64_t e = d; e < len; ++e) s += scalar_w(wr[e]) * scalar_w(x[j][e]);
+      out[r * kRowBlock + j] = s;
+    }
+  }
+}
+
+inline void dots_bf16(const uint16_t* w, int64_t rows, const uint16_t* const* x, int n,
+                      int64_t len, float* out) {
+  switch (n) {
+    case 1: return dots_bf16_fixed<1>(w, rows, len, x, out);
+    case 2: return dots_bf16_fixed<2>(w, rows, len, x, out);
+    case 3: return dots_bf16_fixed<3>(w, rows, len, x, out);
+    case 4: return dots_bf16_fixed<4>(w, rows, len, x, out);
+    case 5: return dots_bf16_fixed<5>(w, rows, len, x, out);
+    case 6: return dots_bf16_fixed<6>(w, rows, len, x, out);
+    case 7: return dots_bf16_fixed<7>(w, rows, len, x, out);
+    default: return dots_bf16_fixed<kRowBlock>(w, rows, len, x, out);
+  }
+}
+#endif
+
+template <typename T>
+void linear(const float* x, int64_t t, int64_t k, const T* w, int64_t n, const void* bias,
+            int bias_bf16, void* out, int out_bf16, int threads) {
+  const bool par = threads > 1 && n * k >= kMinParallel;
+#pragma omp parallel for num_threads(threads) schedule(static) if (par)
+  for (int64_t r = 0; r < n; ++r) {
+    const float b = bias_at(bias, bias_bf16, r);
+    for (int64_t t0 = 0; t0 < t; t0 += kRowBlock) {
+      const int m = static_cast<int>(std::min<int64_t>(kRowBlock, t - t0));
+      const float* xs[kRowBlock];
+      for (int j = 0; j < m; ++j) xs[j] = x + (t0 + j) * k;
+      float d[kRowBlock];
+      dots(w + r * k, xs, m, k, d);
+      for (int j = 0; j < m; ++j) store(out, out_bf16, (t0 + j) * n + r, d[j] + b);
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+void linear_bf16(const uint16_t* x, int64_t x_s, int64_t t, int64_t k, const uint16_t* w,
+                 int64_t n, const void* bias, int bias_bf16, void* out, int out_bf16,
+                 int threads) {
+  const bool par = threads > 1 && n * k >= kMinParallel;
+  const int64_t pairs = (n + 1) / 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (par)
+  for (int64_t pr = 0; pr < pairs; ++pr) {
+    const int64_t r0 = 2 * pr, rows = std::min<int64_t>(2, n - r0);
+    for (int64_t t0 = 0; t0 < t; t0 += kRowBlock) {
+      const int m = static_cast<int>(std::min<int64_t>(kRowBlock, t - t0));
+      const uint16_t* xs[kRowBlock];
+      for (int j = 0; j < m; ++j) xs[j] = x + (t0 + j) * x_s;
+      float d[2 * kRowBlock];
+      dots_bf16(w + r0 * k, rows, xs, m, k, d);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float b = bias_at(bias, bias_bf16, r0 + r);
+        for (int j = 0; j < m; ++j)
+          store(out, out_bf16, (t0 + j) * n + r0 + r, d[r * kRowBlock + j] + b);
+      }
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// x: [t, k] rows of stride x_s, float32 or (x_bf16) bfloat16; w: [n, k] contiguous, float32 or
+// (w_bf16) bfloat16; bias: [n] float32 or (bias_bf16) bf16, or null; out: [t, n] contiguous,
+// float32 or (out_bf16) bf16. Mirrors RowsLinearArgs in rows_linear.py. Returns 0.
+struct RowsLinearArgs {
+  const void* x;
+  int64_t x_s;
+  const void* w;
+  const void* bias;
+  void* out;
+  int64_t t, k, n;
+  int32_t x_bf16, w_bf16, bias_bf16, out_bf16, threads;
+};
+
+int llmhal_rows_linear_call(const void* p) {
+  const auto& a = *static_cast<const RowsLinearArgs*>(p);
+#if defined(__AVX512BF16__)
+  if (a.x_bf16 && a.w_bf16) {
+    linear_bf16(static_cast<const uint16_t*>(a.x), a.x_s, a.t, a.k,
+                static_cast<const uint16_t*>(a.w), a.n, a.bias, a.bias_bf16, a.out, a.out_bf16,
+                a.threads);
+    return 0;
+  }
+#endif
+  std::vector<float> x(a.t * a.k);
+  widen_rows(a.x, a.x_s, a.x_bf16, a.t, a.k, x.data());
+  if (a.w_bf16)
+    linear(x.data(), a.t, a.k, static_cast<const uint16_t*>(a.w), a.n, a.bias, a.bias_bf16,
+           a.out, a.out_bf16, a.threads);
+  else
+    linear(x.data(), a.t, a.k, static_cast<const float*>(a.w), a.n, a.bias, a.bias_bf16, a.out,
+           a.out_bf16, a.threads);
+  return 0;
+}
+
+int64_t llmhal_rows_linear_args_size() { return sizeof(RowsLinearArgs); }
+
+}  // extern "C"
