@@ -87,3 +87,30 @@ def test_serve_answers_a_completion_like_the_offline_api(qwen3_moe):
         status, answer = post_json(f"{url}/v1/completions", body)
     assert status == 200, answer
     assert answer["choices"][0]["text"] == offline.outputs[0].text
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_bf16_decode_steps_are_recorded_and_replay_as_eager(arch, tmp_path):
+    """A bf16 MoE model's decode step is native calls only on the CPU (the router and the
+    attention projections through the rows kernel, the routing and experts in one fused_moe call),
+    so the engine records it and replays it; the replayed steps give exactly the eager tokens and
+    log-probabilities."""
+    from llmhal.platforms import get_current_platform
+
+    if not get_current_platform().capabilities.graphs:
+        pytest.skip("this platform records no decode graphs")
+    cfg = tiny_config(arch, vocab_size=384, initializer_range=0.1, **CASES[arch])
+    save_tiny_model(cfg, tmp_path)
+    make_tokenizer(cfg.vocab_size).save_pretrained(str(tmp_path))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+
+    def run(**kw):
+        llm = LLM(str(tmp_path), dtype="bfloat16", kv_cache_memory_bytes=4 << 20, **kw)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        return llm, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    graphs, got = run()
+    dg = graphs.engine.runner.decode_graphs
+    assert dg is not None and dg.refused is None, dg and dg.refused
+    assert dg.replays > 0
+    assert got == run(enforce_eager=True)[1]
