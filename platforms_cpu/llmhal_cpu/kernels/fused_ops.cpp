@@ -44,23 +44,45 @@ constexpr int64_t kMinParallel = 1 << 16;
 
 inline bool parallel(int64_t elements, int threads) { return threads > 1 && elements >= kMinParallel; }
 
-// Loads and stores of float32 or bfloat16 elements, one at a time or a vector's worth (bf16 through
-// a float buffer: branch-free conversions the compiler vectorizes).
+// Loads and stores of float32 or bfloat16 elements, one at a time or a vector's worth. The bf16
+// vector forms stay in registers (lane-wise integer operations on the bits, the same branch-free
+// formulas as float_bits.h): going through a float buffer, as they first did, stored a vector in
+// halves and read it back whole, a failed store-to-load forward per conversion that made SiLU and
+// the norms ~5 ns an element (Zen 5, bf16; 442 us for SiLU on [64, 3072], torch's own: 1 ms).
+typedef uint16_t vh __attribute__((vector_size(W * sizeof(uint16_t))));
+typedef uint32_t vu __attribute__((vector_size(W * sizeof(uint32_t))));
+inline vf bits_vf(vu u) {
+  vf f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline vu vf_bits(vf f) {
+  vu u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+// float32 -> bf16 bits in the upper half of each lane: round to nearest even, a NaN stays a quiet
+// NaN (float_bits.h's f32_to_bf16_bits, lane-wise).
+inline vu bf16_upper(vf v) {
+  const vu u = vf_bits(v);
+  const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  const vu nan = (u | 0x400000u) & 0xffff0000u;
+  return (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
+}
 inline float ld(const float* p) { return *p; }
 inline float ld(const uint16_t* p) { return llmhal_cpu::bf16_bits_to_f32(*p); }
 inline void put(float* p, float v) { *p = v; }
 inline void put(uint16_t* p, float v) { *p = llmhal_cpu::f32_to_bf16_bits(v); }
 inline vf vld(const float* p) { return vload(p); }
 inline vf vld(const uint16_t* p) {
-  float t[W];
-  for (int j = 0; j < W; ++j) t[j] = ld(p + j);
-  return vload(t);
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  return bits_vf(__builtin_convertvector(h, vu) << 16);
 }
 inline void vput(float* p, vf v) { vstore(p, v); }
 inline void vput(uint16_t* p, vf v) {
-  float t[W];
-  vstore(t, v);
-  for (int j = 0; j < W; ++j) put(p + j, t[j]);
+  const vh h = __builtin_convertvector(bf16_upper(v) >> 16, vh);
+  std::memcpy(p, &h, sizeof h);
 }
 // What a float32 value becomes when torch stores it in T and reads it back.
 inline float rnd(float v, const float*) { return v; }
@@ -68,12 +90,7 @@ inline float rnd(float v, const uint16_t*) {
   return llmhal_cpu::bf16_bits_to_f32(llmhal_cpu::f32_to_bf16_bits(v));
 }
 inline vf vrnd(vf v, const float*) { return v; }
-inline vf vrnd(vf v, const uint16_t*) {
-  float t[W];
-  vstore(t, v);
-  for (int j = 0; j < W; ++j) t[j] = rnd(t[j], static_cast<const uint16_t*>(nullptr));
-  return vload(t);
-}
+inline vf vrnd(vf v, const uint16_t*) { return bits_vf(bf16_upper(v)); }
 
 // One row: the sum of squares of (x + r), written to s when r is given, then the scaled output.
 // T: the activations' type (x, r, s, out), TW: the weight's. For bf16, x + r and x / rms are
@@ -190,7 +207,16 @@ void rotate_row(uint16_t* x, int heads, int head_size, const TC* cs, int rot, bo
   const int half = rot / 2;
   for (int hd = 0; hd < heads; ++hd) {
     uint16_t* v = x + static_cast<int64_t>(hd) * head_size;
-    for (int i = 0; i < half; ++i) {
+    int i = 0;
+    if (neox) {  // the two halves are contiguous: W pairs at a time, the same roundings
+      for (; i + W <= half; i += W) {
+        const vf a = vld(v + i), b = vld(v + half + i);
+        const vf c = vrnd(vld(cs + i), tag), s = vrnd(vld(cs + half + i), tag);
+        vput(v + i, vrnd(a * c, tag) - vrnd(b * s, tag));
+        vput(v + half + i, vrnd(b * c, tag) + vrnd(a * s, tag));
+      }
+    }
+    for (; i < half; ++i) {
       const int ia = neox ? i : 2 * i, ib = neox ? half + i : 2 * i + 1;
       const float a = ld(v + ia), b = ld(v + ib);
       const float c = rnd(ld(cs + i), tag), s = rnd(ld(cs + half + i), tag);
