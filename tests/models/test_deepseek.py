@@ -319,3 +319,47 @@ def test_quantized_kv_b_proj_is_absorbed_through_the_layer(engine_checkpoint):
         [torch.einsum("tl,hnl->thn", x, w_uk), torch.einsum("tl,hvl->thv", x, w_uv)], -1
     )
     assert float((got - want).abs().max() / got.abs().max()) < 1e-5
+
+
+def test_quantized_dense_deepseek_records_its_decode_steps(tmp_path):
+    """The MLA attention path makes no torch call in a decode step (norms and rotary on views,
+    the cpu_mla kernel): a DeepSeek-V2 whose layers are all dense and whose linear layers are AWQ
+    (native kernels) replays recorded decode steps, equal to its eager run."""
+    from llmhal import LLM, SamplingParams
+    from llmhal.platforms import get_current_platform
+    from llmhal.testing.model_parity import save_tiny_model, tiny_config
+    from llmhal.testing.quant_models import PROMPTS as QUANT_PROMPTS
+    from llmhal.testing.quant_models import awq_rtn, write_pair
+    from llmhal.testing.tiny_models import make_tokenizer
+
+    if not get_current_platform().capabilities.graphs:
+        pytest.skip("this platform records no decode graphs")
+    base = tmp_path / "base"
+    # Every in_features a multiple of AWQ's 64-wide groups, every out_features of its 8-value packs.
+    shape = {**COMMON, "hidden_size": 128, "intermediate_size": 256, "kv_lora_rank": 64,
+             "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+             "q_lora_rank": None, "first_k_dense_replace": 2, "num_hidden_layers": 2,
+             "vocab_size": 384}  # fmt: skip
+    cfg = tiny_config("DeepseekV2ForCausalLM", **shape)
+    save_tiny_model(cfg, base)
+    make_tokenizer(cfg.vocab_size).save_pretrained(str(base))
+    qcfg = {"quant_method": "awq", "w_bit": 4, "q_group_size": 64, "zero_point": True,
+            "version": "gemm"}  # fmt: skip
+    suffixes = ("q_proj.weight", "kv_a_proj_with_mqa.weight", "kv_b_proj.weight",
+                "o_proj.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight")  # fmt: skip
+    quant, _ = write_pair(tmp_path, lambda name, w: awq_rtn(w, 64), qcfg, base=base,
+                          suffixes=suffixes)  # fmt: skip
+    kw = {"kv_cache_memory_bytes": 4 << 20, "max_num_seqs": 4, "dtype": "float32"}
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def run(llm: LLM) -> list[list[int]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in QUANT_PROMPTS], params)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    graphs = LLM(str(quant), **kw)
+    got = run(graphs)
+    dg = graphs.engine.runner.decode_graphs
+    assert graphs.load_report.attention_backends == ["cpu_mla"]
+    assert dg is not None and dg.refused is None, dg and dg.refused
+    assert dg.replays > 0
+    assert got == run(LLM(str(quant), enforce_eager=True, **kw))
