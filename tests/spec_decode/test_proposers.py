@@ -80,6 +80,60 @@ def test_suffix_drafts_from_earlier_responses_and_respects_min_token_prob():
     assert _suffix(suffix_decoding_max_cached_requests=0).propose([_req("d", [2], [7, 8])]) == [[]]
 
 
+def naive_suffix(context: list[int], past: list[list[int]], depth: int, factor: float, min_prob: float, k: int) -> list[int]:  # fmt: skip
+    """Suffix decoding's rule stated directly: for each source (the context, then the past
+    responses) and each match length m (the context's last m tokens occurred there, m <= depth),
+    follow the most frequent next token (the smallest on a tie) while the product of its shares
+    stays >= min_prob, for at most min(k, factor * m, depth - m) tokens; the highest sum of those
+    products wins, the first found on a tie."""
+    best: tuple[float, list[int]] = (0.0, [])
+    sources = [(context, len(context) - 1), ([t for r in past for t in (*r, None)], None)]
+    for hay, limit in sources:
+        limit = len(hay) if limit is None else limit
+        for m in range(1, min(depth, len(context)) + 1):
+            pat = context[-m:]
+            ends = [e for e in range(m - 1, limit) if hay[e - m + 1 : e + 1] == pat]
+            cap = min(k, int(factor * m), depth - m)
+            if not ends or cap <= 0:
+                continue
+            draft, prob, score, pos = [], 1.0, 0.0, [e + 1 for e in ends]
+            while len(draft) < cap:
+                pos = [p for p in pos if p < len(hay)]
+                nxt = [hay[p] for p in pos if hay[p] is not None]
+                if not nxt:
+                    break
+                token = min(set(nxt), key=lambda t: (-nxt.count(t), t))
+                prob *= nxt.count(token) / len(pos)
+                if prob < min_prob:
+                    break
+                draft.append(token)
+                score += prob
+                pos = [p + 1 for p in pos if hay[p] == token]
+            if score > best[0]:
+                best = (score, draft)
+    return best[1]
+
+
+@pytest.mark.parametrize("extra", [{}, {"suffix_decoding_max_spec_factor": 2.0, "suffix_decoding_min_token_prob": 0.3, "suffix_decoding_max_tree_depth": 6}])  # fmt: skip
+def test_suffix_matches_the_rule_stated_directly(extra):
+    """The vectorised proposer (its shortcuts: one occurrence or agreeing ones taken whole, matches
+    whose cap cannot win skipped) drafts exactly what the rule gives, on small vocabularies where
+    repeats, ties and past responses are common."""
+    rng = random.Random(5)
+    prop = _suffix(**extra)
+    depth, _, factor, min_prob = SuffixProposer.settings(prop.config)
+    past: list[list[int]] = []
+    for rid in range(12):
+        prompt = [rng.randrange(5) for _ in range(rng.randrange(2, 12))]
+        out: list[int] = []
+        for _ in range(rng.randrange(1, 25)):
+            (got,) = prop.propose([_req(str(rid), prompt, out, k=8)])
+            assert got == naive_suffix(prompt + out, past, depth, factor, min_prob, 8)
+            out.append(rng.randrange(5))
+        prop.finish(str(rid))
+        past.append(out[:-1])  # what the proposer saw: the last token came after its last call
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_drafts_never_exceed_max_draft(k):
     prop = _suffix()
