@@ -77,39 +77,107 @@ void widen(const T* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = scalar(src[i]);
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  vf acc{};
-  int64_t i = 0;
-  for (; i + W <= n; i += W) acc += vload(a + i) * vload(b + i);
-  float s = hsum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-template <typename T>
-inline float dot(const T* w, const float* x, int64_t n) {
-  vf acc{};
-  int64_t i = 0;
-  for (; i + W <= n; i += W) acc += load(w + i) * vload(x + i);
-  float s = hsum(acc);
-  for (; i < n; ++i) s += scalar(w[i]) * x[i];
-  return s;
-}
-
-// y[0, n) += a * x (x widened from T).
-template <typename T>
-inline void axpy(float a, const T* x, float* y, int64_t n) {
-  const vf av = vf{} + a;
-  int64_t i = 0;
-  for (; i + W <= n; i += W) vstore(y + i, vload(y + i) + av * load(x + i));
-  for (; i < n; ++i) y[i] += a * scalar(x[i]);
-}
-
 inline void scale_in_place(float a, float* y, int64_t n) {
   const vf av = vf{} + a;
   int64_t i = 0;
   for (; i + W <= n; i += W) vstore(y + i, vload(y + i) * av);
   for (; i < n; ++i) y[i] *= a;
+}
+
+// The two small products of the kernel, register-tiled: the absorption, the attention's
+// accumulation and the scores each multiply a few rows (decode rows, heads) by a matrix of a few
+// hundred columns, where a plain loop would load and store its accumulator for every multiply-add.
+
+// c[r][0, n) += sum_k a[r][k] * b[k][0, n) for rows r < RB, TV vectors of columns: the RB x TV
+// accumulators stay in registers over k. a[r][k] at a + r * a_r + k * a_k; b[k] at b + k * b_k.
+template <int RB, int TV, typename TA, typename TB>
+inline void mm_tile(const TA* a, int64_t a_r, int64_t a_k, int64_t kk, const TB* b, int64_t b_k,
+                    float* c, int64_t c_r) {
+  vf acc[RB][TV];
+  for (int r = 0; r < RB; ++r)
+    for (int v = 0; v < TV; ++v) acc[r][v] = vload(c + r * c_r + v * W);
+  for (int64_t k = 0; k < kk; ++k) {
+    vf bv[TV];
+    for (int v = 0; v < TV; ++v) bv[v] = load(b + k * b_k + v * W);
+    for (int r = 0; r < RB; ++r) {
+      const vf av = vf{} + scalar(a[r * a_r + k * a_k]);
+      for (int v = 0; v < TV; ++v) acc[r][v] += av * bv[v];
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int v = 0; v < TV; ++v) vstore(c + r * c_r + v * W, acc[r][v]);
+}
+
+template <int RB, typename TA, typename TB>
+inline void mm_rows(const TA* a, int64_t a_r, int64_t a_k, int64_t kk, const TB* b, int64_t b_k,
+                    int64_t n, float* c, int64_t c_r) {
+  constexpr int kTV = W == 16 ? 4 : 2;  // RB x kTV accumulators fit the 32 (16) vector registers
+  int64_t j = 0;
+  for (; j + kTV * W <= n; j += kTV * W) mm_tile<RB, kTV>(a, a_r, a_k, kk, b + j, b_k, c + j, c_r);
+  for (; j + W <= n; j += W) mm_tile<RB, 1>(a, a_r, a_k, kk, b + j, b_k, c + j, c_r);
+  for (; j < n; ++j)
+    for (int r = 0; r < RB; ++r) {
+      float s = 0.f;
+      for (int64_t k = 0; k < kk; ++k) s += scalar(a[r * a_r + k * a_k]) * scalar(b[k * b_k + j]);
+      c[r * c_r + j] += s;
+    }
+}
+
+// c[r][0, n) += sum_k a[r][k] * b[k][0, n) for rows r < rows.
+template <typename TA, typename TB>
+void mm_acc(const TA* a, int64_t a_r, int64_t a_k, int64_t rows, int64_t kk, const TB* b,
+            int64_t b_k, int64_t n, float* c, int64_t c_r) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) mm_rows<4>(a + r * a_r, a_r, a_k, kk, b, b_k, n, c + r * c_r, c_r);
+  switch (rows - r) {
+    case 3: return mm_rows<3>(a + r * a_r, a_r, a_k, kk, b, b_k, n, c + r * c_r, c_r);
+    case 2: return mm_rows<2>(a + r * a_r, a_r, a_k, kk, b, b_k, n, c + r * c_r, c_r);
+    case 1: return mm_rows<1>(a + r * a_r, a_r, a_k, kk, b, b_k, n, c + r * c_r, c_r);
+    default: return;
+  }
+}
+
+// out[i][j] = scale * a[i] . b[j] (length kk) for i < RA, j < RB: each loaded vector of a row
+// serves RB products and each of b RA.
+template <int RA, int RB, typename TB>
+inline void dot_tile(const float* a, int64_t a_r, const TB* b, int64_t b_r, int64_t kk,
+                     float* out, int64_t o_r, float scale) {
+  vf acc[RA][RB] = {};
+  int64_t k = 0;
+  for (; k + W <= kk; k += W) {
+    vf av[RA];
+    for (int i = 0; i < RA; ++i) av[i] = vload(a + i * a_r + k);
+    for (int j = 0; j < RB; ++j) {
+      const vf bv = load(b + j * b_r + k);
+      for (int i = 0; i < RA; ++i) acc[i][j] += av[i] * bv;
+    }
+  }
+  for (int i = 0; i < RA; ++i)
+    for (int j = 0; j < RB; ++j) {
+      float s = hsum(acc[i][j]);
+      for (int64_t e = k; e < kk; ++e) s += a[i * a_r + e] * scalar(b[j * b_r + e]);
+      out[i * o_r + j] = s * scale;
+    }
+}
+
+template <typename TB>
+void dots(const float* a, int64_t a_r, int64_t na, const TB* b, int64_t b_r, int64_t nb,
+          int64_t kk, float* out, int64_t o_r, float scale) {
+  int64_t i = 0;
+  for (; i + 4 <= na; i += 4) {
+    int64_t j = 0;
+    for (; j + 4 <= nb; j += 4)
+      dot_tile<4, 4>(a + i * a_r, a_r, b + j * b_r, b_r, kk, out + i * o_r + j, o_r, scale);
+    for (; j < nb; ++j)
+      dot_tile<4, 1>(a + i * a_r, a_r, b + j * b_r, b_r, kk, out + i * o_r + j, o_r, scale);
+  }
+  for (; i < na; ++i) {
+    int64_t j = 0;
+    for (; j + 4 <= nb; j += 4)
+      dot_tile<1, 4>(a + i * a_r, a_r, b + j * b_r, b_r, kk, out + i * o_r + j, o_r, scale);
+    for (; j < nb; ++j)
+      dot_tile<1, 1>(a + i * a_r, a_r, b + j * b_r, b_r, kk, out + i * o_r + j, o_r, scale);
+  }
 }
 
 }  // namespace
@@ -178,17 +246,14 @@ int mla_decode(const MlaDecodeArgs& a) {
   }
   if (B == 0) return 0;
 
-  // 2. Absorbed queries, float32 [B, H, D]: latent part from W_UK, then q_pe.
+  // 2. Absorbed queries, float32 [B, H, D]: q_nope @ W_UK[h] for every row at once, then q_pe.
   std::vector<float> qlat(B * H * D, 0.f);
   const T* w_uk = static_cast<const T*>(a.w_uk);
 #pragma omp parallel for num_threads(threads) if (threads > 1 && H > 1) schedule(static)
   for (int64_t h = 0; h < H; ++h) {
-    for (int64_t n = 0; n < NOPE; ++n) {
-      const T* w = w_uk + (h * NOPE + n) * L;
-      for (int64_t r = 0; r < B; ++r)
-        axpy(scalar(q[r * a.q_s + h * a.q_hs + n]), w, &qlat[(r * H + h) * D], L);
-    }
-    for (int64_t r = 0; r < B; ++r) widen(q + r * a.q_s + h * a.q_hs + NOPE, &qlat[(r * H + h) * D + L], R);
+    mm_acc(q + h * a.q_hs, a.q_s, 1, B, NOPE, w_uk + h * NOPE * L, L, L, &qlat[h * D], H * D);
+    for (int64_t r = 0; r < B; ++r)
+      widen(q + r * a.q_s + h * a.q_hs + NOPE, &qlat[(r * H + h) * D + L], R);
   }
 
   // 3. Attention in latent space: olat [B, H, L], normalized.
@@ -196,7 +261,7 @@ int mla_decode(const MlaDecodeArgs& a) {
   const int64_t groups = (H + kHeadGroup - 1) / kHeadGroup;
 #pragma omp parallel num_threads(threads) if (threads > 1 && B * groups > 1)
   {
-    std::vector<float> lat(kChunk * D), scores(kHeadGroup * kChunk);
+    std::vector<float> lat(kChunk * D), probs(kHeadGroup * kChunk);
     float m[kHeadGroup], l[kHeadGroup];
 #pragma omp for schedule(dynamic)
     for (int64_t task = 0; task < B * groups; ++task) {
@@ -204,6 +269,7 @@ int mla_decode(const MlaDecodeArgs& a) {
       const int64_t nh = std::min<int64_t>(kHeadGroup, H - h0);
       const int64_t s = a.seq_lens[r];
       const int32_t* blocks = a.block_table + r * a.bt_s;
+      const float* qh = &qlat[(r * H + h0) * D];
       float* acc = &olat[(r * H + h0) * L];
       std::fill(acc, acc + nh * L, 0.f);
       std::fill(m, m + nh, -std::numeric_limits<float>::infinity());
@@ -216,41 +282,36 @@ int mla_decode(const MlaDecodeArgs& a) {
               static_cast<int64_t>(blocks[pos / a.block_size]) * a.block_size + pos % a.block_size;
           widen(cache + slot * D, &lat[j * D], D);
         }
+        dots(qh, D, nh, lat.data(), D, nc, D, probs.data(), kChunk, a.scale);  // scores
+        // Online softmax: rescale what was summed under the old maximum.
         for (int64_t hh = 0; hh < nh; ++hh) {
-          const float* qh = &qlat[(r * H + h0 + hh) * D];
-          float* sc = &scores[hh * kChunk];
+          float* p = &probs[hh * kChunk];
           float best = m[hh];
-          for (int64_t j = 0; j < nc; ++j) {
-            sc[j] = dot(qh, &lat[j * D], D) * a.scale;
-            best = std::max(best, sc[j]);
-          }
-          // Online softmax: rescale what was summed under the old maximum.
+          for (int64_t j = 0; j < nc; ++j) best = std::max(best, p[j]);
           const float corr = std::exp(m[hh] - best);
-          float* acc_h = acc + hh * L;
-          if (corr != 1.f) scale_in_place(corr, acc_h, L);
+          if (corr != 1.f) scale_in_place(corr, acc + hh * L, L);
           float sum = l[hh] * corr;
           for (int64_t j = 0; j < nc; ++j) {
-            const float p = std::exp(sc[j] - best);
-            sum += p;
-            axpy(p, &lat[j * D], acc_h, L);
+            p[j] = std::exp(p[j] - best);
+            sum += p[j];
           }
           m[hh] = best;
           l[hh] = sum;
         }
+        mm_acc(probs.data(), kChunk, 1, nh, nc, lat.data(), D, L, acc, L);
       }
       for (int64_t hh = 0; hh < nh; ++hh) scale_in_place(1.f / l[hh], acc + hh * L, L);
     }
   }
 
-  // 4. out[r, h] = W_UV[h] @ olat[r, h], rounded to the model dtype.
+  // 4. out[r, h] = W_UV[h] @ olat[r, h], rounded to the model dtype once.
   const T* w_uv = static_cast<const T*>(a.w_uv);
-  T* out = static_cast<T*>(a.out);
+  std::vector<float> outf(B * H * V);
 #pragma omp parallel for num_threads(threads) if (threads > 1 && H > 1) schedule(static)
   for (int64_t h = 0; h < H; ++h)
-    for (int64_t e = 0; e < V; ++e) {
-      const T* w = w_uv + (h * V + e) * L;
-      for (int64_t r = 0; r < B; ++r) store(out + (r * H + h) * V + e, dot(w, &olat[(r * H + h) * L], L));
-    }
+    dots(&olat[h * L], H * L, B, w_uv + h * V * L, L, V, L, &outf[h * V], H * V, 1.f);
+  T* out = static_cast<T*>(a.out);
+  for (int64_t i = 0; i < B * H * V; ++i) store(out + i, outf[i]);
   return 0;
 }
 
