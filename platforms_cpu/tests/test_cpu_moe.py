@@ -234,3 +234,23 @@ def test_a_decode_sized_moe_layer_records_as_a_step_graph():
     logits.copy_(torch.randn(4, 16, generator=g))
     graph.replay()
     assert torch.equal(out, moe.fused_moe(x, w13, w2, logits, 4, **opts))
+
+
+def test_large_bf16_experts_take_the_bf16_dot_path_within_bf16_rounding():
+    """Experts of h x inter >= 2^20 in bf16 with bf16 activations run on AVX512-BF16 dots where
+    the host has them (silu(gate) * up rounded to bf16 before the down rows, as torch's bf16 path
+    rounds it); elsewhere the widened path. Either stays within bf16 rounding of float64."""
+    from llmhal_cpu.kernels import moe_experts
+
+    if moe_experts.LIBRARY.get() is None:
+        pytest.skip(f"native kernel unavailable: {moe_experts.LIBRARY.status}")
+    g = torch.Generator().manual_seed(5)
+    h, inter, experts = 1024, 1040, 3  # 1040: a tail after the last 32 bf16 pairs
+    x = torch.randn(5, h, generator=g).bfloat16()
+    w13 = (torch.randn(experts, 2 * inter, h, generator=g) * 0.03).bfloat16()
+    w2 = (torch.randn(experts, h, inter, generator=g) * 0.03).bfloat16()
+    weights, ids = core_moe.select_experts(torch.randn(5, experts, generator=g), 2)
+    got = moe_experts.moe_experts(x, weights, ids, w13, w2)
+    ref = _float64_reference(x, weights, ids, w13, w2)
+    assert got is not None
+    assert float((got.double() - ref).abs().max() / ref.abs().max()) < 2**-7

@@ -98,6 +98,53 @@ inline void dots(const T* w, const float* const* x, int n, int64_t len, float* o
   }
 }
 
+#if defined(__AVX512BF16__)
+// Two bfloat16 weight rows (w0, w1: the same row twice for one) against n bfloat16 rows x[j]
+// with AVX512-BF16's dot instruction: 32 products an instruction, twice the widened float32
+// FMAs, and no widening of the weights (oneDNN's bf16 GEMM uses it too). Two weight rows at a
+// time, so each activation load serves two dots: one row at a time, the loads bound the loop.
+template <int N>
+inline void dots2_bf16_fixed(const uint16_t* w0, const uint16_t* w1, const uint16_t* const* x,
+                             int64_t len, float* out0, float* out1) {
+  __m512 acc0[N], acc1[N];
+  for (int j = 0; j < N; ++j) acc0[j] = acc1[j] = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 32 <= len; d += 32) {
+    const __m512bh a = (__m512bh)_mm512_loadu_si512(w0 + d);
+    const __m512bh b = (__m512bh)_mm512_loadu_si512(w1 + d);
+    for (int j = 0; j < N; ++j) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[j] + d);
+      acc0[j] = _mm512_dpbf16_ps(acc0[j], a, xv);
+      acc1[j] = _mm512_dpbf16_ps(acc1[j], b, xv);
+    }
+  }
+  for (int j = 0; j < N; ++j) {
+    float s0 = _mm512_reduce_add_ps(acc0[j]), s1 = _mm512_reduce_add_ps(acc1[j]);
+    for (int64_t e = d; e < len; ++e) {
+      const float xe = scalar_w(x[j][e]);
+      s0 += scalar_w(w0[e]) * xe;
+      s1 += scalar_w(w1[e]) * xe;
+    }
+    out0[j] = s0;
+    out1[j] = s1;
+  }
+}
+
+inline void dots2_bf16(const uint16_t* w0, const uint16_t* w1, const uint16_t* const* x, int n,
+                       int64_t len, float* out0, float* out1) {
+  switch (n) {
+    case 1: return dots2_bf16_fixed<1>(w0, w1, x, len, out0, out1);
+    case 2: return dots2_bf16_fixed<2>(w0, w1, x, len, out0, out1);
+    case 3: return dots2_bf16_fixed<3>(w0, w1, x, len, out0, out1);
+    case 4: return dots2_bf16_fixed<4>(w0, w1, x, len, out0, out1);
+    case 5: return dots2_bf16_fixed<5>(w0, w1, x, len, out0, out1);
+    case 6: return dots2_bf16_fixed<6>(w0, w1, x, len, out0, out1);
+    case 7: return dots2_bf16_fixed<7>(w0, w1, x, len, out0, out1);
+    default: return dots2_bf16_fixed<kRowBlock>(w0, w1, x, len, out0, out1);
+  }
+}
+#endif
+
 // Rows of float32 or bfloat16 (bf16 set) values, row stride `stride` elements, widened into the
 // contiguous float32 [rows, cols] `out`.
 inline void widen_rows(const void* src, int64_t stride, int bf16, int64_t rows, int64_t cols,

@@ -22,6 +22,9 @@
 namespace {
 
 using llmhal_cpu::dots;
+#if defined(__AVX512BF16__)
+using llmhal_cpu::dots2_bf16;
+#endif
 using llmhal_cpu::f32_to_bf16_bits;
 using llmhal_cpu::kRowBlock;
 using llmhal_cpu::scalar_w;
@@ -43,53 +46,6 @@ inline void store(void* out, int out_bf16, int64_t i, float v) {
     static_cast<float*>(out)[i] = v;
 }
 
-#if defined(__AVX512BF16__)
-// bfloat16 rows times bfloat16 weights with AVX512-BF16's dot instruction: 32 products a call,
-// twice the widened float32 FMAs, and no widening of the weight. This is what oneDNN's bf16
-// GEMM uses; at 8 rows the widening form was compute-bound at a third of its speed.
-// Two weight rows at a time: each activation load serves two dot instructions (the loads, not
-// the dots, bound one row at a time).
-template <int N>
-inline void dots_bf16_fixed(const uint16_t* w, int64_t rows, int64_t len,
-                            const uint16_t* const* x, float* out /* [rows][N] */) {
-  __m512 acc[2][N];
-  for (int r = 0; r < 2; ++r)
-    for (int j = 0; j < N; ++j) acc[r][j] = _mm512_setzero_ps();
-  const uint16_t* w1 = rows > 1 ? w + len : w;
-  int64_t d = 0;
-  for (; d + 32 <= len; d += 32) {
-    const __m512bh w0v = (__m512bh)_mm512_loadu_si512(w + d);
-    const __m512bh w1v = (__m512bh)_mm512_loadu_si512(w1 + d);
-    for (int j = 0; j < N; ++j) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[j] + d);
-      acc[0][j] = _mm512_dpbf16_ps(acc[0][j], w0v, xv);
-      acc[1][j] = _mm512_dpbf16_ps(acc[1][j], w1v, xv);
-    }
-  }
-  for (int r = 0; r < rows; ++r) {
-    const uint16_t* wr = r ? w1 : w;
-    for (int j = 0; j < N; ++j) {
-      float s = _mm512_reduce_add_ps(acc[r][j]);
-      for (int64_t e = d; e < len; ++e) s += scalar_w(wr[e]) * scalar_w(x[j][e]);
-      out[r * kRowBlock + j] = s;
-    }
-  }
-}
-
-inline void dots_bf16(const uint16_t* w, int64_t rows, const uint16_t* const* x, int n,
-                      int64_t len, float* out) {
-  switch (n) {
-    case 1: return dots_bf16_fixed<1>(w, rows, len, x, out);
-    case 2: return dots_bf16_fixed<2>(w, rows, len, x, out);
-    case 3: return dots_bf16_fixed<3>(w, rows, len, x, out);
-    case 4: return dots_bf16_fixed<4>(w, rows, len, x, out);
-    case 5: return dots_bf16_fixed<5>(w, rows, len, x, out);
-    case 6: return dots_bf16_fixed<6>(w, rows, len, x, out);
-    case 7: return dots_bf16_fixed<7>(w, rows, len, x, out);
-    default: return dots_bf16_fixed<kRowBlock>(w, rows, len, x, out);
-  }
-}
-#endif
 
 template <typename T>
 void linear(const float* x, int64_t t, int64_t k, const T* w, int64_t n, const void* bias,
@@ -122,12 +78,12 @@ void linear_bf16(const uint16_t* x, int64_t x_s, int64_t t, int64_t k, const uin
       const int m = static_cast<int>(std::min<int64_t>(kRowBlock, t - t0));
       const uint16_t* xs[kRowBlock];
       for (int j = 0; j < m; ++j) xs[j] = x + (t0 + j) * x_s;
-      float d[2 * kRowBlock];
-      dots_bf16(w + r0 * k, rows, xs, m, k, d);
+      float d[2][kRowBlock];
+      const uint16_t* w0 = w + r0 * k;
+      dots2_bf16(w0, rows > 1 ? w0 + k : w0, xs, m, k, d[0], d[1]);
       for (int64_t r = 0; r < rows; ++r) {
         const float b = bias_at(bias, bias_bf16, r0 + r);
-        for (int j = 0; j < m; ++j)
-          store(out, out_bf16, (t0 + j) * n + r0 + r, d[r * kRowBlock + j] + b);
+        for (int j = 0; j < m; ++j) store(out, out_bf16, (t0 + j) * n + r0 + r, d[r][j] + b);
       }
     }
   }
