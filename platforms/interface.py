@@ -79,6 +79,10 @@ class PlatformCapabilities:
         fp8_compute: fp8 matmuls run natively (``torch._scaled_mm``).
         paged_kv: the platform's attention backends support a paged KV cache.
         graphs: whole-step graph capture (CUDA graphs or an equivalent) is available.
+        graph_chunk_tokens: prompt chunks of up to this many tokens may be recorded in a step
+            graph beside decodes (0: only decodes and uniform draft verification are recorded).
+            Set it only where every path such a step takes reads the step from the metadata's
+            tensors, or refuses the capture (see :mod:`llmhal.engine.decode_graphs`).
         torch_compile: ``torch.compile`` works with :attr:`Platform.simple_compile_backend`.
         triton: Triton kernels can run on the device (not just in the interpreter).
         pinned_memory: host memory can be page-locked for async copies.
@@ -92,6 +96,7 @@ class PlatformCapabilities:
     fp8_compute: bool = False
     paged_kv: bool = True
     graphs: bool = False
+    graph_chunk_tokens: int = 0
     torch_compile: bool = False
     triton: bool = False
     pinned_memory: bool = False

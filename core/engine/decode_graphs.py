@@ -16,7 +16,7 @@ CPU platform's recorded native calls) the runner keeps one graph per batch size:
 * **Replay**: the token embeddings are looked up eagerly (a gather, outside the graph), the
   buffers refilled (a handful of copies), and ``graph.replay()`` recomputes the output in place.
 
-Graphs are keyed by (batch size, thread count); at most :data:`MAX_GRAPHS` are kept (least
+Graphs are keyed by (each request's query length, thread count); at most :data:`MAX_GRAPHS` are kept (least
 recently used dropped), all sharing one memory pool (they never replay at once): on the CPU that is
 about one layer's intermediates at the largest batch, not a whole step's per graph.
 
@@ -25,25 +25,35 @@ bake values into Python scalars or trimmed shapes (``cpu_attn`` keeps the full b
 derives nothing from sequence lengths at build time for decodes); tensors that are not views of the
 static buffers are detected and refuse the graph, scalars cannot be.
 
-Speculative decoding's verification steps are recorded the same way when every request in the step
-verifies the same number of drafts: ``q`` = 1 + drafts tokens per request, keyed by (batch size,
-q); its graph returns all ``b * q`` rows. A backend that cannot record such a step (refused once
-per q) leaves plain decodes recorded.
+Speculative decoding's verification steps are recorded the same way: a request verifying ``q - 1``
+drafts is ``q`` rows, and its graph returns every row. A backend that cannot record a verification
+of ``q`` rows (refused once per q) leaves plain decodes recorded.
 
-A step that is not a pure decode (a prefill or a prefill chunk, verification with draft counts that
-differ between requests), or whose block table does not fit the static one, runs eagerly as before.
-``LLM(enforce_eager=True)`` (``--enforce-eager``) turns graphs off.
+**Mixed steps.** Where the platform says its attention reads short query runs from the metadata's
+tensors too (``PlatformCapabilities.graph_chunk_tokens``, 8 on the CPU), a step whose requests mix
+decodes, verifications of different lengths and prompt chunks of up to that many tokens is recorded
+as well, keyed by its query lengths. That is what a server under load runs: new prompts prefill in
+short chunks beside the running streams (the scheduler caps a prompt's chunk at this length while
+requests decode), and an eager step of 16 decodes plus 12 prompt tokens took 58 ms on the default
+model where the decode-only graph took 20 ms. The runner samples only the rows that end a request's
+known tokens, as in an eager step.
+
+A step with a longer prompt chunk, a request that wants prompt log-probabilities or is pooled, or
+whose block table does not fit the static one, runs eagerly as before. ``LLM(enforce_eager=True)``
+(``--enforce-eager``) turns graphs off.
 
 Models with recurrent layers (:mod:`llmhal.attention.state`) record their decodes too: each
 request's state slot is one more static buffer (``CommonAttentionMetadata.state_indices``), refilled
 per replay, and the slot of a request whose first step is this one-token decode is zeroed before the
 replay, as the eager runner zeroes it. The state update kernels update the slots in place, so a
-replay advances the states exactly as an eager step. Only speculative verification is never
-recorded for them (the engine refuses drafts for recurrent models anyway).
+replay advances the states exactly as an eager step. Only single-row steps are recorded for them:
+verification (the engine refuses drafts for recurrent models anyway) and prompt chunks, whose state
+update is a scan, run eagerly.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,17 +72,35 @@ from llmhal.utils.tensors import tensors_in
 
 logger = init_logger(__name__)
 
-MAX_GRAPHS = 16
+# Graphs kept (least recently used dropped). Mixed steps make more shapes than decodes alone (a
+# server at 16 streams met ~30 distinct ones); a graph's own memory is its static inputs and the
+# recorded calls, its intermediates live in the shared pool.
+MAX_GRAPHS = 64
+
+
+def _padded_decodes(d: int) -> int:
+    """The recorded decode count that serves ``d`` decodes: 1, 2, 3, 4, 6, 8, 12, 16, 24, ...
+
+    Mixed steps are keyed by their decode count and their prompt chunks; at 16 streams every count
+    from 0 to 16 occurs beside each chunk pattern, and each new key costs a capture (about an
+    eager step, 2-3x a replay). Padding the count to this ladder keeps the keys few at ~12% more
+    rows on average. A padding row repeats the last decode (its token, position, KV slot and
+    block table): it writes the same key and value to the same slot and its output is dropped,
+    so no request can see it."""
+    if d <= 4:
+        return d
+    top = 1 << (d - 1).bit_length()  # the power of two at or above d
+    return top * 3 // 4 if d <= top * 3 // 4 else top
 
 
 @dataclass
 class _Graph:
-    embeds: torch.Tensor  # [B * q, hidden]
-    positions: torch.Tensor  # int64 [B * q]
+    embeds: torch.Tensor  # [rows, hidden]
+    positions: torch.Tensor  # int64 [rows]
     seq_lens: torch.Tensor  # int32 [B]
     computed: torch.Tensor  # int32 [B]
     block_table: torch.Tensor  # int32 [B, max_blocks]
-    slots: torch.Tensor  # int64 [B * q]
+    slots: torch.Tensor  # int64 [rows]
     state_indices: torch.Tensor | None = None  # int32 [B]: recurrent models' state slots
     output: Any = None
     graph: StepGraph | None = None
@@ -94,10 +122,13 @@ class DecodeGraphs:
         max_model_len: int,
         hidden_size: int,
         dtype: torch.dtype,
+        chunk_tokens: int = 0,
         state_slot_of: Callable[[Request], int] | None = None,
         reset_state_slot: Callable[[int], None] | None = None,
     ) -> None:
-        """``state_slot_of`` / ``reset_state_slot``: for a model with recurrent layers, a request's
+        """``chunk_tokens``: the longest prompt chunk recorded beside decodes (0: decodes and
+        uniform verification only; see ``PlatformCapabilities.graph_chunk_tokens``).
+        ``state_slot_of`` / ``reset_state_slot``: for a model with recurrent layers, a request's
         state slot, and zeroing a slot before a request's first step (None: no such layers)."""
         self.model = model
         self.state_slot_of = state_slot_of
@@ -110,80 +141,117 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.hidden_size = hidden_size
         self.dtype = dtype
-        self._graphs: OrderedDict[tuple[int, int, int], _Graph] = OrderedDict()
+        self._graphs: OrderedDict[tuple[tuple[int, ...], int], _Graph] = OrderedDict()
         self.refused: str | None = None  # why steps run eagerly, once a capture was refused
-        # Verification query lengths (q > 1) whose capture was refused: those run eagerly.
+        # Query lengths (q > 1) whose capture was refused: steps with a request of q rows run
+        # eagerly.
         self.refused_q: dict[int, str] = {}
+        # Recurrent layers scan a chunk's tokens: their steps are recorded one row a request.
+        self.chunk_tokens = 0 if state_slot_of is not None else chunk_tokens
         self.pool: Any = None  # the graphs' shared memory (after the first capture)
         self.replays = 0
+        self.captures = 0
+
+    def recorded_shapes(self) -> list[tuple[int, ...]]:
+        """The query lengths (one per request) of the steps recorded now, oldest use first."""
+        return [qs for qs, _ in self._graphs]
 
     def clear(self) -> None:
         """Forget every graph (their buffers, e.g. the KV cache, are about to be replaced)."""
         self._graphs.clear()
 
-    @staticmethod
-    def _query_len(batch: ScheduledBatch) -> int | None:
-        """q when every request runs its last token and the same q - 1 speculative drafts (a
-        pure decode: q = 1); else None."""
-        q = batch.items[0][1]
+    def _query_lens(self, batch: ScheduledBatch) -> tuple[int, ...] | None:
+        """Each request's rows when the step can be recorded (see the module docstring); None:
+        run it eagerly."""
+        qs = tuple(n for _, n in batch.items)
         for req, n in batch.items:
-            if n != q or n != 1 + len(req.spec_token_ids) or req.num_computed_tokens + 1 != req.num_tokens:  # fmt: skip
-                return None
-        return q
+            if req.spec_token_ids:  # a verification: the last token and every draft
+                if n != 1 + len(req.spec_token_ids) or req.num_computed_tokens + 1 != req.num_tokens:  # fmt: skip
+                    return None
+            elif (
+                n > 1 or req.num_computed_tokens + 1 != req.num_tokens
+            ):  # not a decode: a prompt chunk
+                if n > self.chunk_tokens:
+                    return None  # a length this platform does not record beside decodes
+                if req.prompt_logprobs is not None:
+                    return None  # its prompt log-probabilities are computed eagerly
+        if not self.chunk_tokens and any(q != qs[0] for q in qs):
+            return None  # verifications of different lengths need the mixed-step capability
+        if any(q in self.refused_q for q in qs):
+            return None
+        return qs
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor | None:
-        """The step's final hidden states [B * q, hidden] through a graph, or None: run it
-        eagerly."""
+        """The step's final hidden states (every row, in the batch's order) through a graph, or
+        None: run it eagerly."""
         if self.refused is not None or not batch.items:
             return None
-        q = self._query_len(batch)
-        if q is None or q in self.refused_q or (q > 1 and self.state_slot_of is not None):
+        qs = self._query_lens(batch)
+        if qs is None or (self.state_slot_of is not None and max(qs) > 1):
             return None
         reqs = [req for req, _ in batch.items]
         if any(len(req.block_ids) > self.max_blocks for req in reqs):
             return None
-        key = (len(reqs), q, torch.get_num_threads())
+        # Decodes come first (the scheduler's contract); with mixed steps their count is padded
+        # up the ladder by repeating the last one (see _padded_decodes).
+        d = next((i for i, q in enumerate(qs) if q > 1), len(qs))
+        pad = _padded_decodes(d) - d if self.chunk_tokens and self.state_slot_of is None else 0
+        if pad:
+            reqs[d:d] = [reqs[d - 1]] * pad
+            qs = (1,) * (d + pad) + qs[d:]
+        key = (qs, torch.get_num_threads())
         g = self._graphs.get(key)
         if g is not None:
             self._graphs.move_to_end(key)
-            self._fill(g, reqs, q)
+            self._fill(g, reqs, qs)
             assert g.graph is not None
             g.graph.replay()
             self.replays += 1
-            return g.output
-        return self._capture(key, reqs)
+            out = g.output
+        else:
+            out = self._capture(key, reqs)
+        if not pad:
+            return out
+        return out[:d] if d + pad == len(qs) else torch.cat([out[:d], out[d + pad :]])
 
-    def _buffers(self, b: int, q: int) -> _Graph:
+    def _buffers(self, b: int, n: int) -> _Graph:
+        """Static inputs for ``b`` requests and ``n`` rows."""
         dev = self.device
         return _Graph(
-            embeds=torch.zeros(b * q, self.hidden_size, dtype=self.dtype, device=dev),
-            positions=torch.zeros(b * q, dtype=torch.int64, device=dev),
+            embeds=torch.zeros(n, self.hidden_size, dtype=self.dtype, device=dev),
+            positions=torch.zeros(n, dtype=torch.int64, device=dev),
             seq_lens=torch.zeros(b, dtype=torch.int32, device=dev),
             computed=torch.zeros(b, dtype=torch.int32),
             block_table=torch.zeros(b, self.max_blocks, dtype=torch.int32, device=dev),
-            slots=torch.zeros(b * q, dtype=torch.int64, device=dev),
+            slots=torch.zeros(n, dtype=torch.int64, device=dev),
             state_indices=None
             if self.state_slot_of is None
             else torch.zeros(b, dtype=torch.int32, device=dev),
         )
 
-    def _fill(self, g: _Graph, reqs: list[Request], q: int) -> None:
+    def _fill(self, g: _Graph, reqs: list[Request], qs: tuple[int, ...]) -> None:
         bs = self.block_size
         pos = [req.num_computed_tokens for req in reqs]
         ids: list[int] = []
+        positions: list[int] = []
         slots: list[int] = []
-        for req, p in zip(reqs, pos, strict=True):
-            ids.append(req.token_slice(p, p + 1)[0])
-            ids.extend(req.spec_token_ids)  # q - 1 drafts (checked by _query_len)
-            slots.extend(req.block_ids[t // bs] * bs + t % bs for t in range(p, p + q))
+        for req, p, q in zip(reqs, pos, qs, strict=True):
+            if req.spec_token_ids:  # the last token, then the q - 1 drafts (_query_lens checked)
+                ids.append(req.token_slice(p, p + 1)[0])
+                ids.extend(req.spec_token_ids)
+            else:
+                ids.extend(req.token_slice(p, p + q))
+            rows = range(p, p + q)
+            positions.extend(rows)
+            slots.extend(req.block_ids[t // bs] * bs + t % bs for t in rows)
         width = max(len(req.block_ids) for req in reqs)
         table = [req.block_ids + [0] * (width - len(req.block_ids)) for req in reqs]
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         g.embeds.copy_(self.model.embed_input_ids(input_ids))
         p = torch.tensor(pos, dtype=torch.int64)
-        g.positions.copy_((p.unsqueeze(1) + torch.arange(q)).reshape(-1))
+        g.positions.copy_(torch.tensor(positions, dtype=torch.int64))
         g.computed.copy_(p)
-        g.seq_lens.copy_(p + q)
+        g.seq_lens.copy_(p + torch.tensor(qs))
         g.slots.copy_(torch.tensor(slots, dtype=torch.int64))
         # Columns past a request's blocks keep stale ids: kernels read ceil(seq_len / bs) of them.
         g.block_table[:, :width].copy_(torch.tensor(table, dtype=torch.int32))
@@ -195,8 +263,11 @@ class DecodeGraphs:
                     self.reset_state_slot(slot)
             g.state_indices.copy_(torch.tensor(state_slots, dtype=torch.int32))
 
-    def _common(self, g: _Graph, b: int, q: int) -> CommonAttentionMetadata:
-        qsl = torch.arange(0, b * q + 1, q, dtype=torch.int32, device=self.device)
+    def _common(self, g: _Graph, qs: tuple[int, ...]) -> CommonAttentionMetadata:
+        b, n = len(qs), sum(qs)
+        qsl = torch.tensor([0, *itertools.accumulate(qs)], dtype=torch.int32, device=self.device)
+        # Single-row requests count as decodes (they come first, the scheduler's contract).
+        decodes = next((i for i, q in enumerate(qs) if q > 1), b)
         return CommonAttentionMetadata(
             query_start_loc=qsl,
             query_start_loc_cpu=qsl.cpu(),
@@ -207,19 +278,19 @@ class DecodeGraphs:
             slot_mapping=g.slots,
             positions=g.positions,
             num_reqs=b,
-            num_actual_tokens=b * q,
-            max_query_len=q,
+            num_actual_tokens=n,
+            max_query_len=max(qs),
             max_seq_len=self.max_model_len,  # an upper bound that holds for every replay
-            num_decodes=b if q == 1 else 0,
-            num_decode_tokens=b if q == 1 else 0,
+            num_decodes=decodes,
+            num_decode_tokens=decodes,
             state_indices=g.state_indices,
         )
 
-    def _capture(self, key: tuple[int, int, int], reqs: list[Request]) -> torch.Tensor:
-        b, q = key[0], key[1]
-        g = self._buffers(b, q)
-        self._fill(g, reqs, q)
-        common = self._common(g, b, q)
+    def _capture(self, key: tuple[tuple[int, ...], int], reqs: list[Request]) -> torch.Tensor:
+        qs = key[0]
+        g = self._buffers(len(qs), sum(qs))
+        self._fill(g, reqs, qs)
+        common = self._common(g, qs)
         attn = {name: builder.build(common) for name, builder in self.builders.items()}
         # Replays change the values in the static buffers only: a backend that copied them into
         # tensors of its own (a dtype change, a derived index) would not see the next step's.
@@ -242,11 +313,13 @@ class DecodeGraphs:
             )
         else:
             out, graph, reason = self.platform.capture_step_graph(step, self.pool)
+        self.captures += 1
         if graph is None:
             why = reason or "the platform recorded no graph"
+            q = max(qs)
             if q > 1:  # plain decodes keep their graphs
                 self.refused_q[q] = why
-                logger.info("Verification steps of %d tokens a request run eagerly: %s.", q, why)
+                logger.info("Steps with %d-token query runs run eagerly: %s.", q, why)
             else:
                 self.refused = why
                 logger.info("Decode steps run eagerly: %s.", self.refused)
@@ -256,5 +329,5 @@ class DecodeGraphs:
         self._graphs[key] = g
         while len(self._graphs) > MAX_GRAPHS:
             self._graphs.popitem(last=False)
-        logger.debug("Recorded the step for batch size %d, %d token(s) each (%s).", b, q, graph)
+        logger.debug("Recorded the step of query lengths %s (%s).", qs, graph)
         return out

@@ -124,6 +124,14 @@ class ModelRunner:
         from llmhal.distributed import get_pp_group
 
         self._pp = get_pp_group()  # the trivial group of one unless pipeline-parallel
+        caps = get_current_platform().capabilities
+        # The longest prompt chunk a step graph may hold beside decodes (the scheduler caps chunks
+        # at it while requests decode). It depends on the platform, never on enforce_eager, so
+        # eager and recorded runs schedule the same steps; recurrent layers scan a chunk, so their
+        # steps are recorded one row a request and chunks are not capped.
+        self.graph_chunk_tokens = (
+            0 if self.state_layers or not caps.graphs else caps.graph_chunk_tokens
+        )
         self.decode_graphs = self._decode_graphs()
         # Set by a speculative method that drafts from the target's hidden states (EAGLE): each
         # step then keeps every row's hidden state (or the layer inputs the model was asked to
@@ -160,7 +168,8 @@ class ModelRunner:
         )
         return DecodeGraphs(
             self.model, platform, self.builders, self.device, self.block_size,
-            self.config.model.max_model_len, hf.hidden_size, self.config.model.dtype, *slots,
+            self.config.model.max_model_len, hf.hidden_size, self.config.model.dtype,
+            self.graph_chunk_tokens, *slots,
         )  # fmt: skip
 
     @property
@@ -242,9 +251,8 @@ class ModelRunner:
         eager = self.capture_hidden or any(r.pooling or r.request_id in self.draft_trees for r, _ in batch.items)  # fmt: skip
         if self.decode_graphs is not None and not eager:
             hidden = self.decode_graphs.run(batch)
-            if hidden is not None:  # a decode or uniform verification: every row is sampled
-                logits = self.model.compute_logits(hidden)
-                return logits.float(), [req for req, _ in batch.items], []
+            if hidden is not None:
+                return self._sample_graph_rows(batch, hidden)
         step, owners = self.prepare(batch)
         return self.finish(owners, self.run(step))
 
@@ -289,10 +297,31 @@ class ModelRunner:
                 offset += n
                 continue
             offset += n
-            if known == req.num_tokens:
-                step.sample_rows.extend(range(offset - 1 - (start + n - known), offset))
+            rows = _sampled_rows(req, n, offset)
+            if rows:
+                step.sample_rows.extend(rows)
                 owners.sample.append(req)
         return step, owners
+
+    def _sample_graph_rows(
+        self, batch: ScheduledBatch, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor | None, list[Request], PromptLogprobs]:
+        """:meth:`execute`'s answer for a step a graph ran: the logits of the rows that end a
+        request's known tokens (with its drafts), as :meth:`prepare` picks them."""
+        rows: list[int] = []
+        owners: list[Request] = []
+        offset = 0
+        for req, n in batch.items:
+            offset += n
+            mine = _sampled_rows(req, n, offset)
+            if mine:
+                rows.extend(mine)
+                owners.append(req)
+        if not rows:
+            return None, [], []
+        if len(rows) < hidden.shape[0]:  # a prompt chunk's rows are not sampled
+            hidden = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
+        return self.model.compute_logits(hidden).float(), owners, []
 
     def _run_stage(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """This pipeline stage's layers; the hidden states on the last stage, else None (the
@@ -368,6 +397,16 @@ class ModelRunner:
             chunk = targets[a - first : b - first]
             out.extend(logprob_entries(lp, chunk, [k] * len(chunk)))
         return out
+
+
+def _sampled_rows(req: Request, n: int, end: int) -> range | None:
+    """The rows of ``req`` to sample in a step where it runs ``n`` tokens ending at row ``end``:
+    its last known token's and its drafts', when the step reaches its last known token."""
+    start = req.num_computed_tokens
+    known = min(start + n, req.num_tokens)
+    if known != req.num_tokens:
+        return None
+    return range(end - 1 - (start + n - known), end)
 
 
 def _tree_positions(common: Any, step: StepInput) -> None:

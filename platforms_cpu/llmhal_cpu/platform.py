@@ -67,6 +67,10 @@ class CpuPlatform(Platform):
             fp8_compute=False,
             paged_kv=True,
             graphs=True,  # native-call step graphs (step_graph.py)
+            # cpu_attn.KERNEL_MAX_QUERY_LEN (not imported: that loads torch): query runs this
+            # short go to the paged kernel, which reads the step from the metadata's tensors; a
+            # longer one takes torch's prefill path, which step_graph's guard refuses to record.
+            graph_chunk_tokens=8,
             torch_compile=True,
             triton=False,
             pinned_memory=False,

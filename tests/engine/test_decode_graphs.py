@@ -54,7 +54,7 @@ def test_replayed_decode_equals_eager_on_the_default_model(default_model_path, k
     if dg is None or dg.refused is not None:
         pytest.skip(f"this host records no decode graphs ({dg and dg.refused})")
     assert dg.replays > 0
-    assert {key[0] for key in dg._graphs} >= {1, 2}  # keyed (batch, tokens each, threads)
+    assert {len(qs) for qs in dg.recorded_shapes()} >= {1, 2}  # batch sizes recorded
     # The graphs share one pool: about a layer's buffers at the largest batch, not a step's each.
     assert 0 < dg.pool.nbytes < 1 << 20
     eager = LLM(default_model_path, enforce_eager=True, **kw)
@@ -117,7 +117,7 @@ def _check_replays_equal_eager(model: str, prompts: list[list[int]], kw: dict) -
         pytest.skip("this platform records no decode graphs")
     assert dg.refused is None and dg.replays > 0
     assert got == _run(LLM(model, enforce_eager=True, **kw), prompts)
-    return {key[0] for key in dg._graphs}
+    return {len(qs) for qs in dg.recorded_shapes()}
 
 
 def test_a_quantized_mamba2_replays_its_decodes_with_the_state_slots(tiny_models, tmp_path):
@@ -132,3 +132,43 @@ def test_a_quantized_mamba2_replays_its_decodes_with_the_state_slots(tiny_models
     prompts = [list(range(5, 9)), [7], list(range(20, 33))]
     kw = {"tokenizer": folder, "kv_cache_memory_bytes": 16 << 20, "max_num_seqs": 4}
     assert _check_replays_equal_eager(str(path), prompts, kw) >= {1, 2}
+
+
+def test_mixed_steps_are_recorded_padded_and_equal_eager(default_model_path):
+    """Prompts admitted while others decode prefill in graph chunks beside them: those mixed steps
+    are recorded too (keyed by their query lengths, decode counts padded up the ladder by
+    repeating the last decode), and every token and log-probability equals the eager run's,
+    which schedules the same steps."""
+    from llmhal.engine.decode_graphs import _padded_decodes
+
+    if not get_current_platform().capabilities.graph_chunk_tokens:
+        pytest.skip("this platform records no mixed steps")
+    # Seven requests through five slots: the later ones prefill beside 4-5 decoding streams.
+    prompts = [list(range(100 + 40 * i, 109 + 40 * i + 3 * i)) for i in range(7)]
+    params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True, logprobs=2) for i in range(7)]  # fmt: skip
+    kw = {"max_num_seqs": 5, "kv_cache_memory_bytes": 64 << 20}
+
+    def run(llm: LLM) -> list:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    graphs = LLM(default_model_path, **kw)
+    got = run(graphs)
+    dg = graphs.engine.runner.decode_graphs
+    if dg is None or dg.refused is not None:
+        pytest.skip(f"this host records no decode graphs ({dg and dg.refused})")
+    shapes = dg.recorded_shapes()
+    mixed = [qs for qs in shapes if 1 in qs and max(qs) > 1]
+    assert mixed, shapes
+    for qs in shapes:  # decode counts on the ladder, chunks of 8 or powers of two
+        decodes = qs.count(1)
+        assert decodes == _padded_decodes(decodes) or max(qs) == 1
+        assert all(q in (1, 2, 4, 8) for q in qs)
+    assert any(qs.count(1) == 6 for qs in shapes)  # 5 decodes padded to 6
+    assert got == run(LLM(default_model_path, enforce_eager=True, **kw))
+
+
+def test_the_decode_ladder():
+    from llmhal.engine.decode_graphs import _padded_decodes
+
+    assert [_padded_decodes(d) for d in range(0, 18)] == [0, 1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16, 16, 16, 16, 24]  # fmt: skip
