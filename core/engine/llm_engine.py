@@ -128,6 +128,7 @@ class LLMEngine:
             sched.max_num_batched_tokens,
             sched.enable_chunked_prefill,
             self.pace,
+            graph_chunk_tokens=self.runner.graph_chunk_tokens,
         )
         self.sampler = Sampler(torch.Generator().manual_seed(config.model.seed))
         self.stats = EngineStats()

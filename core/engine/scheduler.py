@@ -74,10 +74,16 @@ class Scheduler:
         max_num_batched_tokens: int,
         chunked_prefill: bool = True,
         pace: DecodePace | None = None,
+        graph_chunk_tokens: int = 0,
     ) -> None:
         self.kv = kv
         # Limits a step's prompt tokens while requests decode (None: the budget alone).
         self.pace = pace
+        # While requests decode, a prompt's chunk is at most this long (0: no cap): the longest
+        # the runner records as a step graph beside decodes (llmhal.engine.decode_graphs), so a
+        # burst of new prompts does not turn the streams' steps eager. Without decodes a prompt
+        # takes the whole budget, as before.
+        self.graph_chunk_tokens = graph_chunk_tokens if chunked_prefill else 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
@@ -153,7 +159,7 @@ class Scheduler:
                 prefill_left = self._prefill_allowance(decode_tokens, budget)
             n = min(known + len(req.spec_token_ids), budget)
             if known > 1:
-                n = min(n, prefill_left)  # type: ignore[type-var]
+                n = self._chunk_len(decode_tokens, min(n, prefill_left))  # type: ignore[type-var]
                 if n <= 0:
                     break
             if n > known and not self.kv.allocate(req, n):
@@ -198,7 +204,7 @@ class Scheduler:
                         continue
                 computed = req.num_computed_tokens + len(prefix) * self.kv.block_size
                 remaining = req.num_tokens - computed
-                n = min(remaining, budget, prefill_left)
+                n = self._chunk_len(decode_tokens, min(remaining, budget, prefill_left))
                 if n < remaining and not self.chunked_prefill:
                     break
                 if not self.kv.allocate(req, n, prefix):
@@ -217,12 +223,29 @@ class Scheduler:
         batch.items.sort(key=lambda item: item[1] != 1)
         return batch
 
+    def _chunk_len(self, decode_tokens: int, n: int) -> int:
+        """A prompt chunk of at most ``n`` tokens in a step with ``decode_tokens`` decoding tokens:
+        beside decodes, the graph chunk length or, below it (a prompt's last piece, the end of the
+        allowance), the power of two at or below ``n``. Graphs are keyed by their chunks' lengths
+        (llmhal.engine.decode_graphs): pieces of any length 1..7 would make seven more shapes to
+        record beside every decode count; 1, 2 and 4 make three, and cost a 7-token piece two
+        more steps."""
+        g = self.graph_chunk_tokens
+        if not decode_tokens or not g or n <= 0:
+            return n
+        return g if n >= g else 1 << (n.bit_length() - 1)
+
     def _prefill_allowance(self, decode_tokens: int, budget: int) -> int:
         """Prompt tokens this step may still take: the budget, less while requests decode.
         Without chunked prefill a prompt goes in whole, so the pace does not apply."""
         if self.pace is None or not self.chunked_prefill:
             return budget
         allowed = self.pace.prefill_allowance(decode_tokens)
+        if allowed is not None and decode_tokens and self.graph_chunk_tokens:
+            # Whole graph chunks (see _chunk_len): 12 allowed tokens would otherwise be a chunk
+            # of 8 and one of 4, and the second's length would vary with the pace.
+            g = self.graph_chunk_tokens
+            allowed = max(g, allowed // g * g)
         return budget if allowed is None else min(budget, allowed)
 
     def _victim(self, scheduled: set[int], busy: frozenset[str] = frozenset()) -> Request:

@@ -193,3 +193,18 @@ def test_the_engine_measures_its_costs_and_paced_output_equals_unpaced(tiny_mode
     args.decode_pace_factor = 0
     apply_serving_defaults(args)
     assert args.decode_pace_factor == 0
+
+
+def test_with_graph_chunks_the_cap_is_whole_chunks():
+    """The pace's allowance is rounded down to whole graph chunks (at least one), so the second
+    prompt's chunk length does not follow the pace."""
+    pace = DecodePace(1.5)
+    for tokens, ms in ((1, 6.0), (16, 20.0), (64, 66.0)):
+        pace.observe(0, tokens, ms / 1e3)
+    s = Scheduler(
+        KVCacheManager(num_blocks=256, block_size=4), 16, 512, pace=pace, graph_chunk_tokens=8
+    )
+    allowed = pace.prefill_allowance(4)
+    assert allowed is not None and allowed % 8
+    assert s._prefill_allowance(4, 512) == max(8, allowed // 8 * 8)
+    assert s._prefill_allowance(0, 512) == 512  # nothing decoding: no cap

@@ -102,3 +102,29 @@ def test_a_prompt_being_prefilled_never_takes_a_running_streams_turn():
     a.num_computed_tokens, a.output_token_ids = 2, [1]
     for _ in range(3):
         assert [(r.request_id, n) for r, n in run_step(s).items] == [("a", 1), ("b", 7)]
+
+
+def test_beside_decodes_prompts_come_in_graph_chunks_and_powers_of_two():
+    """With a graph chunk length (the platform records mixed steps up to it), a prompt prefilled
+    beside decoding streams advances in chunks of that length, its last piece in powers of two
+    (few recorded shapes); with nothing decoding it takes the whole budget."""
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, graph_chunk_tokens=8)
+    a = req("a", 5)
+    s.add(a)
+    assert [n for _, n in run_step(s).items] == [5]  # alone: the whole prompt
+    b = req("b", 23)
+    s.add(b)
+    chunks = []
+    while b.num_computed_tokens < len(b.prompt_token_ids):
+        items = run_step(s).items
+        assert items[0] == (a, 1)  # a keeps decoding every step
+        chunks.append(items[1][1])
+    assert chunks == [8, 8, 4, 2, 1]
+    # Off (0): the budget alone decides, as before.
+    s0 = Scheduler(KVCacheManager(num_blocks=64, block_size=4), 8, 64)
+    c, d = req("c", 5), req("d", 23)
+    s0.add(c)
+    run_step(s0)
+    s0.add(d)
+    assert [n for _, n in run_step(s0).items] == [1, 23]
