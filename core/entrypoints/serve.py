@@ -49,6 +49,9 @@ SERVE_PREFILL_TOKENS_PER_STEP = 64
 # 2-3.7x one stream's (median 2.8x), off 7-12x. There the step's floor of prompt tokens, not this
 # factor, sets the steps (see llmhal.engine.step_budget.MIN_PREFILL_TOKENS).
 SERVE_DECODE_PACE_FACTOR = 1.5
+# Step graphs recorded at start-up for up to this many decoding streams (llmhal.engine.graph_warmup):
+# 36 shapes, ~2-3 s on the default model on 2 vCPUs; more streams record their shapes when met.
+SERVE_GRAPH_WARMUP_DECODES = 64
 
 
 def apply_serving_defaults(args: argparse.Namespace) -> None:
@@ -381,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     llm = build_llm("llmhal serve", a, max_num_seqs=a.max_num_seqs)
     if llm is None:
         return 2
+    from llmhal.engine.graph_warmup import record_serving_steps
+
+    record_serving_steps(llm.engine, min(a.max_num_seqs, SERVE_GRAPH_WARMUP_DECODES))
     try:
         server = build_server(
             llm, a.host, a.port, a.served_model_name or a.model,
