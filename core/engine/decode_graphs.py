@@ -72,9 +72,10 @@ from llmhal.utils.tensors import tensors_in
 
 logger = init_logger(__name__)
 
-# Graphs kept (least recently used dropped). Mixed steps make more shapes than decodes alone (a
-# server at 16 streams met ~30 distinct ones); a graph's own memory is its static inputs and the
-# recorded calls, its intermediates live in the shared pool.
+# Graphs kept (least recently used dropped). A server records 36 shapes at start-up (decode counts
+# up to 64 with 0-2 prompt chunks, llmhal.engine.graph_warmup) and meets a few more (a prompt's
+# last pieces); a graph's own memory is its static inputs and the recorded calls, its
+# intermediates live in the shared pool.
 MAX_GRAPHS = 64
 
 
