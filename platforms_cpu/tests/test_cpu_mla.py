@@ -83,45 +83,52 @@ def test_fp8_latent_cache_takes_torch_mla():
     assert relative_error(out, want) < 0.1
 
 
-class _DecodeStep:
-    """Three requests with cached context decoding one token each, over static metadata tensors
-    (as the decode-graph runner keeps them) that :meth:`advance` refills in place."""
+class _StaticStep:
+    """Requests with cached context adding ``q_lens`` tokens each (1: a decode; more: a prompt
+    chunk), over static metadata tensors (as the decode-graph runner keeps them) that
+    :meth:`advance` refills in place for the next step of the same shape."""
 
-    def __init__(self, dims: MLADims, dtype: torch.dtype) -> None:
-        self.dims, self.dtype = dims, dtype
+    def __init__(self, dims: MLADims, dtype: torch.dtype, q_lens: tuple[int, ...]) -> None:
+        self.dims, self.dtype, self.q_lens = dims, dtype, q_lens
         self.layer = StubLayer(dims, seed=1)
         self.layer.mla_weights(dtype, torch.device("cpu"))  # cast, as the prefill steps did
         self.g = torch.Generator().manual_seed(5)
         free = list(range(40))
         random.Random(1).shuffle(free)
-        self.lens = [5, 11, 2]
-        self.tables = [[free.pop() for _ in range(6)] for _ in self.lens]
+        self.lens = [5, 11, 2][: len(q_lens)]  # tokens cached before this step
+        self.tables = [[free.pop() for _ in range(8)] for _ in self.lens]
         d = dims
         self.cache = torch.randn(40, BLOCK, d.latent_size, generator=self.g).to(dtype)
-        self.common = build_common_metadata([1, 1, 1], self.lens, self.tables, BLOCK)
+        self.common = build_common_metadata(list(q_lens), self.lens, self.tables, BLOCK)
         req = AttentionRequirements(
             head_size=d.latent_size, num_heads=d.num_heads, num_kv_heads=1, dtype=dtype,
             block_size=BLOCK, kind="mla",
         )  # fmt: skip
         self.meta = CpuMLABackend.get_builder_cls()(req, torch.device("cpu")).build(self.common)
         self.impl = CpuMLABackend.get_impl_cls()(d.num_heads, d.latent_size, SCALE, 1)
-        self.q = torch.empty(3, d.num_heads, d.qk_head_dim, dtype=dtype)
-        self.kv_c = torch.empty(3, d.kv_lora_rank, dtype=dtype)
-        self.k_pe = torch.empty(3, d.qk_rope_head_dim, dtype=dtype)
+        t = sum(q_lens)
+        self.q = torch.empty(t, d.num_heads, d.qk_head_dim, dtype=dtype)
+        self.kv_c = torch.empty(t, d.kv_lora_rank, dtype=dtype)
+        self.k_pe = torch.empty(t, d.qk_rope_head_dim, dtype=dtype)
         self.refill()
 
     def refill(self) -> None:
         for t in (self.q, self.kv_c, self.k_pe):
             t.copy_(torch.randn(t.shape, generator=self.g))
 
+    def _positions(self) -> list[tuple[int, int]]:
+        """(request, position) of each query row."""
+        pairs = enumerate(zip(self.lens, self.q_lens, strict=True))
+        return [(i, n + j) for i, (n, q) in pairs for j in range(q)]
+
     def advance(self) -> None:
-        """The next step: every request one token longer, new inputs, the same buffers."""
-        self.lens = [n + 1 for n in self.lens]
+        """The next step: every request its q tokens longer, new inputs, the same buffers."""
+        self.lens = [n + q for n, q in zip(self.lens, self.q_lens, strict=True)]
         c = self.common
-        c.seq_lens.add_(1)
-        c.positions.add_(1)
-        for i, n in enumerate(self.lens):
-            c.slot_mapping[i] = self.tables[i][n // BLOCK] * BLOCK + n % BLOCK
+        c.seq_lens.add_(torch.tensor(self.q_lens, dtype=c.seq_lens.dtype))
+        for row, (i, p) in enumerate(self._positions()):
+            c.positions[row] = p
+            c.slot_mapping[row] = self.tables[i][p // BLOCK] * BLOCK + p % BLOCK
         self.refill()
 
     def forward(self) -> torch.Tensor:
@@ -131,35 +138,35 @@ class _DecodeStep:
         """The float64 dense attention of this step over what the cache holds after it."""
         flat = self.cache.view(-1, self.dims.latent_size).double()
         rows = []
-        for i, n in enumerate(self.lens):
-            slots = [self.tables[i][p // BLOCK] * BLOCK + p % BLOCK for p in range(n + 1)]
-            lat = flat[slots]
-            c, k_pe = lat.split([self.dims.kv_lora_rank, self.dims.qk_rope_head_dim], -1)
-            q = self.q[i : i + 1].double()
-            rows.append(dense(self.layer, q, c, k_pe, torch.tensor([n])))
+        for row, (i, p) in enumerate(self._positions()):
+            slots = [self.tables[i][s // BLOCK] * BLOCK + s % BLOCK for s in range(p + 1)]
+            c, k_pe = flat[slots].split([self.dims.kv_lora_rank, self.dims.qk_rope_head_dim], -1)
+            q = self.q[row : row + 1].double()
+            rows.append(dense(self.layer, q, c, k_pe, torch.tensor([p])))
         return torch.cat(rows)
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_decode_step_is_recorded_and_replays_new_values(dtype):
-    step = _DecodeStep(DIMS, dtype)
+@pytest.mark.parametrize("q_lens", [(1, 1, 1), (1, 1, 3)], ids=["decodes", "with-a-chunk"])
+def test_a_step_is_recorded_and_replays_new_values(dtype, q_lens):
+    """Decodes, and decodes beside a short prompt chunk (what a server's mixed steps are)."""
+    step = _StaticStep(DIMS, dtype, q_lens)
     out, graph, reason = step_graph.capture(step.forward)
     assert graph is not None, reason
     assert graph.num_calls == 1  # latents stored, attended and projected in one native call
     tol = 2e-5 if dtype == torch.float32 else 3e-2
     assert relative_error(out, step.expected()) < tol
-    for _ in range(3):  # the replays cross block boundaries (lengths 6..9 with 4-token blocks)
+    for _ in range(3):  # the replays cross block boundaries (4-token blocks)
         step.advance()
         graph.replay()
-        want = step.expected()
-        assert relative_error(out, want) < tol
+        assert relative_error(out, step.expected()) < tol
         torch.testing.assert_close(out, step.forward())  # and equal to the eager call
 
 
 @needs_kernel
 def test_a_slot_outside_the_cache_is_refused_before_anything_is_written():
-    step = _DecodeStep(DIMS, torch.float32)
+    step = _StaticStep(DIMS, torch.float32, (1, 1, 1))
     before = step.cache.clone()
     step.common.slot_mapping[1] = step.cache.shape[0] * BLOCK
     with pytest.raises(IndexError, match="slot_mapping is outside the latent cache"):

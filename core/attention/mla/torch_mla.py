@@ -68,9 +68,13 @@ def decode_gather(
 
 
 def prefill_spans(
-    common: CommonAttentionMetadata, block_size: int, device: torch.device
+    common: CommonAttentionMetadata,
+    block_size: int,
+    device: torch.device,
+    first: int | None = None,
 ) -> tuple[PrefillSpan, ...]:
-    """The step's prefills and prefill chunks (the requests after the decodes)."""
+    """The step's prefills and prefill chunks: the requests from ``first`` on (default: those
+    after the decodes)."""
     seq = common.seq_lens_cpu.long()
     qsl = [int(x) for x in common.query_start_loc_cpu]
     return tuple(
@@ -82,7 +86,7 @@ def prefill_spans(
             ),
             int(common.num_computed_tokens_cpu[r]),
         )
-        for r in range(common.num_decodes, common.num_reqs)
+        for r in range(common.num_decodes if first is None else first, common.num_reqs)
         if qsl[r + 1] > qsl[r]
     )
 

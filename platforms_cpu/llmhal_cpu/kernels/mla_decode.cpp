@@ -1,5 +1,8 @@
 // MLA (DeepSeek's Multi-head Latent Attention) decode for a whole step in one call
-// (llmhal_cpu/kernels/mla_decode.py, used by the cpu_mla attention backend).
+// (llmhal_cpu/kernels/mla_decode.py, used by the cpu_mla attention backend). "Decode" here is every
+// short query run the step leads with: one-token decodes, draft verifications and short prompt
+// chunks, each token attending causally to its request's cached tokens (memory-bound work, where
+// the absorbed form reads the least).
 //
 // Through torch, the absorbed decode of one layer is ~15 ops (the W_UK bmm, a cat, a gather of the
 // cached latents into a padded [B, S, L + R] tensor, two bmm, the mask, softmax, casts, the W_UV
@@ -7,15 +10,17 @@
 // graph. Here one call does the step's MLA work:
 //
 //   1. writes every new token's latent [kv_c, k_pe] at its slot (-1: padding, skipped);
-//   2. absorbs each decode query: q_lat[h] = q_nope[h] @ W_UK[h] (W_UK's rows are read once for
-//      all decode rows), beside its rotated q_pe;
-//   3. attends each (decode row, group of heads) over the row's cached latents, read straight from
+//   2. absorbs each query row: q_lat[h] = q_nope[h] @ W_UK[h] (W_UK's rows are read once for
+//      all rows), beside its rotated q_pe;
+//   3. attends each (query row, group of heads) over the cached latents its position sees (those
+//      of its request up to itself), read straight from
 //      the paged blocks through the block table: every latent is widened to float32 once and
 //      serves all the group's heads (an MQA with one 576-wide head), chunk by chunk with an online
 //      softmax, so nothing is gathered or padded;
-//   4. applies W_UV to the latent-space output (W_UV's rows read once for all decode rows).
+//   4. applies W_UV to the latent-space output (W_UV's rows read once for all rows).
 //
-// The step is read from memory (slots, block table, sequence lengths), never from the arguments'
+// The step is read from memory (slots, query start offsets, block table, sequence lengths), never
+// from the arguments'
 // values, so a recorded step graph that replays this call sees each step's own values.
 // Activations, weights and the cache share one dtype: float32 or bfloat16 (widened in registers);
 // every intermediate stays float32 (torch's bf16 path rounds the absorbed query, the probabilities
@@ -185,9 +190,9 @@ void dots(const float* a, int64_t a_r, int64_t na, const TB* b, int64_t b_r, int
 extern "C" {
 
 // Mirrors MlaDecodeArgs in mla_decode.py. Element strides; q, kv_c, k_pe need contiguous rows,
-// the cache, W_UK [H, nope, L], W_UV [H, v, L] and out [>= b, H, v] are contiguous.
+// the cache, W_UK [H, nope, L], W_UV [H, v, L] and out are contiguous.
 struct MlaDecodeArgs {
-  const void* q;  // [>= b, H, nope + rope]: token stride q_s, head stride q_hs
+  const void* q;  // [>= qsl[reqs], H, nope + rope]: token stride q_s, head stride q_hs
   int64_t q_s, q_hs;
   const void* kv_c;  // [t, L], row stride c_s
   int64_t c_s;
@@ -196,13 +201,14 @@ struct MlaDecodeArgs {
   void* cache;  // [num_slots, L + rope]
   int64_t num_slots;
   const int64_t* slots;  // [t]; -1 = not written
-  const int32_t* block_table;  // [>= b, bt_s]; a row's first ceil(seq_len / block_size) are read
+  const int32_t* query_start_loc;  // [reqs + 1]: request r's query rows are [qsl[r], qsl[r+1])
+  const int32_t* block_table;  // [>= reqs, bt_s]; a row's first ceil(seq_len / block_size) read
   int64_t bt_s;
-  const int32_t* seq_lens;  // [>= b]: cached tokens of each decode row, its new one included
+  const int32_t* seq_lens;  // [>= reqs]: each request's tokens, this step's included
   const void* w_uk;
   const void* w_uv;
-  void* out;
-  int64_t t, b;
+  void* out;  // [qsl[reqs], H, v]
+  int64_t t, reqs;
   float scale;
   int32_t heads, nope, rope, v, lora, block_size, threads, bf16;
 };
@@ -212,15 +218,19 @@ struct MlaDecodeArgs {
 namespace {
 
 // Checks everything a call reads through an index before anything is written: returns -1 for a
-// slot outside the cache, -2 for a sequence length outside [1, bt_s * block_size], -3 for a block
-// id outside the cache.
+// slot outside the cache, -2 for a sequence length outside [query rows, bt_s * block_size], -3 for
+// a block id outside the cache, -4 for query start offsets that are not increasing from 0 or pass
+// the step's tokens.
 int check(const MlaDecodeArgs& a) {
   for (int64_t i = 0; i < a.t; ++i)
     if (a.slots[i] < -1 || a.slots[i] >= a.num_slots) return -1;
+  if (a.reqs > 0 && (a.query_start_loc[0] != 0 || a.query_start_loc[a.reqs] > a.t)) return -4;
   const int64_t num_blocks = a.num_slots / a.block_size;
-  for (int64_t r = 0; r < a.b; ++r) {
+  for (int64_t r = 0; r < a.reqs; ++r) {
+    const int64_t q = a.query_start_loc[r + 1] - a.query_start_loc[r];
+    if (q < 1) return -4;
     const int64_t s = a.seq_lens[r];
-    if (s < 1 || s > a.bt_s * a.block_size) return -2;
+    if (s < q || s > a.bt_s * a.block_size) return -2;
     const int32_t* row = a.block_table + r * a.bt_s;
     for (int64_t k = 0; k < (s + a.block_size - 1) / a.block_size; ++k)
       if (row[k] < 0 || row[k] >= num_blocks) return -3;
@@ -232,12 +242,13 @@ template <typename T>
 int mla_decode(const MlaDecodeArgs& a) {
   if (const int rc = check(a)) return rc;
   const int64_t H = a.heads, L = a.lora, R = a.rope, D = L + R, NOPE = a.nope, V = a.v;
-  const int64_t B = a.b;
+  // Query rows: the tokens of the leading short requests.
+  const int64_t B = a.reqs > 0 ? a.query_start_loc[a.reqs] : 0;
   const int threads = a.threads > 1 ? a.threads : 1;
   const T* q = static_cast<const T*>(a.q);
   T* cache = static_cast<T*>(a.cache);
 
-  // 1. The new latents (decodes read their own token's).
+  // 1. The new latents (query rows read their own tokens').
   for (int64_t i = 0; i < a.t; ++i) {
     if (a.slots[i] < 0) continue;
     T* row = cache + a.slots[i] * D;
@@ -245,6 +256,13 @@ int mla_decode(const MlaDecodeArgs& a) {
     std::memcpy(row + L, static_cast<const T*>(a.k_pe) + i * a.pe_s, R * sizeof(T));
   }
   if (B == 0) return 0;
+  // Each row's request and how many cached tokens it sees (its position + 1).
+  std::vector<int64_t> row_req(B), row_len(B);
+  for (int64_t r = 0; r < a.reqs; ++r)
+    for (int64_t i = a.query_start_loc[r]; i < a.query_start_loc[r + 1]; ++i) {
+      row_req[i] = r;
+      row_len[i] = a.seq_lens[r] - (a.query_start_loc[r + 1] - 1 - i);
+    }
 
   // 2. Absorbed queries, float32 [B, H, D]: q_nope @ W_UK[h] for every row at once, then q_pe.
   std::vector<float> qlat(B * H * D, 0.f);
@@ -267,8 +285,8 @@ int mla_decode(const MlaDecodeArgs& a) {
     for (int64_t task = 0; task < B * groups; ++task) {
       const int64_t r = task / groups, h0 = (task % groups) * kHeadGroup;
       const int64_t nh = std::min<int64_t>(kHeadGroup, H - h0);
-      const int64_t s = a.seq_lens[r];
-      const int32_t* blocks = a.block_table + r * a.bt_s;
+      const int64_t s = row_len[r];
+      const int32_t* blocks = a.block_table + row_req[r] * a.bt_s;
       const float* qh = &qlat[(r * H + h0) * D];
       float* acc = &olat[(r * H + h0) * L];
       std::fill(acc, acc + nh * L, 0.f);

@@ -1,10 +1,11 @@
 """The native MLA decode kernel (``mla_decode.cpp``): loading and the call.
 
 :func:`mla_decode` does a step's MLA work for the ``cpu_mla`` backend in one native call: it stores
-the step's new latents, and for the leading decode rows absorbs the queries through ``W_UK``,
+the step's new latents, and for the rows of its leading short requests (decodes, draft
+verifications, short prompt chunks) absorbs the queries through ``W_UK``,
 attends over the paged latent cache and applies ``W_UV``. It goes through
 :func:`llmhal_cpu.step_graph.launch` and reads the step (slots, block table, sequence lengths) from
-the tensors it is given, so a decode step calling it can be recorded and replayed. It returns False
+the tensors it is given, so a step calling it can be recorded and replayed. It returns False
 (nothing done) when the call is not one the kernel takes (a dtype or cache format it does not read,
 a layout it does not address, the library unavailable); the backend then runs ``torch_mla``'s ops.
 Built on first use by :mod:`llmhal_cpu.native_build`; ``LLMHAL_CPU_MLA_KERNEL=0`` turns it off.
@@ -29,9 +30,9 @@ _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c
 class MlaDecodeArgs(ctypes.Structure):  # mirrors mla_decode.cpp
     _fields_ = [
         ("q", _p), ("q_s", _i64), ("q_hs", _i64), ("kv_c", _p), ("c_s", _i64), ("k_pe", _p),
-        ("pe_s", _i64), ("cache", _p), ("num_slots", _i64), ("slots", _p), ("block_table", _p),
-        ("bt_s", _i64), ("seq_lens", _p), ("w_uk", _p), ("w_uv", _p), ("out", _p), ("t", _i64),
-        ("b", _i64), ("scale", _f32), ("heads", _i32), ("nope", _i32), ("rope", _i32),
+        ("pe_s", _i64), ("cache", _p), ("num_slots", _i64), ("slots", _p),
+        ("query_start_loc", _p), ("block_table", _p), ("bt_s", _i64), ("seq_lens", _p),
+        ("w_uk", _p), ("w_uv", _p), ("out", _p), ("t", _i64), ("reqs", _i64), ("scale", _f32), ("heads", _i32), ("nope", _i32), ("rope", _i32),
         ("v", _i32), ("lora", _i32), ("block_size", _i32), ("threads", _i32), ("bf16", _i32),
     ]  # fmt: skip
 
@@ -49,8 +50,9 @@ LIBRARY = native_build.KernelLibrary(
 
 _ERRORS = {
     -1: "a slot in slot_mapping is outside the latent cache",
-    -2: "a decode's sequence length is outside 1..(block table width x block size)",
+    -2: "a sequence length is outside (its query rows)..(block table width x block size)",
     -3: "a block id in the block table is outside the latent cache",
+    -4: "query_start_loc does not start at 0, decrease nowhere and stay within the step's tokens",
 }
 
 
@@ -104,21 +106,25 @@ def mla_decode(
     k_pe: torch.Tensor,
     kv_cache: torch.Tensor,
     slots: torch.Tensor,
+    query_start_loc: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
-    num_decodes: int,
+    num_reqs: int,
+    num_rows: int,
     w_uk: torch.Tensor,
     w_uv: torch.Tensor,
     out: torch.Tensor,
 ) -> bool:
-    """Store the latents of ``slots``' tokens and write the first ``num_decodes`` rows of ``out``.
+    """Store the latents of ``slots``' tokens and write the query rows of the first ``num_reqs``
+    requests (``num_rows`` = ``query_start_loc[num_reqs]`` of them) into ``out``.
 
     ``query`` [T, H, nope + rope] (``q_pe`` rotated), ``kv_c`` [T, L], ``k_pe`` [T, rope], the
     latent cache [blocks, block_size, L + rope], all of one dtype (float32 or bfloat16); ``slots``
-    int64 [T] (-1: not written); ``block_table`` int32 [>= num_decodes, width] and ``seq_lens``
-    int32 [>= num_decodes] (the decodes come first); ``w_uk`` [H, nope, L] / ``w_uv`` [H, v, L];
-    ``out`` contiguous [>= num_decodes, H, v] in the query's dtype. False: nothing was done (see the
-    module docstring).
+    int64 [T] (-1: not written); ``query_start_loc`` int32 [>= num_reqs + 1], ``block_table``
+    int32 [>= num_reqs, width] and ``seq_lens`` int32 [>= num_reqs] (the step's requests in
+    order: these are its leading ones); ``w_uk`` [H, nope, L] / ``w_uv`` [H, v, L]; ``out``
+    contiguous [>= num_rows, H, v] in the query's dtype. Each row attends causally to its
+    request's tokens up to its own position. False: nothing was done (see the module docstring).
     """
     d = dims
     if not (takes(query, kv_c, k_pe, kv_cache) and _shapes_fit(d, query, kv_c, k_pe, kv_cache)):
@@ -134,23 +140,27 @@ def mla_decode(
         return False
     if block_table.dtype != torch.int32 or not block_table.is_contiguous():
         return False
-    if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
-        return False
+    for index in (seq_lens, query_start_loc):
+        if index.dtype != torch.int32 or not index.is_contiguous():
+            return False
     for w, rows in ((w_uk, d.qk_nope_head_dim), (w_uv, d.v_head_dim)):
         if w.dtype != dt or not w.is_contiguous() or w.shape != (d.num_heads, rows, d.kv_lora_rank):
             return False
     if out.dtype != dt or not out.is_contiguous() or out.shape[1:] != (d.num_heads, d.v_head_dim):
         return False
-    if min(query.shape[0], out.shape[0], block_table.shape[0], seq_lens.shape[0]) < num_decodes:
+    if min(query.shape[0], out.shape[0]) < num_rows or query_start_loc.shape[0] <= num_reqs:
+        return False
+    if min(block_table.shape[0], seq_lens.shape[0]) < num_reqs:
         return False
     block_size = kv_cache.shape[1]
     args = MlaDecodeArgs(
         q=query.data_ptr(), q_s=query.stride(0), q_hs=query.stride(1),
         kv_c=kv_c.data_ptr(), c_s=kv_c.stride(0), k_pe=k_pe.data_ptr(), pe_s=k_pe.stride(0),
         cache=kv_cache.data_ptr(), num_slots=kv_cache.shape[0] * block_size,
-        slots=slots.data_ptr(), block_table=block_table.data_ptr(), bt_s=block_table.stride(0),
+        slots=slots.data_ptr(), query_start_loc=query_start_loc.data_ptr(),
+        block_table=block_table.data_ptr(), bt_s=block_table.stride(0),
         seq_lens=seq_lens.data_ptr(), w_uk=w_uk.data_ptr(), w_uv=w_uv.data_ptr(),
-        out=out.data_ptr(), t=t, b=num_decodes, scale=scale, heads=d.num_heads,
+        out=out.data_ptr(), t=t, reqs=num_reqs, scale=scale, heads=d.num_heads,
         nope=d.qk_nope_head_dim, rope=d.qk_rope_head_dim, v=d.v_head_dim, lora=d.kv_lora_rank,
         block_size=block_size, threads=torch.get_num_threads(), bf16=int(dt == torch.bfloat16),
     )  # fmt: skip
