@@ -19,6 +19,13 @@ replay a recorded graph and steps with prompt tokens do not, those cost more tha
 graphs on: ``--base-ms 4.1 --decode-ms 1.4 --mixed-base-ms 4.8 --mixed-decode-ms 2.0``). A step's time here depends only
 on its tokens, so the spread left is the scheduler's own; what the model leaves out (the server's
 event loop, the client) is the same for every setting compared.
+
+Since mixed steps are recorded too (``--graph-chunk-tokens 8``, the CPU's: prompts beside decodes
+in chunks of 8, decode counts padded up the graph ladder), a step costs about the same per row
+whatever the rows are: ``--base-ms 3.3 --decode-ms 1.1 --prompt-ms 1.1`` (process CPU time, one
+thread, the default model's replayed steps). With those, 12 runs: inter-token p99 at 16 over 1
+1.52-2.59x (median 1.74x), throughput at 16 over 4 1.03-1.07x; a prefill floor of 16 instead of
+12 (rounded down to 8 beside decodes) gives 2.38-3.56x and 1.12-1.15x.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmhal.benchmarks.serve import MIN_PROMPTS, _pct
+from llmhal.engine.decode_graphs import _padded_decodes
 from llmhal.engine.kv_cache_manager import KVCacheManager
 from llmhal.engine.request import Request, RequestStatus
 from llmhal.engine.sampling_params import SamplingParams
@@ -71,9 +79,10 @@ class _NoText:
     text = ""
 
 
-def run_level(pace: DecodePace, costs: Costs, concurrency: int, requests: int, prompt_tokens: int, output_len: int, rng: random.Random, budget: int) -> dict[str, float]:  # fmt: skip
+def run_level(pace: DecodePace, costs: Costs, concurrency: int, requests: int, prompt_tokens: int, output_len: int, rng: random.Random, budget: int, graph_chunk: int = 0) -> dict[str, float]:  # fmt: skip
     """One level: ``concurrency`` clients until ``requests`` finished; its figures."""
-    sched = Scheduler(KVCacheManager(num_blocks=8192, block_size=16), 64, budget, pace=pace)
+    kv = KVCacheManager(num_blocks=8192, block_size=16)
+    sched = Scheduler(kv, 64, budget, pace=pace, graph_chunk_tokens=graph_chunk)
     now, submitted, finished, tokens = 0.0, 0, 0, 0
     sent: dict[str, float] = {}
     last: dict[str, float] = {}
@@ -94,7 +103,9 @@ def run_level(pace: DecodePace, costs: Costs, concurrency: int, requests: int, p
         batch = sched.schedule()
         prompt = sum(n for r, n in batch.items if r.num_computed_tokens < len(r.prompt_token_ids))
         decodes = batch.num_tokens - prompt
-        dt = costs.step_seconds(decodes, prompt, rng)
+        # Recorded mixed steps run their decode count padded up the ladder (decode_graphs).
+        rows = _padded_decodes(decodes) if graph_chunk else decodes
+        dt = costs.step_seconds(rows, prompt, rng)
         now += dt
         pace.observe(prompt, decodes, dt)
         for r, n in batch.items:
@@ -121,11 +132,11 @@ def run_level(pace: DecodePace, costs: Costs, concurrency: int, requests: int, p
     }  # fmt: skip
 
 
-def run(factor: float, min_prefill: int, costs: Costs, seed: int, prompt_tokens: int = 70, output_len: int = 32, budget: int = 128) -> list[dict[str, float]]:  # fmt: skip
+def run(factor: float, min_prefill: int, costs: Costs, seed: int, prompt_tokens: int = 70, output_len: int = 32, budget: int = 128, graph_chunk: int = 0) -> list[dict[str, float]]:  # fmt: skip
     """Levels 1, 4, 16 on one engine's pace, as one bench run; a row each."""
     rng = random.Random(seed)
     pace = DecodePace(factor, min_prefill)
-    return [run_level(pace, costs, c, max(MIN_PROMPTS, 2 * c), prompt_tokens, output_len, rng, budget) for c in LEVELS]  # fmt: skip
+    return [run_level(pace, costs, c, max(MIN_PROMPTS, 2 * c), prompt_tokens, output_len, rng, budget, graph_chunk) for c in LEVELS]  # fmt: skip
 
 
 def summary(runs: list[list[dict[str, float]]]) -> dict[str, Any]:
@@ -155,12 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stall-prob", type=float, default=Costs.stall_prob)
     p.add_argument("--mixed-base-ms", type=float, default=0.0, help="extra fixed cost of a step with prompt tokens")  # fmt: skip
     p.add_argument("--mixed-decode-ms", type=float, help="per decoded token in such a step")
+    p.add_argument("--graph-chunk-tokens", type=int, default=0, help="the platform's graph chunk length: the scheduler's chunks beside decodes and padded decode counts (0: off; 8 on the CPU)")  # fmt: skip
     a = p.parse_args(argv)
     costs = Costs(a.base_ms, a.decode_ms, a.prompt_ms, a.noise, a.stall_prob, mixed_base=a.mixed_base_ms, mixed_per_decode=a.mixed_decode_ms)  # fmt: skip
     print(f"{'factor':>6} {'floor':>5}  {'p99 16/1 min-med-max':>22}  {'tok/s 16/4':>16}  tok/s at 1,4,16  ITL p50/p99 at 16")  # fmt: skip
     for factor in (float(f) for f in a.factor.split(",")):
         for floor in (int(m) for m in a.min_prefill.split(",")):
-            runs = [run(factor, floor, costs, seed, a.prompt_tokens, a.output_len) for seed in range(a.runs)]  # fmt: skip
+            runs = [run(factor, floor, costs, seed, a.prompt_tokens, a.output_len, graph_chunk=a.graph_chunk_tokens) for seed in range(a.runs)]  # fmt: skip
             s = summary(runs)
             lv = s["levels"]
             r, t = s["itl_p99_16_over_1"], s["tput_16_over_4"]

@@ -36,7 +36,9 @@ from __future__ import annotations
 # target of 3x held only while one stream's p99 was inflated by noise (2.0-3.7x over 9 runs); 12
 # makes them ~2.7x at ~8% less throughput at 16 streams, still ~1.2x that at 4 (a simulation of
 # the bench over this scheduler with the measured step costs; it reproduced the measured table's
-# throughput, time to first token and inter-token p50 within ~5%).
+# throughput, time to first token and inter-token p50 within ~5%). Where steps with prompt chunks
+# are recorded as graphs (the CPU), the scheduler rounds the allowance down to whole graph chunks,
+# so this floor makes one chunk of 8 a step (see llmhal.benchmarks.serve_sim for the trade-off).
 MIN_PREFILL_TOKENS = 12
 # A step's time is clipped to this many times the line's prediction before it is counted.
 OUTLIER_RATIO = 2.0
