@@ -73,7 +73,23 @@ class RouterLinear(ReplicatedLinear):
     """A MoE block's router (``gate``: one logit per expert). Weight-only integer methods (GPTQ,
     AWQ, compressed-tensors) leave it unquantized whatever their rules say, as vLLM does:
     checkpoints keep it in float (its few weights decide every token's experts), and its width
-    (the number of experts) is rarely a multiple of their packing."""
+    (the number of experts) is rarely a multiple of their packing.
+
+    A router whose weight is wider than the activations (``params_dtype=torch.float32`` in a bf16
+    model, as DeepSeek keeps it) returns logits in its own dtype through the ``router_logits`` op,
+    which widens the activations itself."""
+
+    _logits_op: Callable[..., torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self._parameters.get("weight")
+        if weight is None or x.dtype == weight.dtype or self.bias is not None:
+            return super().forward(x)
+        if self._logits_op is None:
+            from llmhal.ops.registry import get_op
+
+            self._logits_op = get_op("router_logits")
+        return self._logits_op(x, weight)
 
 
 class FusedMoEMethodBase(QuantizeMethodBase):
@@ -222,6 +238,8 @@ class FusedMoE(nn.Module):
                 param = getattr(self, name)
                 param.weight_loader = self._rank_part(param.weight_loader)
         self._op: Callable[..., torch.Tensor] | None = None
+        # The shared experts' part of the call in progress, for run_op (see forward).
+        self._shared: dict[str, torch.Tensor | None] = {}
 
     def _rank_part(self, inner: Callable[..., None]) -> Callable[..., None]:
         """Cut an expert checkpoint tensor to this rank's slice of the intermediate dimension."""
@@ -264,18 +282,10 @@ class FusedMoE(nn.Module):
             )
         return method
 
-    def run_op(
-        self,
-        x: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        router_logits: torch.Tensor,
-        **scales: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """``fused_moe`` with this layer's routing (for quantization methods' ``apply``).
-
-        Experts held as :class:`~llmhal.ops.expert_kernels.ExpertKernels` go to the platform's op
-        only when it accepts that form, else to core's reference (which always does)."""
+    def _resolve_op(self, w13: Any) -> Callable[..., torch.Tensor]:
+        """The ``fused_moe`` kernel for these experts: the platform's, or core's reference for
+        :class:`~llmhal.ops.expert_kernels.ExpertKernels` when the platform's does not take them
+        (the reference always does)."""
         if self._op is None:
             from llmhal.ops.expert_kernels import accepts_expert_kernels
             from llmhal.ops.registry import get_op
@@ -285,7 +295,20 @@ class FusedMoE(nn.Module):
                 from llmhal.ops.fused_moe import fused_moe
 
                 self._op = fused_moe
-        return self._op(
+        return self._op
+
+    def run_op(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        router_logits: torch.Tensor,
+        **scales: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``fused_moe`` with this layer's routing (for quantization methods' ``apply``), plus the
+        shared experts' output :meth:`forward` hands the op (see there)."""
+        op = self._resolve_op(w13)
+        return op(
             x,
             w13,
             w2,
@@ -295,14 +318,44 @@ class FusedMoE(nn.Module):
             activation=self.activation,
             **self.routing,
             **scales,
+            **self._shared,
         )
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        out = self.quant_method.apply(self, x, router_logits)
+    def forward(
+        self,
+        x: torch.Tensor,
+        router_logits: torch.Tensor,
+        shared_output: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The routed experts' sum, plus ``shared_output`` (times ``sigmoid(shared_gate)`` when
+        given) when the block has shared experts.
+
+        The shared part goes into the op when the op takes it (``accepts_shared_output``) and
+        this rank holds the whole sum (no tensor parallelism: the routed part is all-reduced
+        below, the shared experts' layers reduce their own): there it is one native call with the
+        experts. The quantization methods' ``apply`` keeps its signature; :meth:`run_op` reads the
+        shared part from this call's ``_shared``."""
+        fuse = (
+            shared_output is not None
+            and self.tp_size == 1
+            and getattr(self._resolve_op(getattr(self, "w13_weight", None)),
+                        "accepts_shared_output", False)
+        )  # fmt: skip
+        if fuse:
+            self._shared = {"shared_output": shared_output, "shared_gate": shared_gate}
+        try:
+            out = self.quant_method.apply(self, x, router_logits)
+        finally:
+            self._shared = {}
         if self.tp_size > 1:
             from llmhal.distributed.parallel_state import get_tp_group
 
             out = get_tp_group().all_reduce(out)
+        if shared_output is not None and not fuse:
+            from llmhal.ops.fused_moe import add_shared
+
+            out = add_shared(out, shared_output, shared_gate)
         return out
 
     def extra_repr(self) -> str:

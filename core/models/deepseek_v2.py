@@ -202,10 +202,10 @@ class DeepseekMoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x.float()))
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        # The float32 router widens x itself; the shared experts' sum goes into the MoE op, which
+        # adds it in the same native call as the routed experts where the platform's op can.
+        shared = None if self.shared_experts is None else self.shared_experts(x)
+        return self.experts(x, self.gate(x), shared_output=shared)
 
 
 # The decoder layer runs as Llama's does (the residual stream carried into the next norm): it

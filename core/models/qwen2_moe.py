@@ -28,8 +28,12 @@ class Qwen2MoeSparseBlock(SparseMoeBlock):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
-        return self.experts(x, self.gate(x)) + shared
+        # shared_expert(x) * sigmoid(shared_expert_gate(x)) is added by the MoE op (one native
+        # call with the routed experts where the platform's op takes it).
+        return self.experts(
+            x, self.gate(x), shared_output=self.shared_expert(x),
+            shared_gate=self.shared_expert_gate(x),
+        )  # fmt: skip
 
 
 class Qwen2MoeForCausalLM(QwenMoeForCausalLM):

@@ -4,7 +4,8 @@ Signature (dispatched through :func:`llmhal.ops.registry.get_op`; a platform ker
 
     fused_moe(hidden, w13, w2, router_logits, top_k, *, renormalize=True, scoring_func="softmax",
               num_expert_group=None, topk_group=None, e_score_correction_bias=None,
-              routed_scaling_factor=1.0, activation="silu", w13_scale=None, w2_scale=None) -> Tensor
+              routed_scaling_factor=1.0, activation="silu", w13_scale=None, w2_scale=None,
+              shared_output=None, shared_gate=None) -> Tensor
 
 ``hidden`` [T, H]; ``w13`` [E, 2I, H] holds each expert's gate rows then its up rows; ``w2``
 [E, H, I] its down projection; ``router_logits`` [T, E]. Each token goes to ``top_k`` experts and
@@ -13,6 +14,13 @@ dtype of ``hidden``. With ``w13_scale`` [E, 2I] / ``w2_scale`` [E, H] the weight
 scale per output row (``w = q * scale``, the ``experts_int8`` layout). ``w13``/``w2`` may also be
 :class:`~llmhal.ops.expert_kernels.ExpertKernels` (quantized experts as per-expert kernels; the
 op's ``accepts_expert_kernels`` attribute says whether an implementation takes them).
+
+``shared_output`` [T, H] (the shared experts' output, in ``hidden``'s dtype) is added to the result,
+scaled by ``sigmoid(shared_gate)`` [T, 1] when that is given (Qwen2-MoE's gated shared expert):
+what :func:`add_shared` computes. A kernel that takes them declares ``accepts_shared_output =
+True``; :class:`~llmhal.layers.fused_moe.FusedMoE` adds them itself for one that does not. Inside
+the op the sum can be one native call with the experts (a CPU decode step records only native
+calls) and rounded once.
 
 Routing (:func:`select_experts`) follows the published models: ``softmax`` (Mixtral, Qwen-MoE) or
 ``sigmoid`` (DeepSeek-V3) scores in float32; with ``num_expert_group`` the experts are split in
@@ -102,6 +110,26 @@ def select_experts(
     return weights, ids
 
 
+def add_shared(
+    out: torch.Tensor, shared_output: torch.Tensor | None, shared_gate: torch.Tensor | None
+) -> torch.Tensor:
+    """``out + shared_output`` (times ``sigmoid(shared_gate)`` when given): the shared experts'
+    part of a MoE block, as the published models add it."""
+    if shared_output is None:
+        return out
+    if shared_gate is not None:
+        shared_output = shared_output * torch.sigmoid(shared_gate)
+    return out + shared_output
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` in the router weight's dtype, ``x`` widened to it: a router kept wider
+    than the model (DeepSeek's float32 ``gate`` in a bf16 model) scores the tokens in its own
+    precision. The ``router_logits`` op: a platform's kernel computes the same without a separate
+    cast (a cast is a torch op, which a recorded CPU decode step cannot contain)."""
+    return F.linear(x.to(weight.dtype), weight)
+
+
 def project(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """``x @ w.T`` for one expert's rows; with ``scale``, ``w`` is int8 with one scale per row."""
     if not isinstance(w, torch.Tensor):  # one expert of ExpertKernels: the kernel runs itself
@@ -177,6 +205,8 @@ def fused_moe(
     activation: str = "silu",
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    shared_output: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     weights, ids = select_experts(
         router_logits,
@@ -188,7 +218,7 @@ def fused_moe(
         e_score_correction_bias=e_score_correction_bias,
         routed_scaling_factor=routed_scaling_factor,
     )
-    return grouped_experts(
+    out = grouped_experts(
         hidden,
         w13,
         w2,
@@ -198,6 +228,8 @@ def fused_moe(
         w13_scale=w13_scale,
         w2_scale=w2_scale,
     )
+    return add_shared(out, shared_output, shared_gate)
 
 
 fused_moe.accepts_expert_kernels = True  # type: ignore[attr-defined]
+fused_moe.accepts_shared_output = True  # type: ignore[attr-defined]

@@ -37,6 +37,8 @@ CORE_OPS: dict[str, str] = {
     "dense_linear": "llmhal.ops.dense_linear:prepare",
     # Routing plus the experts' gated MLPs: see llmhal.ops.fused_moe for the signature.
     "fused_moe": "llmhal.ops.fused_moe:fused_moe",
+    # A router wider than the model's activations (DeepSeek's float32 gate): see the function.
+    "router_logits": "llmhal.ops.fused_moe:router_logits",
     # State-space and short-convolution ops: see llmhal.ops.mamba_ops for the signatures.
     "causal_conv1d_fn": "llmhal.ops.mamba_ops:causal_conv1d_fn",
     "causal_conv1d_update": "llmhal.ops.mamba_ops:causal_conv1d_update",

@@ -36,7 +36,7 @@ import torch
 
 from llmhal.ops import fused_moe as core_moe
 from llmhal_cpu import ops as cpu_ops
-from llmhal_cpu.kernels import moe_experts
+from llmhal_cpu.kernels import moe_experts, rows_linear
 
 # Above this many (token, choice) pairs per expert on average, torch's GEMMs beat the kernel's
 # dot products (see the module docstring).
@@ -61,6 +61,8 @@ def fused_moe(
     activation: str = "silu",
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    shared_output: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
     **routing: Any,
 ) -> torch.Tensor:
     if (
@@ -69,13 +71,14 @@ def fused_moe(
         and hidden.shape[0] * top_k <= KERNEL_ROWS_PER_EXPERT * w13.shape[0]
     ):
         out = moe_experts.moe_layer(
-            hidden, router_logits, top_k, w13, w2, w13_scale, w2_scale, **routing
-        )
+            hidden, router_logits, top_k, w13, w2, w13_scale, w2_scale, shared_output,
+            shared_gate, **routing,
+        )  # fmt: skip
         if out is not None:
             return out
     weights, ids = core_moe.select_experts(router_logits, top_k, **routing)
     act = cpu_ops.silu_and_mul if activation == "silu" else core_moe.gated_activation(activation)
-    return core_moe.grouped_experts(
+    out = core_moe.grouped_experts(
         hidden,
         w13,
         w2,
@@ -86,9 +89,19 @@ def fused_moe(
         w2_scale=w2_scale,
         matmul=_project,
     )
+    return core_moe.add_shared(out, shared_output, shared_gate)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The ``router_logits`` op (:func:`llmhal.ops.fused_moe.router_logits`): decode rows through
+    the native rows kernel (bf16 activations widened inside it, so a recorded step holds no
+    cast), others through core's."""
+    out = rows_linear.rows_linear(x, weight)
+    return out if out is not None else core_moe.router_logits(x, weight)
 
 
 # Experts held as ExpertKernels (GGUF, GPTQ, AWQ, compressed-tensors) run their own kernels inside
 # core's grouped algorithm, which this op is built on.
 fused_moe.accepts_expert_kernels = True  # type: ignore[attr-defined]
+fused_moe.accepts_shared_output = True  # type: ignore[attr-defined]
 fused_moe.status = moe_experts.status  # type: ignore[attr-defined]  # shown by llmhal doctor

@@ -40,6 +40,7 @@ class CpuPlatform(Platform):
         "quant_linear": "llmhal_cpu.kernels.quant_linear:CpuQuantLinear",
         "dense_linear": "llmhal_cpu.kernels.dense_linear:prepare",
         "fused_moe": "llmhal_cpu.moe:fused_moe",
+        "router_logits": "llmhal_cpu.moe:router_logits",
         "causal_conv1d_fn": "llmhal_cpu.mamba_kernels:causal_conv1d_fn",
         "causal_conv1d_update": "llmhal_cpu.mamba_kernels:causal_conv1d_update",
         "selective_scan_varlen": "llmhal_cpu.mamba_kernels:selective_scan_varlen",

@@ -254,3 +254,45 @@ def test_large_bf16_experts_take_the_bf16_dot_path_within_bf16_rounding():
     ref = _float64_reference(x, weights, ids, w13, w2)
     assert got is not None
     assert float((got.double() - ref).abs().max() / ref.abs().max()) < 2**-7
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gated", [False, True])
+def test_shared_experts_are_added_in_the_same_call(dtype, gated):
+    """The CPU op adds ``shared_output`` (times ``sigmoid(shared_gate)``) inside the native call,
+    rounding the sum once; core's reference adds it in torch."""
+    from llmhal_cpu import step_graph
+    from llmhal_cpu.kernels import moe_experts
+
+    if moe_experts.LIBRARY.get() is None:
+        pytest.skip(f"native kernel unavailable: {moe_experts.LIBRARY.status}")
+    g = torch.Generator().manual_seed(6)
+    x, logits = torch.randn(3, KH, generator=g).to(dtype), torch.randn(3, KE, generator=g)
+    w13 = (torch.randn(KE, 2 * KI, KH, generator=g) * 0.2).to(dtype)
+    w2 = (torch.randn(KE, KH, KI, generator=g) * 0.2).to(dtype)
+    shared = torch.randn(3, KH, generator=g).to(dtype)
+    gate = torch.randn(3, 1, generator=g).to(dtype) if gated else None
+    kw = {"shared_output": shared, "shared_gate": gate}
+    got, graph, reason = step_graph.capture(lambda: moe.fused_moe(x, w13, w2, logits, 2, **kw))
+    assert graph is not None, reason  # one native call, the shared part included
+    weights, ids = core_moe.select_experts(logits, 2)
+    ref = _float64_reference(x, weights, ids, w13, w2) + shared.double() * (
+        1.0 if gate is None else torch.sigmoid(gate.double())
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2**-8  # bf16: one rounding of the sum
+    assert float((got.double() - ref).abs().max() / ref.abs().max()) < tol
+
+
+def test_a_float32_router_reads_bf16_activations_natively():
+    """The ``router_logits`` op (DeepSeek's float32 gate in a bf16 model): decode rows in one
+    recordable native call, within float32 summation order of ``F.linear(x.float(), w)``."""
+    from llmhal_cpu import step_graph
+
+    g = torch.Generator().manual_seed(8)
+    x, w = torch.randn(4, KH, generator=g).bfloat16(), torch.randn(KE, KH, generator=g)
+    got, graph, reason = step_graph.capture(lambda: moe.router_logits(x, w))
+    want = torch.nn.functional.linear(x.float(), w)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if step_graph.LIBRARY.get() is not None and moe.rows_linear.LIBRARY.get() is not None:
+        assert graph is not None, reason

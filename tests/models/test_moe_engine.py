@@ -89,17 +89,31 @@ def test_serve_answers_a_completion_like_the_offline_api(qwen3_moe):
     assert answer["choices"][0]["text"] == offline.outputs[0].text
 
 
-@pytest.mark.parametrize("arch", list(CASES))
+# Shared experts (Qwen2-MoE's gated one; DeepSeek's, with its float32 router, grouped sigmoid
+# routing and MLA) go into the same native MoE call on the CPU.
+RECORDED = {
+    **CASES,
+    "Qwen2MoeForCausalLM": {**CASES["Qwen3MoeForCausalLM"], "shared_expert_intermediate_size": 48},
+    "DeepseekV3ForCausalLM": {"num_attention_heads": 4, "num_key_value_heads": 4,
+        "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "moe_intermediate_size": 32, "first_k_dense_replace": 1, "q_lora_rank": 24,
+        "n_group": 4, "topk_group": 2, "norm_topk_prob": True},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", list(RECORDED))
 def test_bf16_decode_steps_are_recorded_and_replay_as_eager(arch, tmp_path):
     """A bf16 MoE model's decode step is native calls only on the CPU (the router and the
-    attention projections through the rows kernel, the routing and experts in one fused_moe call),
+    attention projections through the rows kernel, the routing, experts and shared experts in one
+    fused_moe call),
     so the engine records it and replays it; the replayed steps give exactly the eager tokens and
     log-probabilities."""
     from llmhal.platforms import get_current_platform
 
     if not get_current_platform().capabilities.graphs:
         pytest.skip("this platform records no decode graphs")
-    cfg = tiny_config(arch, vocab_size=384, initializer_range=0.1, **CASES[arch])
+    cfg = tiny_config(arch, vocab_size=384, initializer_range=0.1, **RECORDED[arch])
     save_tiny_model(cfg, tmp_path)
     make_tokenizer(cfg.vocab_size).save_pretrained(str(tmp_path))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)

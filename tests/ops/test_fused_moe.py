@@ -194,3 +194,23 @@ def test_platform_kernel_or_the_reference(monkeypatch):
         assert get_op("fused_moe") is moe.fused_moe
     finally:
         _reset_for_tests()
+
+
+def test_shared_output_is_added_gated_or_not():
+    """``shared_output`` (DeepSeek's shared experts) is added to the routed sum, scaled by
+    ``sigmoid(shared_gate)`` when given (Qwen2-MoE's gated shared expert)."""
+    torch.manual_seed(7)
+    w13, w2 = torch.randn(E, 2 * INTER, H), torch.randn(E, H, INTER)
+    x, logits = torch.randn(3, H), torch.randn(3, E)
+    shared, gate = torch.randn(3, H), torch.randn(3, 1)
+    routed = moe.fused_moe(x, w13, w2, logits, 2)
+    assert torch.equal(moe.fused_moe(x, w13, w2, logits, 2, shared_output=shared), routed + shared)
+    gated = moe.fused_moe(x, w13, w2, logits, 2, shared_output=shared, shared_gate=gate)
+    assert torch.equal(gated, routed + shared * torch.sigmoid(gate))
+
+
+def test_router_logits_widen_the_activations_to_the_router_dtype():
+    x, w = torch.randn(4, H).bfloat16(), torch.randn(E, H)
+    got = moe.router_logits(x, w)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, torch.nn.functional.linear(x.float(), w))

@@ -329,6 +329,12 @@ struct MoeArgs {
   const float* s13;
   const float* s2;
   void* out;
+  // Added to out before its rounding: shared [t, h] (rows of stride shared_s, in x's dtype), times
+  // sigmoid(shared_gate[i * gate_s]) (in x's dtype) when that is set; null: nothing added.
+  const void* shared;
+  int64_t shared_s;
+  const void* shared_gate;
+  int64_t gate_s;
   int64_t t, experts, h, inter, k;
   float scale;
   int32_t x_bf16, logits_bf16, out_bf16, wtype, scoring, renormalize, groups, topk_group, threads;
@@ -375,6 +381,20 @@ int llmhal_moe_call(const void* p) {
     case kF32: run<float>(L, a.ids, a.weights, t, k, experts); break;
     case kBF16: run<uint16_t>(L, a.ids, a.weights, t, k, experts); break;
     default: run<int8_t>(L, a.ids, a.weights, t, k, experts); break;
+  }
+  if (a.shared) {  // the shared experts, added in float32 (one rounding of the sum)
+    std::vector<float> row(a.h);
+    for (int64_t i = 0; i < t; ++i) {
+      widen_rows(static_cast<const char*>(a.shared) + i * a.shared_s * (a.x_bf16 ? 2 : 4), 0,
+                 a.x_bf16, 1, a.h, row.data());
+      float g = 1.f;
+      if (a.shared_gate) {
+        widen_rows(static_cast<const char*>(a.shared_gate) + i * a.gate_s * (a.x_bf16 ? 2 : 4), 0,
+                   a.x_bf16, 1, 1, &g);
+        g = 1.f / (1.f + std::exp(-g));
+      }
+      for (int64_t c = 0; c < a.h; ++c) out[i * a.h + c] += row[c] * g;
+    }
   }
   if (a.out_bf16) {
     auto* o = static_cast<uint16_t*>(a.out);

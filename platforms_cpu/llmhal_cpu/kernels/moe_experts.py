@@ -38,7 +38,8 @@ class MoeArgs(ctypes.Structure):  # mirrors moe_experts.cpp
     _fields_ = [
         ("x", _p), ("x_s", _i64), ("logits", _p), ("logits_s", _i64), ("bias", _p),
         ("ids", _p), ("weights", _p), ("w13", _p), ("w2", _p), ("s13", _p), ("s2", _p),
-        ("out", _p), ("t", _i64), ("experts", _i64), ("h", _i64), ("inter", _i64), ("k", _i64),
+        ("out", _p), ("shared", _p), ("shared_s", _i64), ("shared_gate", _p), ("gate_s", _i64),
+        ("t", _i64), ("experts", _i64), ("h", _i64), ("inter", _i64), ("k", _i64),
         ("scale", _f32), ("x_bf16", _i32), ("logits_bf16", _i32), ("out_bf16", _i32),
         ("wtype", _i32), ("scoring", _i32), ("renormalize", _i32), ("groups", _i32),
         ("topk_group", _i32), ("threads", _i32),
@@ -163,6 +164,22 @@ def _expert_fields(
     )  # fmt: skip
 
 
+def _shared_fields(
+    hidden: torch.Tensor, shared: torch.Tensor | None, gate: torch.Tensor | None
+) -> dict[str, Any] | None:
+    """The struct's shared-expert fields, or None when the kernel does not read these tensors."""
+    if shared is None:
+        return {} if gate is None else None
+    if not _rows(shared, (hidden.dtype,)) or shared.shape != hidden.shape:
+        return None
+    fields = {"shared": shared.data_ptr(), "shared_s": shared.stride(0)}
+    if gate is not None:
+        if gate.dtype != hidden.dtype or gate.dim() != 2 or gate.shape != (hidden.shape[0], 1):
+            return None
+        fields.update(shared_gate=gate.data_ptr(), gate_s=gate.stride(0))
+    return fields
+
+
 def moe_layer(
     hidden: torch.Tensor,
     router_logits: torch.Tensor,
@@ -171,13 +188,17 @@ def moe_layer(
     w2: torch.Tensor,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    shared_output: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
     **routing: Any,
 ) -> torch.Tensor | None:
     """``fused_moe`` (silu) in one native call, in ``hidden``'s dtype [T, H], or None.
 
     ``hidden`` [T, H] and ``router_logits`` [T, E] float32 or bfloat16 with contiguous rows;
     ``w13`` [E, 2I, H] / ``w2`` [E, H, I] contiguous float32, bfloat16, or int8 with float32 row
-    scales ``w13_scale`` [E, 2I] / ``w2_scale`` [E, H]; ``routing``: ``select_experts``'s options.
+    scales ``w13_scale`` [E, 2I] / ``w2_scale`` [E, H]; ``shared_output`` [T, H] and
+    ``shared_gate`` [T, 1] in ``hidden``'s dtype (``fused_moe``'s shared part); ``routing``:
+    ``select_experts``'s options.
     """
     fields = _expert_fields(hidden, w13, w2, w13_scale, w2_scale)
     route_fields = _routing_fields(top_k, w13.shape[0], routing)
@@ -186,6 +207,9 @@ def moe_layer(
     t, h = hidden.shape
     if router_logits.shape != (t, w13.shape[0]):
         return None
+    shared = _shared_fields(hidden, shared_output, shared_gate)
+    if shared is None:
+        return None
     ids = torch.empty(t, top_k, dtype=torch.int64, device="cpu")
     weights = torch.empty(t, top_k, dtype=torch.float32, device="cpu")
     out = torch.empty(t, h, dtype=hidden.dtype, device="cpu")
@@ -193,7 +217,7 @@ def moe_layer(
         logits=router_logits.data_ptr(), logits_s=router_logits.stride(0),
         logits_bf16=int(router_logits.dtype == torch.bfloat16), ids=ids.data_ptr(),
         weights=weights.data_ptr(), out=out.data_ptr(),
-        out_bf16=int(hidden.dtype == torch.bfloat16), **fields, **route_fields,
+        out_bf16=int(hidden.dtype == torch.bfloat16), **fields, **route_fields, **shared,
     )  # fmt: skip
     _launch(args, w13.shape[0])
     return out
