@@ -2,6 +2,11 @@
 to ``prompt_lookup_max`` tokens) that ends the request's tokens and occurred before, at its earliest
 occurrence, and propose the tokens that followed it there.
 
+``prompt_lookup_max_spec_factor`` (llmhal's, not vLLM's; like suffix decoding's
+``max_spec_factor``) sizes the draft by the evidence: at most that many tokens per matched token,
+so a long match drafts up to ``num_speculative_tokens`` and a 1-gram match only a few. Where a
+verification step costs more with every row (a CPU), fewer tokens are then verified in vain.
+
 Vectorised with numpy: the candidates are the earlier positions holding the last token; each step
 of up to ``prompt_lookup_max`` compares all surviving candidates' preceding token at once, so a
 2000-token context costs a few array operations, not a Python loop over positions. Each request's
@@ -18,8 +23,9 @@ import numpy as np
 from llmhal.spec_decode.proposer import DraftRequest, Proposer
 
 
-def ngram_draft(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
-    """The draft for one context (see the module docstring): at most ``k`` tokens, maybe none."""
+def ngram_draft(tokens: np.ndarray, min_n: int, max_n: int, k: int, factor: float | None = None) -> np.ndarray:  # fmt: skip
+    """The draft for one context (see the module docstring): at most ``k`` tokens, maybe none;
+    with ``factor``, at most ``factor`` times the matched n-gram's length too."""
     n = len(tokens)
     if n < min_n + 1 or k <= 0:
         return tokens[:0]
@@ -38,6 +44,8 @@ def ngram_draft(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarra
     if not ends.size or length < min_n:
         return tokens[:0]
     first = int(ends[0]) + 1  # the earliest longest occurrence
+    if factor is not None:
+        k = min(k, int(factor * length))
     return tokens[first : first + k]
 
 
@@ -72,7 +80,9 @@ class TokenBuffers:
 
 
 class NgramProposer(Proposer):
-    config_keys: ClassVar[frozenset[str]] = frozenset({"prompt_lookup_min", "prompt_lookup_max"})
+    config_keys: ClassVar[frozenset[str]] = frozenset(
+        {"prompt_lookup_min", "prompt_lookup_max", "prompt_lookup_max_spec_factor"}
+    )
 
     @staticmethod
     def lookup_range(config: Any) -> tuple[int, int]:
@@ -95,15 +105,25 @@ class NgramProposer(Proposer):
                 f"speculative_config: prompt_lookup_min ({lo}) is more than prompt_lookup_max "
                 f"({hi}); make min <= max"
             )
+        factor = config.extra.get("prompt_lookup_max_spec_factor")
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0):  # fmt: skip
+            raise ValueError(
+                f"speculative_config['prompt_lookup_max_spec_factor']={factor!r} must be a "
+                "positive number (drafts per matched token), or left out for "
+                "num_speculative_tokens whatever the match"
+            )
 
     def __init__(self, config: Any, engine_config: Any) -> None:
         super().__init__(config, engine_config)
         self.min_n, self.max_n = self.lookup_range(config)
+        self.factor: float | None = config.extra.get("prompt_lookup_max_spec_factor")
         self._buffers = TokenBuffers()
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         return [
-            ngram_draft(self._buffers.tokens(r), self.min_n, self.max_n, r.max_draft).tolist()
+            ngram_draft(
+                self._buffers.tokens(r), self.min_n, self.max_n, r.max_draft, self.factor
+            ).tolist()
             for r in requests
         ]
 

@@ -13,15 +13,15 @@ from llmhal.spec_decode.proposer import DraftRequest
 from llmhal.spec_decode.suffix import SuffixProposer
 
 
-def naive_ngram(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
+def naive_ngram(tokens: list[int], lo: int, hi: int, k: int, factor: float | None = None) -> list[int]:  # fmt: skip
     """vLLM's rule: the longest n in [lo, hi] whose last-n tokens occurred before, at the earliest
-    occurrence; the (at most k) tokens that followed it."""
+    occurrence; the (at most k) tokens that followed it; with llmhal's factor, at most factor * n."""
     n_tok = len(tokens)
     for n in range(min(hi, n_tok - 1), lo - 1, -1):
         suffix = tokens[n_tok - n :]
         for i in range(n_tok - n):
             if tokens[i : i + n] == suffix:
-                return tokens[i + n : i + n + k]
+                return tokens[i + n : i + n + (k if factor is None else min(k, int(factor * n)))]
     return []
 
 
@@ -32,9 +32,10 @@ def test_ngram_matches_the_rule_on_random_sequences():
         tokens = [rng.randrange(alphabet) for _ in range(rng.randint(1, 60))]
         lo = rng.randint(1, 3)
         hi = rng.randint(lo, 6)
-        k = rng.randint(1, 5)
-        got = ngram_draft(np.array(tokens, dtype=np.int64), lo, hi, k).tolist()
-        assert got == naive_ngram(tokens, lo, hi, k), (tokens, lo, hi, k)
+        k = rng.randint(1, 8)
+        factor = rng.choice([None, 0.5, 1, 1.5, 2])  # prompt_lookup_max_spec_factor
+        got = ngram_draft(np.array(tokens, dtype=np.int64), lo, hi, k, factor).tolist()
+        assert got == naive_ngram(tokens, lo, hi, k, factor), (tokens, lo, hi, k, factor)
 
 
 def _req(rid, prompt, output=(), k=5):
@@ -50,6 +51,18 @@ def test_ngram_proposer_keeps_growing_buffers():
     assert prop.propose([_req("a", prompt, out, k=3)]) == [[4, 5, 9]]
     prop.finish("a")
     assert prop.propose([_req("a", [7, 8], k=3)]) == [[]]
+
+
+def test_ngram_spec_factor_sizes_drafts_by_the_match():
+    cfg = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_min": 1, "prompt_lookup_max": 8, "prompt_lookup_max_spec_factor": 2})  # fmt: skip
+    prop = NgramProposer(cfg, None)
+    passage = list(range(10, 30))
+    # A 1-gram match drafts 2 tokens, a 3-gram 6, a 5-gram the cap of 7.
+    for n, want in ((1, 2), (3, 6), (5, 7)):
+        (draft,) = prop.propose([_req(str(n), [1, *passage, 2, *passage[:n]], k=7)])
+        assert draft == passage[n : n + want]
+    with pytest.raises(ValueError, match="prompt_lookup_max_spec_factor"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max_spec_factor": 0})  # fmt: skip
 
 
 def _suffix(**extra):
