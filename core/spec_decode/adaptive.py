@@ -7,8 +7,9 @@ are in; the request stops drafting when either rule says so:
 
 * ``disable_below_acceptance_rate``: fewer than this fraction of its draft tokens were accepted;
 * ``disable_when_slower``: its tokens per verification step (1 + accepted drafts) are fewer than
-  a verification step costs in decode steps. Both costs are measured here, as the median wall time
-  of the engine's recent steps with and without verification at the same number of requests (a
+  its verification steps cost in decode steps, each at its draft length. The costs are measured
+  here, as the median wall time of the engine's recent steps with and without verification at the
+  same number of requests and (once 3 were timed) the same longest draft (a
   step is the time from one :meth:`AdaptiveSwitch.step_done` to the next, so a step's drafting
   counts; left out are steps where a request joined, which ran its prefill, and the first step of
   each shape (batch size and draft lengths), which may have recorded its decode-step graph: 5-10x
@@ -54,26 +55,32 @@ class _RequestState:
 
 @dataclass
 class StepCosts:
-    """Median wall time of recent engine steps with and without verification, per batch size."""
+    """Median wall time of recent engine steps with and without verification, per batch size, and
+    of verification steps per batch size and draft length (their cost grows with the rows verified:
+    on a CPU a step of 6 drafts costs ~1.8 decode steps, of 2 drafts ~1.2)."""
 
     samples: dict[tuple[int, bool], deque[float]] = field(default_factory=dict)
+    by_drafts: dict[tuple[int, int], deque[float]] = field(default_factory=dict)
 
-    def add(self, batch: int, verified: bool, seconds: float) -> None:
-        key = (batch, verified)
-        if key not in self.samples:
-            self.samples[key] = deque(maxlen=STEP_SAMPLES)
-        self.samples[key].append(seconds)
+    def add(self, batch: int, verified: bool, seconds: float, drafts: int = 0) -> None:
+        """One step; ``drafts``: the longest draft it verified."""
+        self.samples.setdefault((batch, verified), deque(maxlen=STEP_SAMPLES)).append(seconds)
+        if verified and drafts:
+            self.by_drafts.setdefault((batch, drafts), deque(maxlen=STEP_SAMPLES)).append(seconds)
 
     def known(self, batch: int, verified: bool) -> bool:
         return len(self.samples.get((batch, verified), ())) >= 3
 
-    def ratio(self, batch: int) -> float | None:
-        """A verification step's cost in decode steps at ``batch`` requests; None until both kinds
-        were seen (at least 3 each)."""
+    def ratio(self, batch: int, drafts: int | None = None) -> float | None:
+        """A verification step's cost in decode steps at ``batch`` requests (of ``drafts``-token
+        drafts where at least 3 such steps were timed, else of any); None until both kinds were
+        seen (at least 3 each)."""
         if not (self.known(batch, True) and self.known(batch, False)):
             return None
-        spec, plain = self.samples[(batch, True)], self.samples[(batch, False)]
-        return statistics.median(spec) / statistics.median(plain)
+        spec = self.by_drafts.get((batch, drafts), ()) if drafts else ()
+        if len(spec) < 3:
+            spec = self.samples[(batch, True)]
+        return statistics.median(spec) / statistics.median(self.samples[(batch, False)])
 
 
 class AdaptiveSwitch:
@@ -153,10 +160,11 @@ class AdaptiveSwitch:
         accepted = sum(a for _, a in state.window)
         if self.rate and accepted < self.rate * drafted:
             return False
-        if self.when_slower:
-            ratio = self.costs.ratio(batch)
-            tokens_per_step = 1 + accepted / len(state.window)
-            if ratio is not None and tokens_per_step < ratio:
+        if self.when_slower and self.costs.ratio(batch) is not None:
+            # Each verification against what a step of its draft length costs: short drafts
+            # (weak matches) cost less than the long ones that dominate a pooled median.
+            cost = sum(self.costs.ratio(batch, k) for k, _ in state.window)  # type: ignore[misc]
+            if len(state.window) + accepted < cost:
                 return False
         return True
 
@@ -169,7 +177,7 @@ class AdaptiveSwitch:
         shape = (len(ids), tuple(sorted(self._step_drafts)))
         if self._last_step is not None and ids and ids <= self._last_ids:
             if shape in self._shapes:
-                self.costs.add(len(ids), self._verified, now - self._last_step)
+                self.costs.add(len(ids), self._verified, now - self._last_step, max(self._step_drafts, default=0))  # fmt: skip
             self._shapes.add(shape)
         self._last_step, self._last_ids, self._verified = now, ids, False
         self._step_drafts = []

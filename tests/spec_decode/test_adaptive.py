@@ -96,3 +96,20 @@ def test_a_new_request_starts_stopped_while_stops_repeat_across_requests():
     switch.record("b", 2, 2, 1)
     switch.record("b", 2, 2, 1)  # pays: the next request drafts at once
     assert switch.allows("c")
+
+
+def test_each_verification_is_weighed_at_its_own_draft_length():
+    switch = AdaptiveSwitch(0.0, True, window=4, retry_after_steps=8)
+    for _ in range(3):
+        switch.costs.add(1, False, 0.010)
+        switch.costs.add(1, True, 0.012, drafts=2)  # 1.2 decode steps
+    for _ in range(6):
+        switch.costs.add(1, True, 0.020, drafts=6)  # 2.0: the pooled median too
+    assert switch.costs.ratio(1) == 2.0 and switch.costs.ratio(1, 2) == 1.2
+    assert switch.costs.ratio(1, 4) == 2.0  # not timed at 4 drafts: the pooled figure
+    for accepted in (1, 0, 1, 0):  # 1.5 tokens a step for 1.2: short drafts pay
+        switch.record("a", 2, accepted, 1)
+    assert switch.allows("a")
+    for accepted in (1, 0, 1, 0):  # the same from 6-token drafts, costing 2.0: stopped
+        switch.record("b", 6, accepted, 1)
+    assert not switch.allows("b")
