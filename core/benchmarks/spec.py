@@ -63,14 +63,19 @@ CHAT = [
     "Tell me a fun fact about octopuses.",
     "How do I stay focused while working from home?",
 ]
-# Few drafts a step: on the CPU a verified chunk of q tokens costs more than one decode (the
-# int16 dot products of the quantized matmuls are compute-bound from ~4 rows: SmolLM2 Q4_1, one
-# thread, a step's matmuls cost 1.2x a decode's at q=4, 1.5x at 6, 2.2x at 8), so long drafts pay
-# only when nearly all are accepted. k below: the n-gram drafts of this workload replayed offline
-# (k=4 needs 151 verification steps for 425 tokens, k=3 167, k=5 139) weighed by those costs.
+# Drafts sized by the evidence: on the CPU a verified chunk of q tokens costs more than one decode
+# (SmolLM2 Q4_1, one thread, whole steps: q=3 ~1.3, q=5 ~1.6, q=7 ~2.0, q=8 ~2.5 decode steps;
+# the matmuls' int16 dot products are compute-bound from ~4 rows), so a long draft pays only when
+# nearly all of it is accepted. N-gram drafts at most 2 tokens per matched token (a 1-gram match:
+# 2, a 3-gram: 6), suffix decoding its default max_spec_factor (1 per matched token), both up to 6
+# drafts (q=7; a q=8 step costs more). Replayed offline on this workload's plain outputs at those
+# costs, n-gram then needs 125 steps for its 425 tokens (fixed k=4 from 2-grams: 152) and suffix
+# 111 (k=4: 128).
 _ADAPTIVE = {
-    # Stop a request's drafts when its last 4 verifications gave fewer tokens per step than a
-    # verification step costs in decode steps (both measured as the run goes); retry 16 steps on.
+    # Stop a request's drafts when its last 4 verifications gave fewer tokens per step than they
+    # cost in decode steps (measured as the run goes, per draft length); retry 16 steps on, waiting
+    # twice as long after each further stop; once two requests in a row were stopped, new requests
+    # start stopped (llmhal.spec_decode.adaptive).
     "disable_when_slower": True,
     "min_drafts_before_disable": 4,
     "retry_after_steps": 16,
@@ -78,10 +83,15 @@ _ADAPTIVE = {
     # different lengths cannot replay a recorded step): batch 8 ran 0.45-0.7x with drafts.
     "disable_by_batch_size": 4,
 }
-_NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}  # fmt: skip
+# Drafting from the context costs ~60 us a step, so n-gram and suffix retry after 4 steps: their
+# drafts fail at the start of an answer ("Sure! Here is ...") and pay once it starts copying, and a
+# 16-step wait lost 6-10% of the repetitive workload's speedup. The heavy proposers keep 16: at 4,
+# their retries (a draft model as costly as the target, random heads) cost chat 0.80-0.93x.
+_CHEAP_ADAPTIVE = {**_ADAPTIVE, "retry_after_steps": 4}
+_NGRAM = {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 1, "prompt_lookup_max": 8, "prompt_lookup_max_spec_factor": 2}  # fmt: skip
 DEFAULT_METHODS: dict[str, dict[str, Any]] = {
-    "ngram": {**_NGRAM, **_ADAPTIVE},
-    "suffix": {"method": "suffix", "num_speculative_tokens": 4, **_ADAPTIVE},
+    "ngram": {**_NGRAM, **_CHEAP_ADAPTIVE},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 6, **_CHEAP_ADAPTIVE},
     # "model" filled in by _with_models: the target's own file, random heads.
     "draft_model": {"method": "draft_model", "num_speculative_tokens": 2, **_ADAPTIVE},
     "eagle": {"method": "eagle", "num_speculative_tokens": 2, **_ADAPTIVE},
