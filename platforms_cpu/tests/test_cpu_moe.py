@@ -74,8 +74,11 @@ def test_native_kernel_matches_float64(wdtype, xdtype):
     got = moe_experts.moe_experts(x, weights, ids, w13, w2, *scales)
     ref = _float64_reference(x, weights, ids, w13, w2, *scales)
     assert got is not None and got.dtype == torch.float32
-    # float32 accumulation of float32 products: only summation order differs from float64
-    assert float((got.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+    # float32 accumulation of float32 products: only summation order differs from float64;
+    # bf16 weights and activations may run on bf16 dots, which round silu(gate) * up to bf16
+    both_bf16 = xdtype == wdtype == torch.bfloat16
+    tol = 2**-7 if both_bf16 else 1e-5
+    assert float((got.double() - ref).abs().max() / ref.abs().max()) < tol
 
 
 def test_native_kernel_threads_split_rows_without_changing_the_result():
@@ -236,10 +239,10 @@ def test_a_decode_sized_moe_layer_records_as_a_step_graph():
     assert torch.equal(out, moe.fused_moe(x, w13, w2, logits, 4, **opts))
 
 
-def test_large_bf16_experts_take_the_bf16_dot_path_within_bf16_rounding():
-    """Experts of h x inter >= 2^20 in bf16 with bf16 activations run on AVX512-BF16 dots where
-    the host has them (silu(gate) * up rounded to bf16 before the down rows, as torch's bf16 path
-    rounds it); elsewhere the widened path. Either stays within bf16 rounding of float64."""
+def test_large_bf16_experts_stay_within_bf16_rounding():
+    """Mixtral-sized bf16 experts with bf16 activations (AVX512-BF16 dots where the host has them:
+    silu(gate) * up rounded to bf16 before the down rows, as torch's bf16 path rounds it; the
+    widened path elsewhere) stay within bf16 rounding of float64, tails included."""
     from llmhal_cpu.kernels import moe_experts
 
     if moe_experts.LIBRARY.get() is None:

@@ -11,8 +11,9 @@ results are bit-identical to ``F.linear``'s (the same oneDNN kernel, without the
 
 Where the native few-row kernel (:mod:`llmhal_cpu.kernels.rows_linear`) is available, a bf16 weight
 is kept plain instead (:class:`RowsBf16Linear`): calls of up to ``rows_linear.MAX_ROWS`` rows (decode
-steps) run that kernel, which is as fast as the packed product at those sizes ([8, 1024] x [1024,
-1536]: 0.10 ms, packed 0.095 ms; [8, 1024] x [1024, 1024]: 0.067 ms against 0.071) and, being a
+steps) run that kernel, which is faster than the packed product at those sizes (one thread, weights
+in cache: [8, 1024] x [1024, 1536] 0.064 ms against 0.09-0.10; [8, 512] x [512, 2304] 0.054 against
+0.069-0.081; [1, 1024] x [1024, 1536] 0.043 against 0.058-0.061) and, being a
 native call, lets a bf16 model's decode step be recorded as a step graph (a oneDNN call cannot be:
 :mod:`llmhal_cpu.step_graph`); larger calls run ``F.linear`` on the plain weight, where oneDNN's
 reorder costs about a quarter more at 16 rows and little beyond 64. Its results differ from

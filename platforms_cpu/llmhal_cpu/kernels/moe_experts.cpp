@@ -66,8 +66,8 @@ struct Layer {
   float* out;        // [t, h]
   int64_t h, inter;
   int threads;
-  // The bfloat16 activations as given ([t, h], row stride x16_s), or null: with bf16 weights,
-  // gate/up then run on AVX512-BF16 dots (dot_rows.h), 2-3x faster than widening both sides.
+  // The bfloat16 activations as given ([t, h], row stride x16_s), or null: with bf16 weights the
+  // experts then run on AVX512-BF16 dots (expert_block_bf16).
   const uint16_t* x16;
   int64_t x16_s;
 };
@@ -137,7 +137,8 @@ void expert_block_widened(const Layer& L, int64_t e, const int64_t* rows, const 
 #if defined(__AVX512BF16__)
 // The same for bfloat16 weights and activations on AVX512-BF16 dots (dot_rows.h): a gate row and
 // its up row in one pass, and silu(gate) * up rounded to bf16 (as torch's bf16 path rounds it) so
-// the down rows run on the same dots, two at a time. Widening both sides instead made the kernel
+// the down rows run on the same dots, two at a time. (dots16_bf16's grouped reduction, faster for
+// rows_linear, made this 40% slower: 6.8-9.1 ms against 4.8-5.0 on a Mixtral-shaped layer.) Widening both sides instead made the kernel
 // compute-bound at 2 or more tokens an expert (a Mixtral-shaped expert at 8 tokens: 3.8 ms of
 // which the widened down projection took twice the gate/up's time).
 // act16: [kBlock, inter] bf16 scratch.
@@ -371,9 +372,9 @@ int llmhal_moe_call(const void* p) {
     acc.resize(t * a.h);
     out = acc.data();
   }
-  // The bf16 dots won on Mixtral-shaped experts (h 1024, inter 2816; 8 tokens: 4.9 ms a layer
-  // against 6.8 widened) and lost on DeepSeek-V2-Lite-like small ones (h 512, inter 384: 0.87
-  // against 0.7 ms, both reading memory at ~20 GB/s), so they run on large experts only.
+  // The bf16 dots won on Mixtral-shaped experts (h 1024, inter 2816; 8 tokens: 4.7-5.0 ms a
+  // layer against 6.8 widened) and not on DeepSeek-V2-Lite-like small ones (h 512, inter 384:
+  // 0.75-0.95 against 0.7-0.8 ms, both reading memory at ~20 GB/s), so large experts only.
   const bool bf16_dots = a.x_bf16 && a.wtype == kBF16 && a.h * a.inter >= kMinBf16Dots;
   const Layer L{x.data(), a.w13, a.w2, a.s13, a.s2, out, a.h, a.inter, a.threads,
                 bf16_dots ? static_cast<const uint16_t*>(a.x) : nullptr, a.x_s};

@@ -23,7 +23,7 @@ namespace {
 
 using llmhal_cpu::dots;
 #if defined(__AVX512BF16__)
-using llmhal_cpu::dots2_bf16;
+using llmhal_cpu::dots16_bf16;
 #endif
 using llmhal_cpu::f32_to_bf16_bits;
 using llmhal_cpu::kRowBlock;
@@ -66,24 +66,33 @@ void linear(const float* x, int64_t t, int64_t k, const T* w, int64_t n, const v
 }
 
 #if defined(__AVX512BF16__)
+// bf16 x bf16 on AVX512-BF16 dots (dot_rows.h), 16 output rows at a time: their per-token
+// partial sums are reduced together (reduce16) and stored as one vector.
 void linear_bf16(const uint16_t* x, int64_t x_s, int64_t t, int64_t k, const uint16_t* w,
                  int64_t n, const void* bias, int bias_bf16, void* out, int out_bf16,
                  int threads) {
   const bool par = threads > 1 && n * k >= kMinParallel;
-  const int64_t pairs = (n + 1) / 2;
+  const int64_t groups = (n + 15) / 16;
 #pragma omp parallel for num_threads(threads) schedule(static) if (par)
-  for (int64_t pr = 0; pr < pairs; ++pr) {
-    const int64_t r0 = 2 * pr, rows = std::min<int64_t>(2, n - r0);
+  for (int64_t grp = 0; grp < groups; ++grp) {
+    const int64_t r0 = grp * 16, rows = std::min<int64_t>(16, n - r0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
+    float b[16] = {};
+    for (int64_t r = 0; r < rows; ++r) b[r] = bias_at(bias, bias_bf16, r0 + r);
+    const __m512 bv = _mm512_loadu_ps(b);
     for (int64_t t0 = 0; t0 < t; t0 += kRowBlock) {
       const int m = static_cast<int>(std::min<int64_t>(kRowBlock, t - t0));
       const uint16_t* xs[kRowBlock];
       for (int j = 0; j < m; ++j) xs[j] = x + (t0 + j) * x_s;
-      float d[2][kRowBlock];
-      const uint16_t* w0 = w + r0 * k;
-      dots2_bf16(w0, rows > 1 ? w0 + k : w0, xs, m, k, d[0], d[1]);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float b = bias_at(bias, bias_bf16, r0 + r);
-        for (int j = 0; j < m; ++j) store(out, out_bf16, (t0 + j) * n + r0 + r, d[r][j] + b);
+      __m512 sums[kRowBlock];
+      dots16_bf16(w + r0 * k, k, rows, xs, m, k, sums);
+      for (int j = 0; j < m; ++j) {
+        const __m512 y = _mm512_add_ps(sums[j], bv);
+        if (out_bf16)
+          _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + (t0 + j) * n + r0, mask,
+                                   (__m256i)_mm512_cvtneps_pbh(y));
+        else
+          _mm512_mask_storeu_ps(static_cast<float*>(out) + (t0 + j) * n + r0, mask, y);
       }
     }
   }
