@@ -309,11 +309,20 @@ def _check_capabilities(p: Platform) -> list[str]:
     caps = p.capabilities
     if not isinstance(caps, PlatformCapabilities):
         return [f"capabilities must be a PlatformCapabilities, got {type(caps).__name__}"]
-    out = [
-        f"capabilities.{f.name} must be a bool, got {getattr(caps, f.name)!r}"
-        for f in fields(caps)
-        if f.name != "extra" and not isinstance(getattr(caps, f.name), bool)
-    ]
+    out = []
+    for f in fields(caps):
+        value = getattr(caps, f.name)
+        if f.name == "extra":
+            continue
+        # Each field keeps its default's kind: flags are bools, counts are ints >= 0
+        # (a bool is an int to Python, so a count given as True is refused too).
+        if isinstance(f.default, bool):
+            if not isinstance(value, bool):
+                out.append(f"capabilities.{f.name} must be a bool, got {value!r}")
+        elif not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            out.append(f"capabilities.{f.name} must be an int >= 0, got {value!r}")
+    if caps.graph_chunk_tokens and not caps.graphs:
+        out.append("capabilities say graph_chunk_tokens without graphs")
     if not isinstance(caps.extra, Mapping):
         out.append(f"capabilities.extra must be a mapping, got {type(caps.extra).__name__}")
     if caps.fp8_compute and not caps.fp8_storage:

@@ -181,6 +181,24 @@ def test_instance_problems_are_each_named():
     assert _has(problems, "verify_quantization('no-such-method') does not raise")
 
 
+def test_capability_fields_keep_their_kinds():
+    def with_caps(**kw: Any) -> list[str]:
+        class Caps(GoodPlatform):
+            @property
+            def capabilities(self) -> PlatformCapabilities:
+                return PlatformCapabilities(**kw)
+
+        return check_platform_instance(Caps())
+
+    assert with_caps(graphs=True, graph_chunk_tokens=8) == []
+    assert _has(with_caps(graphs=1), "capabilities.graphs must be a bool, got 1")
+    assert _has(
+        with_caps(graphs=True, graph_chunk_tokens=-1), "graph_chunk_tokens must be an int >= 0"
+    )
+    assert _has(with_caps(graphs=True, graph_chunk_tokens=True), "must be an int >= 0, got True")
+    assert _has(with_caps(graph_chunk_tokens=8), "graph_chunk_tokens without graphs")
+
+
 def test_a_raising_method_is_a_problem_not_a_crash():
     class Raises(GoodPlatform):
         def mem_get_info(self, device_id: int = 0) -> tuple[int, int]:
