@@ -72,11 +72,11 @@ from llmhal.utils.tensors import tensors_in
 
 logger = init_logger(__name__)
 
-# Graphs kept (least recently used dropped). A server records 36 shapes at start-up (decode counts
-# up to 64 with 0-2 prompt chunks, llmhal.engine.graph_warmup) and meets a few more (a prompt's
-# last pieces); a graph's own memory is its static inputs and the recorded calls, its
-# intermediates live in the shared pool.
-MAX_GRAPHS = 64
+# Graphs kept (least recently used dropped). A server records 84 shapes at start-up (decode counts
+# up to 64, each beside 0-2 prompt chunks or a prompt's last piece, llmhal.engine.graph_warmup) and
+# may meet a few more (two prompts' last pieces in one step, a third chunk); a graph's own memory is
+# its static inputs and the recorded calls, its intermediates live in the shared pool.
+MAX_GRAPHS = 128
 
 
 def _padded_decodes(d: int) -> int:

@@ -1,7 +1,8 @@
 """Record a server's step graphs at start-up, before the first user request needs them.
 
 Under load a server's steps take a few shapes (:mod:`llmhal.engine.decode_graphs`): decode counts
-on the padding ladder, each alone or beside one or two prompt chunks of the graph chunk length.
+on the padding ladder, each alone or beside one or two prompt chunks of the graph chunk length, or
+beside a prompt's last piece (4 or 2 tokens on the CPU) and maybe one chunk.
 Recording a shape costs about an eager step, 2-3x its replays; left to the first steps that meet
 them, those recordings land in the first busy minute's inter-token tail (a 32-request run at 16
 streams met ~12 new shapes). vLLM captures its CUDA graphs at start-up for the same reason.
@@ -28,7 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = init_logger(__name__)
 
-# Prompt chunks a step may hold beside decodes, recorded for each decode count: none, one, two.
+# Whole prompt chunks a step may hold beside decodes, recorded for each decode count: none, one, two.
 MAX_CHUNKS = 2
 
 
@@ -36,11 +37,16 @@ class _NoText:
     text = ""
 
 
-def serving_shapes(max_decodes: int, chunk: int) -> list[tuple[int, int]]:
-    """(decodes, chunks) pairs to record: every decode count of the ladder up to ``max_decodes``
-    with 0..MAX_CHUNKS chunks of ``chunk`` tokens."""
+def serving_shapes(max_decodes: int, chunk: int) -> list[tuple[int, tuple[int, ...]]]:
+    """(decodes, prompt pieces) to record: every decode count of the ladder up to ``max_decodes``
+    with 0..MAX_CHUNKS whole chunks of ``chunk`` tokens, and with a prompt's last piece (the powers
+    of two from 2 below ``chunk``; a piece of 1 is keyed as a decode) alone or before one chunk,
+    the pieces the scheduler gives prompts beside decodes (Scheduler._chunk_len)."""
     counts = sorted({_padded_decodes(d) for d in range(1, max_decodes + 1)})
-    return [(d, k) for d in counts for k in range(MAX_CHUNKS + 1)]
+    tails = [1 << i for i in range(1, max(chunk.bit_length() - 1, 1))]
+    pieces = [(chunk,) * k for k in range(MAX_CHUNKS + 1)]
+    pieces += [(t,) + rest for t in tails for rest in ((), (chunk,))]
+    return [(d, p) for d in counts for p in pieces]
 
 
 def record_serving_steps(engine: LLMEngine, max_decodes: int) -> int:
@@ -69,8 +75,8 @@ def record_serving_steps(engine: LLMEngine, max_decodes: int) -> int:
     t0, before = time.perf_counter(), graphs.captures
     try:
         with engine.platform.inference_mode():
-            for d, k in serving_shapes(max_decodes, chunk):
-                items = [(decoding, 1)] * d + [(prompt, chunk)] * k
+            for d, pieces in serving_shapes(max_decodes, chunk):
+                items = [(decoding, 1)] * d + [(prompt, n) for n in pieces]
                 engine.runner.execute(ScheduledBatch(items))
                 if graphs.refused is not None:
                     break

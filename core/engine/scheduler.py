@@ -159,7 +159,7 @@ class Scheduler:
                 prefill_left = self._prefill_allowance(decode_tokens, budget)
             n = min(known + len(req.spec_token_ids), budget)
             if known > 1:
-                n = self._chunk_len(decode_tokens, min(n, prefill_left))  # type: ignore[type-var]
+                n = self._chunk_len(decode_tokens, known, min(n, prefill_left))  # type: ignore[type-var]
                 if n <= 0:
                     break
             if n > known and not self.kv.allocate(req, n):
@@ -204,8 +204,8 @@ class Scheduler:
                         continue
                 computed = req.num_computed_tokens + len(prefix) * self.kv.block_size
                 remaining = req.num_tokens - computed
-                n = self._chunk_len(decode_tokens, min(remaining, budget, prefill_left))
-                if n < remaining and not self.chunked_prefill:
+                n = self._chunk_len(decode_tokens, remaining, min(budget, prefill_left))
+                if n <= 0 or (n < remaining and not self.chunked_prefill):
                     break
                 if not self.kv.allocate(req, n, prefix):
                     break
@@ -223,17 +223,27 @@ class Scheduler:
         batch.items.sort(key=lambda item: item[1] != 1)
         return batch
 
-    def _chunk_len(self, decode_tokens: int, n: int) -> int:
-        """A prompt chunk of at most ``n`` tokens in a step with ``decode_tokens`` decoding tokens:
-        beside decodes, the graph chunk length or, below it (a prompt's last piece, the end of the
-        allowance), the power of two at or below ``n``. Graphs are keyed by their chunks' lengths
-        (llmhal.engine.decode_graphs): pieces of any length 1..7 would make seven more shapes to
-        record beside every decode count; 1, 2 and 4 make three, and cost a 7-token piece two
-        more steps."""
+    def _chunk_len(self, decode_tokens: int, remaining: int, cap: int) -> int:
+        """The piece of a prompt with ``remaining`` tokens to prefill that a step with
+        ``decode_tokens`` decoding tokens gives it, at most ``cap`` (0: none this step).
+
+        Beside decodes a piece is the graph chunk length, or, for the prompt's last fewer tokens,
+        the power of two at or below them; a piece that would end inside the prompt short of a
+        whole chunk (the step's allowance runs out) waits for the next step. Graphs are keyed by
+        their pieces' lengths (llmhal.engine.decode_graphs), so a step beside decodes holds whole
+        chunks and at most a last piece of 4 or 2 (a piece of 1 is keyed as a decode): few shapes,
+        recorded at a server's start-up (llmhal.engine.graph_warmup). Pieces of any length 1..7,
+        or short pieces in mid-prompt (which shift the prompt's later pieces), made a fresh
+        server meet a new shape, and pay its recording, every few steps of its first minute."""
+        n = min(remaining, cap)
         g = self.graph_chunk_tokens
         if not decode_tokens or not g or n <= 0:
             return n
-        return g if n >= g else 1 << (n.bit_length() - 1)
+        if n >= g:
+            return g
+        if remaining >= g:
+            return 0
+        return 1 << (n.bit_length() - 1)
 
     def _prefill_allowance(self, decode_tokens: int, budget: int) -> int:
         """Prompt tokens this step may still take: the budget, less while requests decode.

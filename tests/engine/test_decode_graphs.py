@@ -168,13 +168,14 @@ def test_mixed_steps_are_recorded_padded_and_equal_eager(default_model_path):
     eager = LLM(default_model_path, enforce_eager=True, **kw)
     assert got == run(eager)
     # A server records its shapes at start-up on stand-in requests (llmhal.engine.graph_warmup):
-    # every ladder count up to the limit with 0-2 chunks, blocks all returned, outputs unchanged.
+    # every ladder count up to the limit with 0-2 chunks or a last piece, blocks all returned,
+    # outputs unchanged.
     from llmhal.engine.graph_warmup import record_serving_steps, serving_shapes
 
     kv = graphs.engine.kv
     recorded = record_serving_steps(graphs.engine, 8)
     assert kv.num_free_blocks == kv.num_blocks
-    expected = {(1,) * d + (8,) * k for d, k in serving_shapes(8, 8)}
+    expected = {(1,) * d + pieces for d, pieces in serving_shapes(8, 8)}
     assert expected <= set(dg.recorded_shapes())
     assert recorded == len(expected - set(shapes))  # the ones not met before
     assert run(graphs) == run(eager)  # second runs: both find the prompts' prefixes cached

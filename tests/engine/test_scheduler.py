@@ -121,6 +121,22 @@ def test_beside_decodes_prompts_come_in_graph_chunks_and_powers_of_two():
         assert items[0] == (a, 1)  # a keeps decoding every step
         chunks.append(items[1][1])
     assert chunks == [8, 8, 4, 2, 1]
+    # A piece that would stop inside a prompt short of a chunk waits for the next step (c), so
+    # every prompt's pieces stay whole chunks up to its last few tokens.
+    s2 = Scheduler(KVCacheManager(num_blocks=64, block_size=4), 8, 14, graph_chunk_tokens=8)
+    e = req("e", 3)
+    s2.add(e)
+    run_step(s2)
+    f, g = req("f", 20), req("g", 12)
+    s2.add(f)
+    s2.add(g)
+    steps = [[(r.request_id, n) for r, n in run_step(s2).items] for _ in range(4)]
+    assert steps == [
+        [("e", 1), ("f", 8)],  # 5 tokens of budget left: g waits rather than take 4
+        [("e", 1), ("f", 8)],
+        [("e", 1), ("f", 4), ("g", 8)],  # f's last piece, then a whole chunk of g
+        [("e", 1), ("f", 1), ("g", 4)],  # f decodes now
+    ]
     # Off (0): the budget alone decides, as before.
     s0 = Scheduler(KVCacheManager(num_blocks=64, block_size=4), 8, 64)
     c, d = req("c", 5), req("d", 23)
