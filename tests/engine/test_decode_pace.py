@@ -208,3 +208,12 @@ def test_with_graph_chunks_the_cap_is_whole_chunks():
     assert allowed is not None and allowed % 8
     assert s._prefill_allowance(4, 512) == max(8, allowed // 8 * 8)
     assert s._prefill_allowance(0, 512) == 512  # nothing decoding: no cap
+    # Pieces beside decodes: a whole chunk mid-prompt even where the allowance left is shorter
+    # (it is only after a prompt's last piece), never past the step's budget; a last piece in
+    # powers of two.
+    assert s._chunk_len(4, 30, 512, 4) == 8
+    assert s._chunk_len(4, 30, 6, 8) == 0
+    assert s._chunk_len(4, 7, 512, 8) == 4
+    assert s._chunk_len(4, 7, 512, 2) == 2
+    assert s._chunk_len(4, 30, 512, 0) == 0
+    assert s._chunk_len(0, 30, 512, 12) == 12  # nothing decoding: the allowance as it is
