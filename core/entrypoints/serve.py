@@ -50,7 +50,7 @@ SERVE_PREFILL_TOKENS_PER_STEP = 64
 # factor, sets the steps (see llmhal.engine.step_budget.MIN_PREFILL_TOKENS).
 SERVE_DECODE_PACE_FACTOR = 1.5
 # Step graphs recorded at start-up for up to this many decoding streams (llmhal.engine.graph_warmup):
-# 36 shapes, ~2-3 s on the default model on 2 vCPUs; more streams record their shapes when met.
+# 84 shapes, ~6 s on the default model on 2 vCPUs; more streams record their shapes when met.
 SERVE_GRAPH_WARMUP_DECODES = 64
 
 
