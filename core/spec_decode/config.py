@@ -2,7 +2,9 @@
 
 Unknown keys and impossible values are refused with a ValueError naming the key and the remedy. A
 method's own keys are those its proposer class declares in ``config_keys`` (so an out-of-tree
-method takes its own settings too); they land in ``extra``.
+method takes its own settings too); they land in ``extra``. Where ``num_speculative_tokens`` is left
+out, a class may derive it from the dict (a classmethod ``num_speculative_tokens_from(raw)``
+returning it or None) before ``default_num_speculative_tokens`` applies.
 """
 
 from __future__ import annotations
@@ -101,7 +103,12 @@ class SpeculativeConfig:
                     f"speculative_config[{key!r}]={d[key]!r} is not supported by llmhal; leave it "
                     f"out (allowed: {', '.join(map(repr, ok))})"
                 )
-        k = d.get("num_speculative_tokens", getattr(proposer_cls, "default_num_speculative_tokens", None))  # fmt: skip
+        k = d.get("num_speculative_tokens")
+        derive = getattr(proposer_cls, "num_speculative_tokens_from", None)
+        if k is None and derive is not None:
+            k = derive(d)  # a method may derive it from its own keys (EAGLE: its tree's depth)
+        if k is None:
+            k = getattr(proposer_cls, "default_num_speculative_tokens", None)
         if k is None:
             raise ValueError(
                 f"speculative_config needs 'num_speculative_tokens' for method {method!r} (the "

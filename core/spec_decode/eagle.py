@@ -15,7 +15,10 @@ predicts the token after the newest one; positions are the target's.
 The head keeps keys and values per request in the proposer (dense tensors, one head's layers): the
 target's hidden states arrive with each call for the positions committed since the previous one, so
 a call computes those plus one position per further draft. Drafts are the head's argmax (one-hot
-for the rejection sampler, which keeps the output lossless whatever the head). The machinery here
+for the rejection sampler, which keeps the output lossless whatever the head), or, with
+``speculative_token_tree`` (vLLM's key: rank paths such as ``"[(0,), (1,), (0, 0)]"``), a tree of
+the head's top-k choices drafted level by level and verified in one target forward through
+``tree_attn`` (:mod:`.tree_verify`). The machinery here
 (:class:`HeadProposer`, :class:`HeadLayer`) is shared with EAGLE-3 (:mod:`.eagle3`).
 """
 
@@ -32,7 +35,10 @@ import torch
 import torch.nn.functional as F
 
 from llmhal.spec_decode.proposer import DraftRequest, Proposer
+from llmhal.spec_decode.tree_verify import DraftTree, TreeDraft, parse_token_tree
 
+# vLLM's key for a draft tree's shape (rank paths), taken by EAGLE and EAGLE-3.
+TREE_KEY = "speculative_token_tree"
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}  # fmt: skip
 
 
@@ -77,11 +83,13 @@ class HeadLayer:
         kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
         lens: Sequence[int],
         causal: bool = True,
+        masks: Sequence[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """Rows of several requests at once: ``lens[i]`` rows of request i, which attend to its
         kept keys and values ``kv[i]`` and to its own new rows (up to themselves where
-        ``causal``; all of them in a bidirectional block, as DFlash's). The projections run over
-        all rows together; returns the output and each request's new keys and values."""
+        ``causal``; all of them in a bidirectional block, as DFlash's; or what ``masks[i]``, bool
+        [lens[i], kept + lens[i]], allows: a draft tree's nodes). The projections run over all
+        rows together; returns the output and each request's new keys and values."""
         t = attn_in.shape[0]
         q = self._heads_normed(F.linear(attn_in, self.q, self.q_b), self.q_norm, self.heads)
         k = self._heads_normed(F.linear(attn_in, self.k, self.k_b), self.k_norm, self.kv_heads)
@@ -91,13 +99,13 @@ class HeadLayer:
         rep = self.heads // self.kv_heads
         outs, new_k, new_v = [], [], []
         row = 0
-        for (past_k, past_v), n in zip(kv, lens, strict=True):
+        for r, ((past_k, past_v), n) in enumerate(zip(kv, lens, strict=True)):
             kn, vn = k[row : row + n], v[row : row + n]
             keys, values = torch.cat([past_k, kn]), torch.cat([past_v, vn])
             p = past_k.shape[0]
             # Row i (position p + i) sees the kept positions and the new ones up to itself.
-            mask = None
-            if causal and n > 1:
+            mask = None if masks is None else masks[r]
+            if mask is None and causal and n > 1:
                 mask = torch.arange(p + n, device=q.device)[None, :] <= p + torch.arange(n, device=q.device)[:, None]  # fmt: skip
             outs.append(
                 F.scaled_dot_product_attention(
@@ -132,6 +140,44 @@ class HeadLayer:
         return rms_norm(x.view(t, heads, self.dim), weight, self.eps).reshape(t, -1)
 
 
+@dataclass(frozen=True)
+class _Level:
+    """One depth of a draft tree, for drafting it level by level. ``nodes``: the tree's nodes at
+    this depth, each with its parent as an index into the previous level's ``expand`` (0: the
+    root) and its rank among the parent's ``k`` likeliest tokens. ``expand``: this depth's nodes
+    that have children (run through the head), with their parents' indices and ``mask``, bool
+    [len(expand), rows run before + len(expand)]: which draft rows each sees (its ancestors and
+    itself)."""
+
+    depth: int
+    nodes: list[int]
+    parent_slots: list[int]
+    ranks: list[int]
+    k: int
+    expand: list[int]
+    expand_parent_slots: list[int]
+    mask: torch.Tensor
+
+
+def _tree_levels(tree: DraftTree, ranks: Sequence[tuple[int, ...]]) -> list[_Level]:
+    levels = []
+    parents = [0]  # the previous level's nodes with children, in the order they ran
+    ran: list[int] = []  # every node run through the head before this level, in order
+    for d in range(1, tree.depth + 1):
+        nodes = [i for i in range(1, tree.num_nodes + 1) if tree.depths[i] == d]
+        slot = {p: j for j, p in enumerate(parents)}
+        expand = [i for i in nodes if tree.children[i]]
+        node_ranks = [ranks[i - 1][-1] for i in nodes]
+        mask = tree.mask[expand][:, ran + expand] if expand else tree.mask[:0, :0]
+        levels.append(_Level(
+            d, nodes, [slot[tree.parents[i - 1]] for i in nodes], node_ranks, 1 + max(node_ranks),
+            expand, [slot[tree.parents[i - 1]] for i in expand], mask,
+        ))  # fmt: skip
+        ran += expand
+        parents = expand
+    return levels
+
+
 @dataclass
 class _Seq:
     """A request's head state: keys and values per layer for positions ``start .. pos - 1``."""
@@ -146,7 +192,7 @@ class HeadProposer(Proposer):
     checkpoint (``speculative_config["model"]``, a folder with config.json and safetensors) is
     checked against the target before anything loads, and loaded beside it in ``load_model``.
     Subclasses say how the head's input is formed (:meth:`head_input`) and how its output becomes
-    tokens (:meth:`next_tokens`)."""
+    tokens (:meth:`logits`, :meth:`to_target`)."""
 
     uses_target_hidden_states: ClassVar[bool] = True
     method_name: ClassVar[str] = "eagle"
@@ -162,6 +208,27 @@ class HeadProposer(Proposer):
                 f"speculative_config method {cls.method_name!r} needs 'model': the folder of the "
                 "head's checkpoint (config.json and .safetensors, as published)"
             )
+        paths = cls._tree_paths(config.extra)
+        depth = max(map(len, paths)) if paths else 0
+        if depth > config.num_speculative_tokens:
+            raise ValueError(
+                f"speculative_config[{TREE_KEY!r}] is {depth} deep, more than "
+                f"num_speculative_tokens={config.num_speculative_tokens}; raise "
+                f"num_speculative_tokens to {depth} (or leave it out: a tree's depth is its "
+                "default) or give shorter paths"
+            )
+
+    @classmethod
+    def num_speculative_tokens_from(cls, raw: dict[str, Any]) -> int | None:
+        """A tree's depth, where the config gives a tree and no ``num_speculative_tokens``."""
+        paths = cls._tree_paths(raw)
+        return max(map(len, paths)) if paths else None
+
+    @classmethod
+    def _tree_paths(cls, d: dict[str, Any]) -> list[tuple[int, ...]] | None:
+        if TREE_KEY not in cls.config_keys or d.get(TREE_KEY) is None:
+            return None
+        return parse_token_tree(d[TREE_KEY], TREE_KEY)
 
     def __init__(self, config: Any, engine_config: Any) -> None:
         super().__init__(config, engine_config)
@@ -180,6 +247,12 @@ class HeadProposer(Proposer):
         if act not in _ACTIVATIONS:
             raise ValueError(f"{cfg_file}: hidden_act {act!r} is not supported; heads with {', '.join(_ACTIVATIONS)} are")  # fmt: skip
         self.check_head()
+        # The draft tree's shape (None: the argmax chain, num_speculative_tokens long).
+        paths = self._tree_paths(config.extra)
+        self.tree: DraftTree | None = None
+        if paths is not None:
+            self.tree, ranks = DraftTree.from_paths(paths)
+            self._levels = _tree_levels(self.tree, ranks)
         self._seqs: dict[str, _Seq] = {}
         self.layers: list[HeadLayer] = []
         self.weights: dict[str, torch.Tensor] = {}
@@ -262,6 +335,11 @@ class HeadProposer(Proposer):
         self._need(names)
         self.layers = [HeadLayer(self.weights, f"layers.{i}.", self.cfg, self.rope) for i in range(n)]  # fmt: skip
 
+    @property
+    def drafts_trees(self) -> bool:
+        """Whether the drafts branch (the engine then verifies them through ``tree_attn``)."""
+        return self.tree is not None and not self.tree.is_chain
+
     def memory_bytes(self) -> int:
         tensors = list(self.weights.values())
         for s in self._seqs.values():
@@ -280,25 +358,36 @@ class HeadProposer(Proposer):
         x = F.linear(torch.cat([embeds, hidden.to(embeds.dtype)], -1), self.weights["fc.weight"], self.weights.get("fc.bias"))  # fmt: skip
         return x, x
 
-    def run(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, seqs: Sequence[_Seq], lens: Sequence[int]) -> torch.Tensor:  # fmt: skip
+    def run(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, seqs: Sequence[_Seq], lens: Sequence[int], masks: Sequence[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
         """The head over new rows of several requests (``lens[i]`` rows of ``seqs[i]``, in
-        order); appends their keys and values to each one's."""
+        order, causal unless ``masks`` says what each row sees: see HeadLayer.forward); appends
+        their keys and values to each one's."""
         attn_in, x = self.head_input(embeds, hidden)
         for i, layer in enumerate(self.layers):
             if i:
                 attn_in = x if layer.input_norm is None else rms_norm(x, layer.input_norm, self.eps)
             kv = [(s.keys[i], s.values[i]) for s in seqs]
-            x, ks, vs = layer.forward(attn_in, x, positions, kv, lens)
+            x, ks, vs = layer.forward(attn_in, x, positions, kv, lens, masks=masks)
             for s, k, v in zip(seqs, ks, vs, strict=True):
                 s.keys[i], s.values[i] = torch.cat([s.keys[i], k]), torch.cat([s.values[i], v])
         return x
 
-    def next_tokens(self, out: torch.Tensor) -> list[int]:
-        """The draft token of each row of the head's output: EAGLE feeds the un-normed output to
-        the LM head (its own, else the target's)."""
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """The head's logits for each row of its output: EAGLE feeds the un-normed output to the
+        LM head (its own, else the target's)."""
         own = self.weights.get("lm_head.weight")
-        logits = F.linear(out, own) if own is not None else self.target.compute_logits(out)
-        return logits.argmax(-1).tolist()
+        return F.linear(out, own) if own is not None else self.target.compute_logits(out)
+
+    def to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids of ids in the head's vocabulary (EAGLE's is the target's)."""
+        return ids
+
+    def top_tokens(self, out: torch.Tensor, k: int = 1) -> torch.Tensor:
+        """Each row's ``k`` likeliest draft tokens, likeliest first, as target ids ([rows, k] on
+        the CPU); k = 1 is the argmax."""
+        logits = self.logits(out)
+        ids = logits.argmax(-1, keepdim=True) if k == 1 else logits.topk(k, -1).indices
+        return self.to_target(ids).cpu()
 
     # ----------------------------------------------------------------------- drafting
     def _empty(self) -> _Seq:
@@ -306,10 +395,11 @@ class HeadProposer(Proposer):
         shape = [(0, layer.kv_heads, layer.dim) for layer in layers]
         return _Seq(0, [torch.empty(s, dtype=self.dtype, device=self.device) for s in shape], [torch.empty(s, dtype=self.dtype, device=self.device) for s in shape])  # fmt: skip
 
-    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
-        """Every request's new positions through the head together, then one batched head step
-        per further draft for the requests that still want one."""
-        drafts: list[list[int]] = [[] for _ in requests]
+    def propose(self, requests: Sequence[DraftRequest]) -> list[Any]:
+        """Every request's new positions through the head together, then the drafts from there:
+        the configured tree (:meth:`_draft_tree`), else (and for a request too near its end for
+        the whole tree) the argmax chain (:meth:`_draft_chain`)."""
+        drafts: list[Any] = [[] for _ in requests]
         todo = [(i, r, self._seq(r)) for i, r in enumerate(requests)]
         todo = [(i, r, s) for i, r, s in todo if s is not None]
         if not todo:
@@ -331,17 +421,58 @@ class HeadProposer(Proposer):
         for _, r, s in todo:
             s.pos = r.num_tokens - 1
             live.append(_Seq(s.pos, list(s.keys), list(s.values)))
-        for j in range(max(r.max_draft for _, r, _ in todo)):
-            new = self.next_tokens(last)
+        tree = self.tree
+        whole = [self.drafts_trees and tree is not None and tree.depth <= r.max_draft for _, r, _ in todo]  # fmt: skip
+        for want, draft in ((False, self._draft_chain), (True, self._draft_tree)):
+            group = [m for m, w in enumerate(whole) if w == want]
+            if group:
+                draft([todo[m] for m in group], last[group], [live[m] for m in group], drafts)
+        return drafts
+
+    def _draft_chain(self, todo: list[Any], last: torch.Tensor, live: list[_Seq], drafts: list[Any]) -> None:  # fmt: skip
+        """The argmax chain: one batched head step per further draft for the requests that still
+        want one (at most the tree's depth where a tree is configured)."""
+        limit = self.tree.depth if self.tree is not None else self.config.num_speculative_tokens
+        for j in range(max(min(r.max_draft, limit) for _, r, _ in todo)):
+            new = self.top_tokens(last)[:, 0].tolist()
             for (i, _, _), t in zip(todo, new, strict=True):
                 drafts[i].append(t)
-            keep = [m for m, (i, r, _) in enumerate(todo) if len(drafts[i]) < r.max_draft]
+            keep = [m for m, (i, r, _) in enumerate(todo) if len(drafts[i]) < min(r.max_draft, limit)]  # fmt: skip
             if not keep:
                 break
             todo, live = [todo[m] for m in keep], [live[m] for m in keep]
             pos = torch.tensor([r.num_tokens - 1 + j for _, r, _ in todo], device=self.device)
             last = self.run(self.embed([drafts[i][-1] for i, _, _ in todo]), last[keep], pos, live, [1] * len(todo))  # fmt: skip
-        return drafts
+
+    def _draft_tree(self, todo: list[Any], last: torch.Tensor, live: list[_Seq], drafts: list[Any]) -> None:  # fmt: skip
+        """The configured tree, level by level (as EAGLE-2's static trees): a node's children are
+        the ranks the tree asks for among the top-k of the head's output at the node. Each
+        level's nodes with children then run through the head together (every request's at once,
+        one head step per level, as many rows as the level has such nodes), each at position
+        ``newest + depth - 1`` (as a chain's draft at that depth) with its parent's output as its
+        hidden state, attending to the committed positions, its ancestors' rows and itself (a
+        tree mask over the draft rows, which ``live`` keeps after the committed ones). Nothing is
+        recomputed along paths: a tree costs depth - 1 head steps, like a chain of its depth,
+        only wider."""
+        tree = self.tree
+        assert tree is not None
+        n = len(todo)
+        tokens = torch.zeros(n, 1 + tree.num_nodes, dtype=torch.long)  # column 0: the root
+        committed = [s.keys[0].shape[0] for s in live]
+        out = last[:, None]  # [requests, parents, hidden]: the head at the level's parents
+        for lv in self._levels:
+            top = self.top_tokens(out.flatten(0, 1), lv.k).view(n, out.shape[1], lv.k)
+            tokens[:, lv.nodes] = top[:, lv.parent_slots, lv.ranks]
+            if not lv.expand:
+                break
+            rows = len(lv.expand)
+            ids = tokens[:, lv.expand].flatten().tolist()
+            hidden = out[:, lv.expand_parent_slots].flatten(0, 1)
+            pos = torch.tensor([r.num_tokens - 2 + lv.depth for _, r, _ in todo for _ in range(rows)], device=self.device)  # fmt: skip
+            masks = [torch.cat([lv.mask.new_ones(rows, c), lv.mask], 1).to(self.device) for c in committed]  # fmt: skip
+            out = self.run(self.embed(ids), hidden, pos, live, [rows] * n, masks).view(n, rows, -1)
+        for (i, _, _), row in zip(todo, tokens[:, 1:].tolist(), strict=True):
+            drafts[i] = TreeDraft(row, tree)
 
     def _seq(self, r: DraftRequest) -> _Seq | None:
         """The request's head state, starting over where the target's rows start elsewhere than
@@ -360,3 +491,5 @@ class HeadProposer(Proposer):
 
 class EagleProposer(HeadProposer):
     """vLLM's ``eagle`` method (see the module docstring)."""
+
+    config_keys: ClassVar[frozenset[str]] = frozenset({TREE_KEY})

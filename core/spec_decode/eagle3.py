@@ -15,7 +15,8 @@ The target keeps the inputs of layers (2, L // 2, L - 3) by default (vLLM's choi
 ``set_aux_hidden_state_layers``. At position i the head's layer attends over
 ``[input_layernorm(embed(x[i+1])); hidden_norm(g)]`` with ``g = fc(taps[i])`` as its residual; on
 later draft steps ``g`` is the head's own output. Its token is ``argmax(lm_head(norm(out)))`` mapped
-through ``d2t``. Everything else (per-request keys and values, positions) is :mod:`.eagle`'s.
+through ``d2t`` (a tree's top-k ranks are taken over the draft vocabulary). Everything else
+(per-request keys and values, positions, draft trees) is :mod:`.eagle`'s.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from llmhal.spec_decode.eagle import HeadLayer, HeadProposer, rms_norm
+from llmhal.spec_decode.eagle import TREE_KEY, HeadLayer, HeadProposer, rms_norm
 
 
 class Eagle3Proposer(HeadProposer):
+    config_keys: ClassVar[frozenset[str]] = frozenset({TREE_KEY})
     method_name: ClassVar[str] = "eagle3"
     display_name: ClassVar[str] = "EAGLE-3"
 
@@ -82,7 +84,9 @@ class Eagle3Proposer(HeadProposer):
         normed = rms_norm(embeds, layer.input_norm, self.eps)
         return torch.cat([normed, rms_norm(hidden, self.hidden_norm, self.eps)], -1), hidden
 
-    def next_tokens(self, out: torch.Tensor) -> list[int]:
-        logits = F.linear(rms_norm(out, self.weights["norm.weight"], self.eps), self.weights["lm_head.weight"])  # fmt: skip
-        ids = logits.argmax(-1)
-        return (ids if self.d2t is None else ids + self.d2t[ids]).tolist()
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Over the draft vocabulary (see to_target)."""
+        return F.linear(rms_norm(out, self.weights["norm.weight"], self.eps), self.weights["lm_head.weight"])  # fmt: skip
+
+    def to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids if self.d2t is None else ids + self.d2t[ids]

@@ -124,6 +124,48 @@ class TreeDraft:
     tree: DraftTree
 
 
+_TREE_EXAMPLE = '"[(0,), (1,), (0, 0), (1, 0)]"'
+
+
+def parse_token_tree(value: Any, key: str) -> list[tuple[int, ...]]:
+    """A tree given as rank paths in the speculative config (vLLM's ``speculative_token_tree``: a
+    string holding a Python list of tuples, or the list itself; JSON lists of lists too), checked:
+    non-empty paths of ranks >= 0, none twice, every path's parent path given (prefix-closed, as
+    vLLM requires), at most ``MAX_SPEC_LEN`` nodes. ValueError naming ``key`` and the remedy."""
+    import ast
+
+    from llmhal.spec_decode.config import MAX_SPEC_LEN
+
+    def refuse(problem: str) -> ValueError:
+        return ValueError(
+            f"speculative_config[{key!r}] {problem}; give a list of paths of top-k ranks, one rank "
+            f"per depth, each path's parent path listed too, e.g. {_TREE_EXAMPLE}"
+        )
+
+    if isinstance(value, str):
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise refuse(f"({value!r}) is not a Python or JSON literal") from None
+    if not isinstance(value, list | tuple) or not value:
+        raise refuse(f"is {value!r}, not a non-empty list")
+    paths = []
+    for p in value:
+        ok = isinstance(p, list | tuple) and p and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in p)  # fmt: skip
+        if not ok:
+            raise refuse(f"holds {p!r}, which is not a non-empty path of ranks >= 0")
+        paths.append(tuple(p))
+    seen = set(paths)
+    if len(seen) != len(paths):
+        raise refuse("lists a path twice")
+    orphan = next((p for p in paths if len(p) > 1 and p[:-1] not in seen), None)
+    if orphan is not None:
+        raise refuse(f"lists {orphan} but not its parent {orphan[:-1]}")
+    if len(paths) > MAX_SPEC_LEN:
+        raise refuse(f"has {len(paths)} nodes, more than {MAX_SPEC_LEN}")
+    return paths
+
+
 def default_tree(depth: int, width: int = 2) -> list[tuple[int, ...]]:
     """A small default shape as rank paths: the top-1 chain ``depth`` long, and at every depth the
     next ``width - 1`` ranks branching off it (a leaf each)."""

@@ -115,3 +115,41 @@ def test_cli_value_is_json_or_a_file(tmp_path):
         parse_cli_value("{method: ngram}")
     with pytest.raises(ValueError, match="JSON object"):
         parse_cli_value("[1]")
+
+
+TREE = "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]"
+
+
+def test_eagle_trees_are_read_as_vllm_spells_them():
+    for method in ("eagle", "eagle3"):
+        base = {"method": method, "model": "head"}
+        # Without num_speculative_tokens: the tree's depth; with it (vLLM counts nodes): kept.
+        assert SpeculativeConfig.from_dict({**base, "speculative_token_tree": TREE}).num_speculative_tokens == 3  # fmt: skip
+        c = SpeculativeConfig.from_dict({**base, "num_speculative_tokens": 5, "speculative_token_tree": [[0], [1], [0, 0]]})  # fmt: skip
+        assert (c.num_speculative_tokens, c.extra) == (5, {"speculative_token_tree": [[0], [1], [0, 0]]})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("tree", "words"),
+    [
+        (
+            "[(0,), (1,), (0, 0)]",
+            ["2 deep", "num_speculative_tokens=1", "raise num_speculative_tokens to 2"],
+        ),  # fmt: skip
+        ("[(0,), (1, 0)]", ["(1, 0)", "not its parent (1,)"]),
+        ("[(0,), (0,", ["not a Python or JSON literal"]),
+        ("[]", ["not a non-empty list"]),
+        ([[0], [-1]], ["[-1]", "ranks >= 0"]),
+        ([[0], [0]], ["twice"]),
+        ([(0,)] + [(0, r) for r in range(128)], ["129 nodes", "128"]),
+    ],
+)
+def test_bad_eagle_trees_name_the_key_and_the_remedy(tree, words):
+    for method in ("eagle", "eagle3"):
+        with pytest.raises(ValueError) as e:
+            SpeculativeConfig.from_dict({"method": method, "model": "head", "num_speculative_tokens": 1 if "deep" in words[0] else 3, "speculative_token_tree": tree})  # fmt: skip
+        assert "speculative_token_tree" in str(e.value)
+        for w in words:
+            assert w in str(e.value)
+    with pytest.raises(ValueError, match="unknown key.*'speculative_token_tree'"):  # trees: EAGLE's
+        SpeculativeConfig.from_dict({"method": "dflash", "model": "head", "num_speculative_tokens": 3, "speculative_token_tree": TREE})  # fmt: skip

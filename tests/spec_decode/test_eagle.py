@@ -6,6 +6,7 @@ counted; a head that does not fit the target is refused before anything loads.""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from pathlib import Path
@@ -16,6 +17,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from llmhal import SamplingParams
+from llmhal.spec_decode.tree_verify import DraftTree, TreeDraft, parse_token_tree
 
 PROMPTS = [
     {"prompt_token_ids": [5, 6, 7, 8, 5, 6, 7]},
@@ -23,6 +25,11 @@ PROMPTS = [
     {"prompt_token_ids": [100, 200, 100, 200, 100]},
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+# A draft tree as vLLM spells it: three choices at depth 1, two under the first, one under the
+# second, the top-1 chain three deep. BRANCH: a path off the chain, where replayed answers go.
+TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"
+SHAPE, RANKS = DraftTree.from_paths(parse_token_tree(TREE, "test"))
+BRANCH = RANKS.index((1, 0)) + 1
 
 
 def sibling(name):
@@ -72,7 +79,7 @@ def llm_over(folder, spec=None, **kw):
     return LLM(folder, dtype="float32", speculative_config=spec, **kw)
 
 
-def check_batched_and_preempted(folder, base, spec, monkeypatch):
+def check_batched_and_preempted(folder, base, spec, monkeypatch, branch=None):
     """Greedy output of ``spec`` over ``folder`` equals ``base``'s plain output: five requests in
     a cache of six blocks (preempted and recomputed, chunked by a 12-token step budget, repeats
     cached), first with the head's own drafts, then with replayed answers (runs accepted)."""
@@ -82,7 +89,7 @@ def check_batched_and_preempted(folder, base, spec, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     plain, answers = plain_answers(base, prompts, params)
     assert [o.outputs[0].token_ids for o in small.generate(prompts, params)] == plain
-    seen = record_drafts(small, monkeypatch, answers)
+    seen = record_drafts(small, monkeypatch, answers, branch)
     assert [o.outputs[0].token_ids for o in small.generate(prompts, params)] == plain
     stats = small.engine.speculator.stats
     assert small.engine.stats.preemptions > 0
@@ -99,18 +106,23 @@ def deep_target(tiny_models):
     return folder, hf.eval(), llm_over(folder)
 
 
-def replayed_calls(llm, base, monkeypatch):
+def replayed_calls(llm, base, monkeypatch, branch=None):
     """Two prompts through ``llm`` with replayed answers as drafts (output checked equal to
-    ``base``'s, some drafts accepted); returns every proposer call (see record_drafts)."""
+    ``base``'s, some drafts accepted; on ``branch`` for trees); returns every proposer call (see
+    record_drafts)."""
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     plain, answers = plain_answers(base, PROMPTS[:2], params)
-    seen = record_drafts(llm, monkeypatch, answers)
+    seen = record_drafts(llm, monkeypatch, answers, branch)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)] == plain
     assert llm.engine.speculator.stats.num_accepted_tokens > 0
     calls = [c for per in seen.values() for c in per]
     assert len(calls) >= 4
-    assert sum(len(c[3]) for c in calls) >= 2 * len(calls)  # the head drafted
+    assert sum(len(_tokens(c[3])) for c in calls) >= 2 * len(calls)  # the head drafted
     return calls
+
+
+def _tokens(draft):
+    return draft.tokens if isinstance(draft, TreeDraft) else draft
 
 
 @pytest.fixture(scope="module")
@@ -137,11 +149,13 @@ def plain_answers(base_llm, prompts, params):
     return plain, {tuple(p["prompt_token_ids"]): t for p, t in zip(prompts, plain, strict=True)}
 
 
-def record_drafts(llm, monkeypatch, answers=None):
+def record_drafts(llm, monkeypatch, answers=None, branch=None):
     """Wrap the engine's proposer: every (context, hidden_start, hidden rows, head's drafts) per
     request. With ``answers`` (prompt -> plain greedy tokens) the head still runs, but the drafts
     verified are those answers, every third one wrong: runs of accepted drafts, so the hidden
-    states of accepted tokens and the head's kept keys after them are exercised too."""
+    states of accepted tokens and the head's kept keys after them are exercised too. A tree draft
+    keeps the head's tokens but for the path to node ``branch``, which holds the answers (paths
+    off the top-1 chain accepted: their KV and hidden states are moved into place)."""
     proposer = llm.engine.speculator.proposer
     seen: dict[str, list] = {}
     inner = proposer.propose
@@ -151,12 +165,18 @@ def record_drafts(llm, monkeypatch, answers=None):
         verified = []
         for r, d in zip(requests, out, strict=True):
             ctx = [*r.prompt_token_ids, *r.output_token_ids]
-            seen.setdefault(r.request_id, []).append((ctx, r.hidden_start, r.hidden_states, list(d)))  # fmt: skip
+            seen.setdefault(r.request_id, []).append((ctx, r.hidden_start, r.hidden_states, d if isinstance(d, TreeDraft) else list(d)))  # fmt: skip
             if answers is None:
                 verified.append(d)
                 continue
             done = len(r.output_token_ids)
             full = answers[tuple(r.prompt_token_ids)]
+            if isinstance(d, TreeDraft):
+                tokens = list(d.tokens)
+                for j, node in enumerate(d.tree.path(branch)):
+                    tokens[node - 1] = full[done + j]
+                verified.append(TreeDraft(tokens, d.tree))
+                continue
             verified.append([t if (done + j) % 3 != 2 else (t + 1) % 384 for j, t in enumerate(full[done : done + r.max_draft])])  # fmt: skip
         return verified
 
@@ -180,6 +200,96 @@ def reference_drafts(hf_target, ref, fc, ctx, k):
             drafts.append(d)
             x = torch.cat([x, fc(torch.cat([emb(torch.tensor([d])), out[-1:]], -1))])
         return drafts
+
+
+def reference_logits(hf_target, ref, fc, ctx, after):
+    """EAGLE's logits for the token after ``ctx`` and the draft tokens ``after``, recomputed from
+    scratch with transformers (as reference_drafts, with given drafts instead of the argmax)."""
+    with torch.no_grad():
+        ids = torch.tensor([ctx])
+        h = hf_target.model(ids).last_hidden_state[0]
+        emb = hf_target.get_input_embeddings()
+        x = fc(torch.cat([emb(ids[0, 1:]), h[:-1]], -1))
+        for t in [*after, None]:
+            out = ref(inputs_embeds=x[None], position_ids=torch.arange(x.shape[0])[None]).last_hidden_state[0]  # fmt: skip
+            if t is None:
+                return hf_target.lm_head(out[-1])
+            x = torch.cat([x, fc(torch.cat([emb(torch.tensor([t])), out[-1:]], -1))])
+
+
+def reference_tree(logits_after, to_target=int):
+    """TREE's tokens node by node: node (r1, .., rd) holds the rank-rd token of the head's logits
+    (``logits_after(ancestors' tokens)``) after its ancestors."""
+    tokens = []
+    for node, path in enumerate(RANKS, start=1):
+        before = [tokens[a - 1] for a in SHAPE.path(node)[:-1]]
+        tokens.append(to_target(logits_after(before).topk(path[-1] + 1).indices[-1]))
+    return tokens
+
+
+def check_tree_calls(llm, base, monkeypatch, hidden_want, logits_ref, chain_ref, to_target=int):
+    """TREE drafted and verified through tree_attn with replayed answers on BRANCH (output equal
+    to ``base``'s); every call's hidden rows equal ``hidden_want(ctx)[start:]``, its tree the
+    reference's (node by node from ``logits_ref(ctx, ancestors' tokens)``), a chain (a request
+    near max_tokens) ``chain_ref(ctx, k)``. Then one request drafted by hand: the head's logits at
+    every node with children equal the reference's (the tree mask and positions in the head)."""
+    proposer = llm.engine.speculator.proposer
+    assert llm.engine.runner.attention_backends == ["tree_attn"] and proposer.drafts_trees
+    llm.engine.speculator.reset_stats()
+    calls = replayed_calls(llm, base, monkeypatch, BRANCH)
+    trees = 0
+    for ctx, start, hidden, draft in calls:
+        torch.testing.assert_close(hidden, hidden_want(ctx)[start : len(ctx) - 1], atol=1e-4, rtol=1e-4)  # fmt: skip
+        if isinstance(draft, TreeDraft):
+            trees += 1
+            assert draft.tree == SHAPE
+            assert draft.tokens == reference_tree(functools.partial(logits_ref, ctx), to_target)  # fmt: skip
+        else:
+            assert draft == chain_ref(ctx, len(draft))
+    assert trees >= 4
+    # Paths off the top-1 chain were accepted (their KV and hidden rows moved into place).
+    assert llm.engine.speculator.stats.num_accepted_tokens >= trees
+
+    from llmhal.spec_decode.proposer import DraftRequest
+
+    ctx = list(range(30, 52))
+    logged = []
+    inner = proposer.logits
+    monkeypatch.setattr(proposer, "logits", lambda out: logged.append(inner(out)) or logged[-1])
+    request = DraftRequest("by-hand", ctx, [], 3, hidden_want(ctx)[:-1], 0)
+    (draft,) = type(proposer).propose(proposer, [request])  # the head's own (not replayed)
+    proposer.finish("by-hand")
+    # One call per level: the root, then the nodes with children at depths 1 and 2, node order.
+    parents = [[0], *[[n for n in range(1, SHAPE.num_nodes + 1) if SHAPE.depths[n] == d and SHAPE.children[n]] for d in (1, 2)]]  # fmt: skip
+    assert [len(x) for x in logged] == [len(p) for p in parents]
+    for got, nodes in zip(logged, parents, strict=True):
+        for row, node in zip(got, nodes, strict=True):
+            after = [draft.tokens[a - 1] for a in SHAPE.path(node)]
+            torch.testing.assert_close(row, logits_ref(ctx, after), atol=1e-4, rtol=1e-4)
+
+
+def test_tree_drafts_equal_the_transformers_reference_node_by_node(new_llm, base_llm, head, target, monkeypatch):  # fmt: skip
+    # No num_speculative_tokens: the tree's depth (3).
+    llm = new_llm({"method": "eagle", "model": head[0], "speculative_token_tree": TREE})
+    assert llm.engine.speculator.config.num_speculative_tokens == 3
+    hf, ref, fc = target[1], head[1], head[2]
+
+    def hidden(ctx):
+        with torch.no_grad():
+            return hf.model(torch.tensor([ctx])).last_hidden_state[0]
+
+    check_tree_calls(
+        llm, base_llm, monkeypatch, hidden,
+        lambda ctx, after: reference_logits(hf, ref, fc, ctx, after),
+        lambda ctx, k: reference_drafts(hf, ref, fc, ctx, k),
+    )  # fmt: skip
+
+
+def test_tree_greedy_equals_plain_batched_and_preempted(tiny_folder, base_llm, head, monkeypatch):
+    # vLLM's spelling: num_speculative_tokens counts the tree's nodes (at least its depth).
+    spec = {"method": "eagle", "model": head[0], "num_speculative_tokens": 7, "speculative_token_tree": TREE}  # fmt: skip
+    seen = check_batched_and_preempted(tiny_folder, base_llm, spec, monkeypatch, BRANCH)
+    assert any(isinstance(c[3], TreeDraft) for per in seen.values() for c in per)
 
 
 def test_drafts_and_hidden_states_equal_the_transformers_reference(eagle_llm, base_llm, head, target, monkeypatch):  # fmt: skip

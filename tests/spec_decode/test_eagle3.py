@@ -111,6 +111,20 @@ def reference_drafts(hf_target, ref, layers, ctx, k):
         return drafts
 
 
+def reference_logits(hf_target, ref, layers, ctx, after):
+    """The head's draft-vocabulary logits after ``ctx`` and the draft tokens ``after``."""
+    with torch.no_grad():
+        emb = hf_target.get_input_embeddings()
+        e = emb(torch.tensor(ctx[1:]))
+        g = ref.fc(taps(hf_target, ctx, layers)[:-1])
+        for t in [*after, None]:
+            out = ref.layer(e, g)
+            if t is None:
+                return ref.lm_head(ref.norms["norm"](out[-1]))
+            e = torch.cat([e, emb(torch.tensor([t]))])
+            g = torch.cat([g, out[-1:]])
+
+
 _llm = E1.llm_over
 
 
@@ -167,3 +181,16 @@ def test_layer_ids_from_the_heads_config_and_refusals(tmp_path, tiny_models, new
     make_eagle3_head(no_map, hf.config, layer_ids=[0, 1, 1], d2t=False)
     with pytest.raises(ValueError, match="no d2t map"):
         new_llm({"method": "eagle3", "model": str(no_map), "num_speculative_tokens": 2})
+
+
+def test_tree_drafts_equal_the_reference_node_by_node(deep, head3, monkeypatch):
+    folder, hf, base = deep
+    spec = {"method": "eagle3", "model": head3[0], "num_speculative_tokens": 3, "speculative_token_tree": E1.TREE}  # fmt: skip
+    ref, layers = head3[1], (2, 3, 3)
+    E1.check_tree_calls(
+        _llm(folder, spec), base, monkeypatch,
+        lambda ctx: taps(hf, ctx, layers),
+        lambda ctx, after: reference_logits(hf, ref, layers, ctx, after),
+        lambda ctx, k: reference_drafts(hf, ref, layers, ctx, k),
+        lambda i: int(ref.d2t[i]),
+    )  # fmt: skip
