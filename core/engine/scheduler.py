@@ -242,8 +242,11 @@ class Scheduler:
         g = self.graph_chunk_tokens
         if not decode_tokens or not g or n <= 0:
             return n
-        if remaining >= g:
-            return g if budget >= g else 0
+        if remaining >= g and budget >= g:
+            return g
+        # The prompt's last piece, or a step whose token budget (a hard limit, unlike the pace)
+        # leaves less than a chunk: a budget that small is a configuration choice, and waiting
+        # would hold the prompt back for as long as requests decode.
         return 1 << (n.bit_length() - 1)
 
     def _prefill_allowance(self, decode_tokens: int, budget: int) -> int:

@@ -212,7 +212,7 @@ def test_with_graph_chunks_the_cap_is_whole_chunks():
     # (it is only after a prompt's last piece), never past the step's budget; a last piece in
     # powers of two.
     assert s._chunk_len(4, 30, 512, 4) == 8
-    assert s._chunk_len(4, 30, 6, 8) == 0
+    assert s._chunk_len(4, 30, 6, 8) == 4  # a budget below a chunk: a power of two
     assert s._chunk_len(4, 7, 512, 8) == 4
     assert s._chunk_len(4, 7, 512, 2) == 2
     assert s._chunk_len(4, 30, 512, 0) == 0
