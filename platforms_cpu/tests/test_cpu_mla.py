@@ -57,9 +57,22 @@ def test_bf16_as_close_to_dense_as_torch_mla():
 
 
 @needs_kernel
+def test_bf16_packed_weights_at_odd_and_multi_tile_shapes():
+    """With AVX512-BF16 the W_UK and W_UV products read the weights packed in pairs, in tiles of
+    64 columns: an odd nope and latent size (a half-empty last pair) and several tiles with a
+    ragged last one (L 137, v 70) give the dense attention as closely as torch_mla does."""
+    dims = MLADims(num_heads=3, qk_nope_head_dim=15, qk_rope_head_dim=8, v_head_dim=70,
+                   kv_lora_rank=137)  # fmt: skip
+    out, want = run_steps(CpuMLABackend, StubLayer(dims), dtype=torch.bfloat16)
+    torch_out, _ = run_steps(TorchMLABackend, StubLayer(dims), dtype=torch.bfloat16)
+    assert relative_error(out, want) < 3e-2
+    assert relative_error(out, want) <= 1.5 * relative_error(torch_out, want)
+
+
+@needs_kernel
 def test_two_threads_give_the_one_thread_result():
-    dims = MLADims(num_heads=20, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-                   kv_lora_rank=40)  # fmt: skip  # two head groups, vector tails
+    dims = MLADims(num_heads=40, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                   kv_lora_rank=40)  # fmt: skip  # several head groups (16 or 32 heads), vector tails
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -11,7 +11,8 @@
 //
 //   1. writes every new token's latent [kv_c, k_pe] at its slot (-1: padding, skipped);
 //   2. absorbs each query row: q_lat[h] = q_nope[h] @ W_UK[h] (W_UK's rows are read once for
-//      all rows), beside its rotated q_pe;
+//      all rows; for bf16 on AVX512-BF16 hosts from a copy packed in pairs, see
+//      llmhal_mla_pack_pairs), beside its rotated q_pe;
 //   3. attends each (query row, group of heads) over the cached latents its position sees (those
 //      of its request up to itself), read straight from
 //      the paged blocks through the block table: every latent is widened to float32 once and
@@ -22,9 +23,10 @@
 // The step is read from memory (slots, query start offsets, block table, sequence lengths), never
 // from the arguments'
 // values, so a recorded step graph that replays this call sees each step's own values.
-// Activations, weights and the cache share one dtype: float32 or bfloat16 (widened in registers);
+// Activations, weights and the cache share one dtype: float32 or bfloat16 (widened in registers,
+// or multiplied on AVX512-BF16 dots: see kBf16Dots); every sum is float32, and without the dots
 // every intermediate stays float32 (torch's bf16 path rounds the absorbed query, the probabilities
-// and the latent output to bf16), and only the output is rounded to the model dtype.
+// and the latent output to bf16, as the dots path does), the output rounded to the model dtype.
 //
 // Parallel regions use the caller's team size (num_threads(threads)) and run serially through
 // if(), as the other kernels here do (see attention/paged_attention.cpp).
@@ -56,10 +58,17 @@ using llmhal_cpu::vload;
 using llmhal_cpu::vstore;
 using llmhal_cpu::W;
 
-// Heads attended together by one task: each cached latent is widened once for all of them.
-constexpr int kHeadGroup = 16;
+// Heads attended together by one task: each cached latent is widened (float32) or packed in token
+// pairs (bf16 dots) once for all of them. With the dots 32 (the packing is then done a quarter as
+// often at 128 heads: 13.0 -> 12.0 ms a V3-shaped batch-8 layer); widened, 16, whose float32
+// sums stay in L1.
+template <bool kDots>
+constexpr int kHeadGroup = kDots ? 32 : 16;
 // Cached tokens widened and scored together before the softmax state is updated.
 constexpr int kChunk = 32;
+// Columns of a packed weight's tile (llmhal_mla_pack_pairs): pair_rows' widest step, so a tile's
+// pair rows are one contiguous run that the absorption and W_UV product stream through.
+constexpr int64_t kPackTile = 64;
 
 typedef uint16_t vu16 __attribute__((vector_size(W * sizeof(uint16_t))));
 typedef uint32_t vu32 __attribute__((vector_size(W * sizeof(uint32_t))));
@@ -226,10 +235,11 @@ constexpr bool kBf16Dots = true;
 
 inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 
-// dot_tile for bf16 rows on both sides: out[i][j] = scale * a[i] . b[j] over kk bf16 values.
-template <int RA, int RB>
-inline void dot_tile(const uint16_t* a, int64_t a_r, const uint16_t* b, int64_t b_r, int64_t kk,
-                      float* out, int64_t o_r, float scale) {
+// out[i][j] = scale * a[i] . b_row(j) over kk bf16 values, bf16 rows on both sides; b_row(j)
+// is row j's address (strided rows, or rows gathered from the cache's blocks).
+template <int RA, int RB, typename BRow>
+inline void dot_tile_bf16(const uint16_t* a, int64_t a_r, BRow b_row, int64_t kk, float* out,
+                          int64_t o_r, float scale) {
   __m512 acc[RA][RB];
   for (int i = 0; i < RA; ++i)
     for (int j = 0; j < RB; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -238,16 +248,51 @@ inline void dot_tile(const uint16_t* a, int64_t a_r, const uint16_t* b, int64_t 
     __m512bh av[RA];
     for (int i = 0; i < RA; ++i) av[i] = as_bh(_mm512_loadu_si512(a + i * a_r + k));
     for (int j = 0; j < RB; ++j) {
-      const __m512bh bv = as_bh(_mm512_loadu_si512(b + j * b_r + k));
+      const __m512bh bv = as_bh(_mm512_loadu_si512(b_row(j) + k));
       for (int i = 0; i < RA; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], av[i], bv);
     }
   }
   for (int i = 0; i < RA; ++i)
     for (int j = 0; j < RB; ++j) {
       float s = _mm512_reduce_add_ps(acc[i][j]);
-      for (int64_t e = k; e < kk; ++e) s += scalar(a[i * a_r + e]) * scalar(b[j * b_r + e]);
+      for (int64_t e = k; e < kk; ++e) s += scalar(a[i * a_r + e]) * scalar(b_row(j)[e]);
       out[i * o_r + j] = s * scale;
     }
+}
+
+// dot_tile for bf16 rows on both sides: out[i][j] = scale * a[i] . b[j] over kk bf16 values.
+template <int RA, int RB>
+inline void dot_tile(const uint16_t* a, int64_t a_r, const uint16_t* b, int64_t b_r, int64_t kk,
+                      float* out, int64_t o_r, float scale) {
+  dot_tile_bf16<RA, RB>(a, a_r, [=](int j) { return b + j * b_r; }, kk, out, o_r, scale);
+}
+
+// dot_tile over cached latents read in place: b[j] is token j's row (the tokens of a chunk lie in
+// different cache blocks), which saves copying every latent once per head group.
+template <int RA, int RB>
+inline void dot_tile_rows(const uint16_t* a, int64_t a_r, const uint16_t* const* b, int64_t kk,
+                          float* out, int64_t o_r, float scale) {
+  dot_tile_bf16<RA, RB>(a, a_r, [=](int j) { return b[j]; }, kk, out, o_r, scale);
+}
+
+struct DotRowTiles {
+  const uint16_t* a;
+  int64_t a_r;
+  const uint16_t* const* b;
+  int64_t kk;
+  float* out;
+  int64_t o_r;
+  float scale;
+  template <int RA, int RB>
+  void run(int64_t i, int64_t j) const {
+    dot_tile_rows<RA, RB>(a + i * a_r, a_r, b + j, kk, out + i * o_r + j, o_r, scale);
+  }
+};
+
+// out[i * o_r + j] = scale * a[i] . b[j] for i < na, j < nb, b given by its rows.
+void dots_rows(const uint16_t* a, int64_t a_r, int64_t na, const uint16_t* const* b, int64_t nb,
+               int64_t kk, float* out, int64_t o_r, float scale) {
+  over_tiles(DotRowTiles{a, a_r, b, kk, out, o_r, scale}, na, nb);
 }
 
 // The attention sums over token pairs: c[r][0, n) += sum_jp p[r][jp] . lat[jp][0, n), where each
@@ -301,12 +346,12 @@ void pair_acc(const uint32_t* p, int64_t p_r, int64_t rows, int64_t np, const ui
   }
 }
 
-// out[jp][0, n) = the pairs of rows 2jp and 2jp + 1 of x (row stride x_r; a missing last odd row
-// reads as zeros), for nc rows.
-void pack_pairs(const uint16_t* x, int64_t x_r, int64_t nc, int64_t n, uint32_t* out) {
+// out[jp][0, n) = the pairs of rows 2jp and 2jp + 1 of x (given by its rows; a missing last odd
+// row reads as zeros), for nc rows.
+void pack_pairs(const uint16_t* const* x, int64_t nc, int64_t n, uint32_t* out) {
   for (int64_t jp = 0; jp * 2 < nc; ++jp) {
-    const uint16_t* lo = x + 2 * jp * x_r;
-    const uint16_t* hi = 2 * jp + 1 < nc ? lo + x_r : nullptr;
+    const uint16_t* lo = x[2 * jp];
+    const uint16_t* hi = 2 * jp + 1 < nc ? x[2 * jp + 1] : nullptr;
     uint32_t* o = out + jp * n;
     int64_t j = 0;
     for (; j + 16 <= n; j += 16) {
@@ -318,15 +363,42 @@ void pack_pairs(const uint16_t* x, int64_t x_r, int64_t nc, int64_t n, uint32_t*
     for (; j < n; ++j) o[j] = lo[j] | (hi ? static_cast<uint32_t>(hi[j]) << 16 : 0u);
   }
 }
+
+// c[r][0, n) += the products of rows r < rows of p (pairs, row stride p_r) with a weight packed by
+// llmhal_mla_pack_pairs (column tiles of kPackTile, each np pair rows of its width).
+void pair_acc_tiled(const uint32_t* p, int64_t p_r, int64_t rows, int64_t np, const uint32_t* w,
+                    int64_t n, float* c, int64_t c_r) {
+  for (int64_t j = 0; j < n; j += kPackTile) {
+    const int64_t tw = std::min<int64_t>(kPackTile, n - j);
+    pair_acc(p, p_r, rows, np, w + j * np, tw, tw, c + j, c_r);
+  }
+}
 #else
 constexpr bool kBf16Dots = false;
 }  // namespace
 // Declared only, with external linkage: the calls sit in branches discarded without AVX512-BF16.
 void pair_acc(const uint32_t*, int64_t, int64_t, int64_t, const uint32_t*, int64_t, int64_t,
               float*, int64_t);
-void pack_pairs(const uint16_t*, int64_t, int64_t, int64_t, uint32_t*);
+void pair_acc_tiled(const uint32_t*, int64_t, int64_t, int64_t, const uint32_t*, int64_t, float*,
+                    int64_t);
+void pack_pairs(const uint16_t* const*, int64_t, int64_t, uint32_t*);
+void dots_rows(const uint16_t*, int64_t, int64_t, const uint16_t* const*, int64_t, int64_t, float*,
+               int64_t, float);
 namespace {
 #endif
+
+// out[r][0, ceil(k / 2)) = rows r < rows of x (k bf16 values, row stride x_r) as pairs, the low
+// half the even value (the order the dot instruction pairs them in); an odd k's last pair has a
+// zero high half.
+inline void row_pairs(const uint16_t* x, int64_t x_r, int64_t rows, int64_t k, uint32_t* out) {
+  const int64_t np = (k + 1) / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* s = x + r * x_r;
+    uint32_t* o = out + r * np;
+    std::memcpy(o, s, (k / 2) * sizeof(uint32_t));  // little-endian: s[2j] is the low half
+    if (k % 2) o[np - 1] = s[k - 1];
+  }
+}
 
 // x rounded to bf16 (n values).
 inline void round_bf16(const float* x, uint16_t* out, int64_t n) {
@@ -355,6 +427,10 @@ struct MlaDecodeArgs {
   const int32_t* seq_lens;  // [>= reqs]: each request's tokens, this step's included
   const void* w_uk;
   const void* w_uv;
+  // W_UK [H, nope, L] and W_UV's transpose [H, L, v] packed by llmhal_mla_pack_pairs (bf16 with
+  // AVX512-BF16 only; null: the products read w_uk / w_uv).
+  const uint32_t* w_uk_pairs;
+  const uint32_t* w_uv_pairs;
   void* out;  // [qsl[reqs], H, v]
   int64_t t, reqs;
   float scale;
@@ -412,34 +488,55 @@ int mla_decode(const MlaDecodeArgs& a) {
       row_len[i] = a.seq_lens[r] - (a.query_start_loc[r + 1] - 1 - i);
     }
 
+  // bf16 dot products where the host has them (see kBf16Dots).
+  constexpr bool kDots = kBf16Dots && std::is_same_v<T, uint16_t>;
+  // The absorption and W_UV product on them too when the weights come packed in pairs: exact bf16
+  // products summed in float32, as the widened multiply-adds sum them (only the order of the sums
+  // differs, ~1e-7 relative), at twice their rate and without widening W_UK. At DeepSeek-V3's
+  // shape these products were a third of a batch-8 layer.
+  const bool packed = kDots && a.w_uk_pairs != nullptr && a.w_uv_pairs != nullptr;
+
   // 2. Absorbed queries, float32 [B, H, D]: q_nope @ W_UK[h] for every row at once, then q_pe.
   std::vector<float> qlat(B * H * D, 0.f);
   const T* w_uk = static_cast<const T*>(a.w_uk);
-#pragma omp parallel for num_threads(threads) if (threads > 1 && H > 1) schedule(static)
-  for (int64_t h = 0; h < H; ++h) {
-    mm_acc(q + h * a.q_hs, a.q_s, 1, B, NOPE, w_uk + h * NOPE * L, L, L, &qlat[h * D], H * D);
-    for (int64_t r = 0; r < B; ++r)
-      widen(q + r * a.q_s + h * a.q_hs + NOPE, &qlat[(r * H + h) * D + L], R);
+#pragma omp parallel num_threads(threads) if (threads > 1 && H > 1)
+  {
+    const int64_t np = (NOPE + 1) / 2;
+    std::vector<uint32_t> q_pairs(packed ? B * np : 0);
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < H; ++h) {
+      if (packed) {
+        if constexpr (kDots) {
+          row_pairs(q + h * a.q_hs, a.q_s, B, NOPE, q_pairs.data());
+          pair_acc_tiled(q_pairs.data(), np, B, np, a.w_uk_pairs + h * np * L, L, &qlat[h * D],
+                         H * D);
+        }
+      } else {
+        mm_acc(q + h * a.q_hs, a.q_s, 1, B, NOPE, w_uk + h * NOPE * L, L, L, &qlat[h * D], H * D);
+      }
+      for (int64_t r = 0; r < B; ++r)
+        widen(q + r * a.q_s + h * a.q_hs + NOPE, &qlat[(r * H + h) * D + L], R);
+    }
   }
 
-  // bf16 dot products where the host has them (see kBf16Dots): the absorbed queries rounded once.
-  constexpr bool kDots = kBf16Dots && std::is_same_v<T, uint16_t>;
+  // The absorbed queries rounded once for the dots.
   std::vector<uint16_t> qlat_b(kDots ? B * H * D : 0);
   if constexpr (kDots) round_bf16(qlat.data(), qlat_b.data(), B * H * D);
 
   // 3. Attention in latent space: olat [B, H, L], normalized.
   std::vector<float> olat(B * H * L);
-  const int64_t groups = (H + kHeadGroup - 1) / kHeadGroup;
+  constexpr int64_t G = kHeadGroup<kDots>;
+  const int64_t groups = (H + G - 1) / G;
 #pragma omp parallel num_threads(threads) if (threads > 1 && B * groups > 1)
   {
-    std::vector<float> lat(kDots ? 0 : kChunk * D), probs(kHeadGroup * kChunk);
-    std::vector<uint16_t> lat_b(kDots ? kChunk * D : 0);
-    std::vector<uint32_t> lat_pairs(kDots ? kChunk / 2 * L : 0), p_pairs(kHeadGroup * kChunk / 2);
-    float m[kHeadGroup], l[kHeadGroup];
+    std::vector<float> lat(kDots ? 0 : kChunk * D), probs(G * kChunk);
+    const uint16_t* lat_rows[kChunk];  // with the dots, the chunk's latents where they lie
+    std::vector<uint32_t> lat_pairs(kDots ? kChunk / 2 * L : 0), p_pairs(G * kChunk / 2);
+    float m[G], l[G];
 #pragma omp for schedule(dynamic)
     for (int64_t task = 0; task < B * groups; ++task) {
-      const int64_t r = task / groups, h0 = (task % groups) * kHeadGroup;
-      const int64_t nh = std::min<int64_t>(kHeadGroup, H - h0);
+      const int64_t r = task / groups, h0 = (task % groups) * G;
+      const int64_t nh = std::min<int64_t>(G, H - h0);
       const int64_t s = row_len[r];
       const int32_t* blocks = a.block_table + row_req[r] * a.bt_s;
       float* acc = &olat[(r * H + h0) * L];
@@ -453,13 +550,13 @@ int mla_decode(const MlaDecodeArgs& a) {
           const int64_t slot =
               static_cast<int64_t>(blocks[pos / a.block_size]) * a.block_size + pos % a.block_size;
           if constexpr (kDots)
-            std::memcpy(&lat_b[j * D], cache + slot * D, D * sizeof(T));
+            lat_rows[j] = cache + slot * D;
           else
             widen(cache + slot * D, &lat[j * D], D);
         }
         if constexpr (kDots)  // scores
-          dots(&qlat_b[(r * H + h0) * D], D, nh, lat_b.data(), D, nc, D, probs.data(), kChunk,
-                a.scale);
+          dots_rows(&qlat_b[(r * H + h0) * D], D, nh, lat_rows, nc, D, probs.data(), kChunk,
+                    a.scale);
         else
           dots(&qlat[(r * H + h0) * D], D, nh, lat.data(), D, nc, D, probs.data(), kChunk,
                a.scale);
@@ -470,9 +567,19 @@ int mla_decode(const MlaDecodeArgs& a) {
           for (int64_t j = 0; j < nc; ++j) best = std::max(best, p[j]);
           const float corr = std::exp(m[hh] - best);
           if (corr != 1.f) scale_in_place(corr, acc + hh * L, L);
-          float sum = l[hh] * corr;
-          for (int64_t j = 0; j < nc; ++j) {
-            p[j] = std::exp(p[j] - best);
+          // Vector exp (about 1 ulp, simd_math.h): libm's scalar expf was ~5% of a V3-shaped
+          // batch-8 call (a chunk's 16 heads x 32 tokens each).
+          const vf bv = vf{} + best;
+          vf vsum = vf{};
+          int64_t j = 0;
+          for (; j + W <= nc; j += W) {
+            const vf e = llmhal_cpu::exp_approx(vload(p + j) - bv);
+            vstore(p + j, e);
+            vsum += e;
+          }
+          float sum = l[hh] * corr + hsum(vsum);
+          for (; j < nc; ++j) {
+            p[j] = llmhal_cpu::exp_approx(p[j] - best);
             sum += p[j];
           }
           m[hh] = best;
@@ -486,7 +593,7 @@ int mla_decode(const MlaDecodeArgs& a) {
               const uint32_t hi = 2 * jp + 1 < nc ? f32_to_bf16_bits(p[1]) : 0u;
               p_pairs[hh * (kChunk / 2) + jp] = f32_to_bf16_bits(p[0]) | hi << 16;
             }
-          pack_pairs(lat_b.data(), D, nc, L, lat_pairs.data());
+          pack_pairs(lat_rows, nc, L, lat_pairs.data());
           pair_acc(p_pairs.data(), kChunk / 2, nh, np, lat_pairs.data(), L, L, acc, L);
         } else {
           mm_acc(probs.data(), kChunk, 1, nh, nc, lat.data(), D, L, acc, L);
@@ -501,9 +608,18 @@ int mla_decode(const MlaDecodeArgs& a) {
   std::vector<float> outf(B * H * V);
   std::vector<uint16_t> olat_b(kDots ? B * H * L : 0);
   if constexpr (kDots) round_bf16(olat.data(), olat_b.data(), B * H * L);
+  std::vector<uint32_t> olat_pairs(packed ? H * B * ((L + 1) / 2) : 0);
 #pragma omp parallel for num_threads(threads) if (threads > 1 && H > 1) schedule(static)
   for (int64_t h = 0; h < H; ++h) {
-    if constexpr (kDots)
+    if (packed) {
+      if constexpr (kDots) {
+        const int64_t np = (L + 1) / 2;
+        // The rounded latent outputs of head h as pairs over L ([B, np], at olat_b's head rows).
+        uint32_t* o_pairs = &olat_pairs[h * B * np];
+        row_pairs(&olat_b[h * L], H * L, B, L, o_pairs);
+        pair_acc_tiled(o_pairs, np, B, np, a.w_uv_pairs + h * np * V, V, &outf[h * V], H * V);
+      }
+    } else if constexpr (kDots)
       dots(&olat_b[h * L], H * L, B, reinterpret_cast<const uint16_t*>(w_uv) + h * V * L, L, V,
             L, &outf[h * V], H * V, 1.f);
     else
@@ -524,5 +640,29 @@ int llmhal_mla_decode_call(const void* p) {
 }
 
 int64_t llmhal_mla_decode_args_size() { return sizeof(MlaDecodeArgs); }
+
+// Whether a bf16 call runs on AVX512-BF16 dots (and so reads packed weights when given them).
+int32_t llmhal_mla_decode_bf16_dots() { return kBf16Dots ? 1 : 0; }
+
+// Packs a bf16 weight for the absorption / W_UV product: for each of `heads` matrices of k x n
+// (element (i, j) of head h at w[h * h_s + i * k_s + j * n_s]), rows 2i and 2i + 1 become pairs
+// (one uint32, row 2i the low half; a missing last row zero), stored in column tiles of kPackTile:
+// head h's tile at column j0 holds ceil(k / 2) pair rows of its width, at
+// out + h * ceil(k / 2) * n + j0 * ceil(k / 2). Done once per weight (mla_decode.py keeps it).
+void llmhal_mla_pack_pairs(const uint16_t* w, int64_t heads, int64_t h_s, int64_t k, int64_t k_s,
+                           int64_t n, int64_t n_s, uint32_t* out) {
+  const int64_t np = (k + 1) / 2;
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t j0 = 0; j0 < n; j0 += kPackTile) {
+      const int64_t tw = std::min<int64_t>(kPackTile, n - j0);
+      uint32_t* tile = out + h * np * n + j0 * np;
+      for (int64_t i = 0; i < np; ++i)
+        for (int64_t j = 0; j < tw; ++j) {
+          const uint16_t* e = w + h * h_s + 2 * i * k_s + (j0 + j) * n_s;
+          const uint32_t hi = 2 * i + 1 < k ? e[k_s] : 0u;
+          tile[i * tw + j] = e[0] | hi << 16;
+        }
+    }
+}
 
 }  // extern "C"

@@ -32,13 +32,16 @@ class MlaDecodeArgs(ctypes.Structure):  # mirrors mla_decode.cpp
         ("q", _p), ("q_s", _i64), ("q_hs", _i64), ("kv_c", _p), ("c_s", _i64), ("k_pe", _p),
         ("pe_s", _i64), ("cache", _p), ("num_slots", _i64), ("slots", _p),
         ("query_start_loc", _p), ("block_table", _p), ("bt_s", _i64), ("seq_lens", _p),
-        ("w_uk", _p), ("w_uv", _p), ("out", _p), ("t", _i64), ("reqs", _i64), ("scale", _f32), ("heads", _i32), ("nope", _i32), ("rope", _i32),
+        ("w_uk", _p), ("w_uv", _p), ("w_uk_pairs", _p), ("w_uv_pairs", _p), ("out", _p), ("t", _i64), ("reqs", _i64), ("scale", _f32), ("heads", _i32), ("nope", _i32), ("rope", _i32),
         ("v", _i32), ("lora", _i32), ("block_size", _i32), ("threads", _i32), ("bf16", _i32),
     ]  # fmt: skip
 
 
 def _setup(lib: ctypes.CDLL) -> None:
     lib.llmhal_mla_decode_args_size.restype = ctypes.c_int64
+    lib.llmhal_mla_decode_bf16_dots.restype = ctypes.c_int32
+    lib.llmhal_mla_pack_pairs.restype = None
+    lib.llmhal_mla_pack_pairs.argtypes = [_p, *[_i64] * 6, _p]
     native_build.declare_struct_calls(
         lib, ("llmhal_mla_decode_call",), {MlaDecodeArgs: lib.llmhal_mla_decode_args_size()}
     )
@@ -79,6 +82,40 @@ def takes(
     if not (_rows(query, 3, dt) and _rows(kv_c, 2, dt) and _rows(k_pe, 2, dt)):
         return False
     return LIBRARY.get() is not None
+
+
+class _Pairs:
+    """A weight packed by ``llmhal_mla_pack_pairs``, for the memory it was packed from."""
+
+    def __init__(self, lib: ctypes.CDLL, w: torch.Tensor, k_dim: int) -> None:
+        heads, k, n = w.shape[0], w.shape[k_dim], w.shape[3 - k_dim]
+        self.key = w.data_ptr()
+        # ctypes memory, not a torch tensor: this runs on a step's first call, possibly while a
+        # step graph is captured, where torch would lend its allocation from the graph's pool and
+        # refuse the capture for the packing.
+        self.buf = (ctypes.c_uint32 * (heads * ((k + 1) // 2) * n))()
+        lib.llmhal_mla_pack_pairs(
+            w.data_ptr(), heads, w.stride(0), k, w.stride(k_dim), n, w.stride(3 - k_dim),
+            ctypes.addressof(self.buf),
+        )  # fmt: skip
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self.buf)
+
+
+def _packed(lib: ctypes.CDLL, w: torch.Tensor, k_dim: int) -> int:
+    """The address of ``w`` packed in pairs along dimension ``k_dim`` (1: W_UK's nope rows, 2:
+    W_UV's latent columns), packed on first use and kept on the tensor: ``mla_weights`` returns the
+    same tensors until the layer's weights change (then new ones; nothing writes them in place,
+    and inference tensors keep no version to check), so that is once per layer (the same bytes as
+    the weight again). Packing reads values with no torch call, so it may run while a step graph
+    is captured; the replays then read the same packed memory."""
+    got = getattr(w, "_llmhal_mla_pairs", None)
+    if got is None or got.key != w.data_ptr():
+        got = _Pairs(lib, w, k_dim)
+        w._llmhal_mla_pairs = got  # type: ignore[attr-defined]
+    return got.address
 
 
 def _shapes_fit(
@@ -153,6 +190,11 @@ def mla_decode(
     if min(block_table.shape[0], seq_lens.shape[0]) < num_reqs:
         return False
     block_size = kv_cache.shape[1]
+    # With AVX512-BF16, a bf16 call's W_UK and W_UV products run on bf16 dots over the weights
+    # packed in pairs (mla_decode.cpp); elsewhere the kernel reads w_uk / w_uv as they are.
+    uk_pairs = uv_pairs = 0
+    if dt == torch.bfloat16 and lib.llmhal_mla_decode_bf16_dots():
+        uk_pairs, uv_pairs = _packed(lib, w_uk, 1), _packed(lib, w_uv, 2)
     args = MlaDecodeArgs(
         q=query.data_ptr(), q_s=query.stride(0), q_hs=query.stride(1),
         kv_c=kv_c.data_ptr(), c_s=kv_c.stride(0), k_pe=k_pe.data_ptr(), pe_s=k_pe.stride(0),
@@ -160,6 +202,7 @@ def mla_decode(
         slots=slots.data_ptr(), query_start_loc=query_start_loc.data_ptr(),
         block_table=block_table.data_ptr(), bt_s=block_table.stride(0),
         seq_lens=seq_lens.data_ptr(), w_uk=w_uk.data_ptr(), w_uv=w_uv.data_ptr(),
+        w_uk_pairs=uk_pairs, w_uv_pairs=uv_pairs,
         out=out.data_ptr(), t=t, reqs=num_reqs, scale=scale, heads=d.num_heads,
         nope=d.qk_nope_head_dim, rope=d.qk_rope_head_dim, v=d.v_head_dim, lora=d.kv_lora_rank,
         block_size=block_size, threads=torch.get_num_threads(), bf16=int(dt == torch.bfloat16),
