@@ -17,6 +17,10 @@ are in; the request stops drafting when either rule says so:
   was seen yet at that batch size (a proposer that drafts every step), the request pauses for
   ``PROBE_STEPS`` steps to measure them, without counting that as a stop.
 
+A verification that could not pay even with every draft accepted (its timed cost at its draft length
+is at least ``drafts + 1`` decode steps) stops its request at once, without waiting for a window,
+and every new request starts stopped for the longest wait.
+
 A stopped request decodes one token a step for ``retry_after_steps`` of its steps, then drafts
 again on a clean slate; each stop in a row doubles the wait (at most ``MAX_BACKOFF`` times), a
 verification window that pays resets it. A failure that repeats across requests (a head or draft
@@ -134,6 +138,9 @@ class AdaptiveSwitch:
         if state is None:
             state = self._requests[request_id] = _RequestState(deque(maxlen=self.window))
         state.window.append((num_draft_tokens, accepted))
+        if self._hopeless(num_draft_tokens, batch):
+            self._stop(state, request_id, hopeless=True)
+            return
         if len(state.window) < self.window:
             return
         if self.when_slower and not self.costs.known(batch, False):
@@ -144,16 +151,33 @@ class AdaptiveSwitch:
             state.backoff = 1
             self._carry, self._last_stop = 0, None
             return
+        self._stop(state, request_id)
+
+    def _stop(self, state: _RequestState, request_id: str, hopeless: bool = False) -> None:
         state.stops += 1
         state.window.clear()
         if self.retry_after_steps == 0:
             state.off_steps = -1  # for good (never counts down to 0)
             return
+        if hopeless:  # whatever the text: every request waits the longest wait
+            state.backoff = MAX_BACKOFF
         state.off_steps = self.retry_after_steps * state.backoff
         state.backoff = min(2 * state.backoff, MAX_BACKOFF)
-        if self._last_stop is not None and self._last_stop != request_id:
-            self._carry = state.backoff  # two requests in a row
+        if hopeless or (self._last_stop is not None and self._last_stop != request_id):
+            self._carry = state.backoff  # two requests in a row, or drafts that cannot pay
         self._last_stop = request_id
+
+    def _hopeless(self, drafts: int, batch: int) -> bool:
+        """Whether verifying ``drafts``-token drafts at ``batch`` requests costs at least the
+        ``drafts + 1`` decode steps it yields with every draft accepted (timed at that length: a
+        draft model as costly as the target, whose drafting the step's time holds). No window
+        can pay then, so there is no window to wait for: a few such drafts cost 4-9% of an open
+        chat's speed before, where the text-dependent rules need a window per request and two
+        requests' stops to carry over."""
+        if not (self.when_slower and drafts and len(self.costs.by_drafts.get((batch, drafts), ())) >= 3):  # fmt: skip
+            return False
+        ratio = self.costs.ratio(batch, drafts)
+        return ratio is not None and ratio >= drafts + 1
 
     def _pays(self, state: _RequestState, batch: int) -> bool:
         drafted = sum(k for k, _ in state.window)

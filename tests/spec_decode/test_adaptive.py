@@ -113,3 +113,24 @@ def test_each_verification_is_weighed_at_its_own_draft_length():
     for accepted in (1, 0, 1, 0):  # the same from 6-token drafts, costing 2.0: stopped
         switch.record("b", 6, accepted, 1)
     assert not switch.allows("b")
+
+
+def test_drafts_that_cannot_pay_even_when_all_accepted_stop_every_request_at_once():
+    switch = AdaptiveSwitch(0.0, True, window=4, retry_after_steps=16)
+    for _ in range(3):
+        switch.costs.add(1, False, 0.010)
+        switch.costs.add(1, True, 0.030, drafts=2)  # 3.0 decode steps for at most 3 tokens
+        switch.costs.add(1, True, 0.025, drafts=4)  # 2.5 for at most 5: may pay
+    switch.record("a", 4, 4, 1)
+    assert switch.allows("a")  # a window decides
+    switch.record("a", 2, 2, 1)  # all accepted, and still no gain: stopped at once
+    assert _wait(switch, "a") == 16 * MAX_BACKOFF
+    assert _wait(switch, "b") == 16 * MAX_BACKOFF  # new requests too
+    for _ in range(4):
+        switch.record("b", 4, 4, 1)  # a window that pays clears it
+    assert switch.allows("c")
+    # Untimed lengths, or the pooled figure alone, never decide it.
+    fresh = AdaptiveSwitch(0.0, True, window=4, retry_after_steps=16)
+    _costs(fresh, 1, plain=0.010, spec=0.050)
+    fresh.record("a", 2, 0, 1)
+    assert fresh.allows("a")
