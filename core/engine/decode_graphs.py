@@ -314,7 +314,6 @@ class DecodeGraphs:
             )
         else:
             out, graph, reason = self.platform.capture_step_graph(step, self.pool)
-        self.captures += 1
         if graph is None:
             why = reason or "the platform recorded no graph"
             q = max(qs)
@@ -325,6 +324,7 @@ class DecodeGraphs:
                 self.refused = why
                 logger.info("Decode steps run eagerly: %s.", self.refused)
             return out
+        self.captures += 1  # recorded ones only
         g.output, g.graph, g.context = out, graph, ctx
         self.pool = graph.pool
         self._graphs[key] = g

@@ -56,6 +56,8 @@ def record_serving_steps(engine: LLMEngine, max_decodes: int) -> int:
     graphs = engine.runner.decode_graphs
     if graphs is None or graphs.refused is not None or not graphs.chunk_tokens:
         return 0
+    if engine.runner.capture_hidden:
+        return 0  # a head drafts from every row's hidden state: such steps run eagerly
     chunk = graphs.chunk_tokens
     token = min(engine.eos_token_ids, default=0)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -76,6 +78,8 @@ def record_serving_steps(engine: LLMEngine, max_decodes: int) -> int:
     try:
         with engine.platform.inference_mode():
             for d, pieces in serving_shapes(max_decodes, chunk):
+                if any(n in graphs.refused_q for n in pieces):
+                    continue  # a length the platform refused to record: it would run eagerly
                 items = [(decoding, 1)] * d + [(prompt, n) for n in pieces]
                 engine.runner.execute(ScheduledBatch(items))
                 if graphs.refused is not None:

@@ -126,11 +126,13 @@ class ModelRunner:
         self._pp = get_pp_group()  # the trivial group of one unless pipeline-parallel
         caps = get_current_platform().capabilities
         # The longest prompt chunk a step graph may hold beside decodes (the scheduler caps chunks
-        # at it while requests decode). It depends on the platform, never on enforce_eager, so
-        # eager and recorded runs schedule the same steps; recurrent layers scan a chunk, so their
-        # steps are recorded one row a request and chunks are not capped.
+        # at it while requests decode under the pace). It depends on whether steps can be
+        # recorded here at all, never on enforce_eager, so eager and recorded runs schedule the
+        # same steps; recurrent layers scan a chunk, so their steps are recorded one row a request
+        # and chunks are not capped.
+        recordable = self._recordable() is None
         self.graph_chunk_tokens = (
-            0 if self.state_layers or not caps.graphs else caps.graph_chunk_tokens
+            caps.graph_chunk_tokens if recordable and not self.state_layers else 0
         )
         self.decode_graphs = self._decode_graphs()
         # Set by a speculative method that drafts from the target's hidden states (EAGLE): each
@@ -144,19 +146,25 @@ class ModelRunner:
         self.draft_trees: dict[str, Any] = {}
         self.tree_rows: dict[str, int] = {}
 
-    def _decode_graphs(self) -> DecodeGraphs | None:
-        """Graphs for pure-decode steps where the platform records them and the model can start
-        from embeddings (see :mod:`llmhal.engine.decode_graphs`); None: every step runs eagerly."""
+    def _recordable(self) -> str | None:
+        """Why steps cannot be recorded here whatever enforce_eager says; None: they can."""
         platform = get_current_platform()
-        if self.config.model.enforce_eager or not platform.capabilities.graphs:
-            return None
+        if not platform.capabilities.graphs:
+            return "the platform records no step graphs"
         if self.config.parallel.world_size > 1:
             # A recorded step replays its kernels, not the collectives between ranks (gloo's run
             # outside any graph), and every rank would have to replay in lockstep: run eagerly.
-            return None
+            return "several ranks"
         if type(platform).capture_step_graph is Platform.capture_step_graph:
-            return None  # the capability is declared, the recorder not (yet) implemented
+            return "the capability is declared, the recorder not (yet) implemented"
         if not hasattr(self.model, "embed_input_ids"):
+            return "the model cannot start a step from embeddings"
+        return None
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """Graphs for pure-decode steps where the platform records them and the model can start
+        from embeddings (see :mod:`llmhal.engine.decode_graphs`); None: every step runs eagerly."""
+        if self.config.model.enforce_eager or self._recordable() is not None:
             return None
         hf = self.config.model.hf_config
         # Recurrent layers: the graphs carry each request's state slot (see decode_graphs); the
@@ -167,7 +175,7 @@ class ModelRunner:
             else ()
         )
         return DecodeGraphs(
-            self.model, platform, self.builders, self.device, self.block_size,
+            self.model, get_current_platform(), self.builders, self.device, self.block_size,
             self.config.model.max_model_len, hf.hidden_size, self.config.model.dtype,
             self.graph_chunk_tokens, *slots,
         )  # fmt: skip

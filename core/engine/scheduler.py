@@ -79,10 +79,10 @@ class Scheduler:
         self.kv = kv
         # Limits a step's prompt tokens while requests decode (None: the budget alone).
         self.pace = pace
-        # While requests decode, a prompt's chunk is at most this long (0: no cap): the longest
-        # the runner records as a step graph beside decodes (llmhal.engine.decode_graphs), so a
-        # burst of new prompts does not turn the streams' steps eager. Without decodes a prompt
-        # takes the whole budget, as before.
+        # While requests decode under the pace, a prompt's chunk is at most this long (0: no
+        # cap): the longest the runner records as a step graph beside decodes
+        # (llmhal.engine.decode_graphs), so a burst of new prompts does not turn the streams'
+        # steps eager. Without decodes, or with the pace off, a prompt takes the whole budget.
         self.graph_chunk_tokens = graph_chunk_tokens if chunked_prefill else 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -239,7 +239,9 @@ class Scheduler:
         few steps of its first minute that way), or nothing (which left a part of the allowance
         unused after every last piece: -10% throughput at 16 streams)."""
         n = min(remaining, budget, allowance)
-        g = self.graph_chunk_tokens
+        # Only under the pace (a server): offline batches are judged by throughput, and 8-token
+        # pieces would hold a long prompt admitted beside decodes to hundreds of steps.
+        g = self.graph_chunk_tokens if self.pace is not None and self.pace.enabled else 0
         if not decode_tokens or not g or n <= 0:
             return n
         if remaining >= g and budget >= g:

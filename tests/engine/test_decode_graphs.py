@@ -152,7 +152,14 @@ def test_mixed_steps_are_recorded_padded_and_equal_eager(default_model_path):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
-    graphs = LLM(default_model_path, **kw)
+    def paced(llm: LLM) -> LLM:
+        # Chunks are capped beside decodes only under the pace (a server's setting). A factor
+        # just above 1 leaves the floor's one chunk a step whatever the measured costs, so the
+        # eager and the recorded run schedule the same steps.
+        llm.engine.set_decode_pace(1.01)
+        return llm
+
+    graphs = paced(LLM(default_model_path, **kw))
     got = run(graphs)
     dg = graphs.engine.runner.decode_graphs
     if dg is None or dg.refused is not None:
@@ -165,7 +172,7 @@ def test_mixed_steps_are_recorded_padded_and_equal_eager(default_model_path):
         assert decodes == _padded_decodes(decodes) or max(qs) == 1
         assert all(q in (1, 2, 4, 8) for q in qs)
     assert any(qs.count(1) == 6 for qs in shapes)  # 5 decodes padded to 6
-    eager = LLM(default_model_path, enforce_eager=True, **kw)
+    eager = paced(LLM(default_model_path, enforce_eager=True, **kw))
     assert got == run(eager)
     # A server records its shapes at start-up on stand-in requests (llmhal.engine.graph_warmup):
     # every ladder count up to the limit with 0-2 chunks or a last piece, blocks all returned,

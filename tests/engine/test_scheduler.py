@@ -6,6 +6,7 @@ from llmhal.engine.kv_cache_manager import KVCacheManager
 from llmhal.engine.request import Request, RequestStatus
 from llmhal.engine.sampling_params import SamplingParams
 from llmhal.engine.scheduler import Scheduler
+from llmhal.engine.step_budget import DecodePace
 
 
 class _Detok:
@@ -109,7 +110,8 @@ def test_beside_decodes_prompts_come_in_graph_chunks_and_powers_of_two():
     beside decoding streams advances in chunks of that length, its last piece in powers of two
     (few recorded shapes); with nothing decoding it takes the whole budget."""
     kv = KVCacheManager(num_blocks=64, block_size=4)
-    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, graph_chunk_tokens=8)
+    pace = DecodePace(1.5)  # on, no costs measured yet: no limit beyond the chunks
+    s = Scheduler(kv, 8, 64, pace=pace, graph_chunk_tokens=8)
     a = req("a", 5)
     s.add(a)
     assert [n for _, n in run_step(s).items] == [5]  # alone: the whole prompt
@@ -123,7 +125,9 @@ def test_beside_decodes_prompts_come_in_graph_chunks_and_powers_of_two():
     assert chunks == [8, 8, 4, 2, 1]
     # A step budget below a chunk (a configuration choice; the pace's allowance is overshot
     # instead, see test_decode_pace) still gives prompts powers of two rather than nothing.
-    s2 = Scheduler(KVCacheManager(num_blocks=64, block_size=4), 8, 14, graph_chunk_tokens=8)
+    s2 = Scheduler(
+        KVCacheManager(num_blocks=64, block_size=4), 8, 14, pace=pace, graph_chunk_tokens=8
+    )
     e = req("e", 3)
     s2.add(e)
     run_step(s2)
@@ -137,6 +141,13 @@ def test_beside_decodes_prompts_come_in_graph_chunks_and_powers_of_two():
         [("e", 1), ("f", 4), ("g", 4)],  # both prompts' last pieces
         [("e", 1), ("f", 1), ("g", 1)],
     ]
+    # Without the pace (offline batches) the chunks are not capped: throughput decides.
+    s1 = Scheduler(KVCacheManager(num_blocks=64, block_size=4), 8, 64, graph_chunk_tokens=8)
+    h = req("h", 5)
+    s1.add(h)
+    run_step(s1)
+    s1.add(req("i", 23))
+    assert [n for _, n in run_step(s1).items] == [1, 23]
     # Off (0): the budget alone decides, as before.
     s0 = Scheduler(KVCacheManager(num_blocks=64, block_size=4), 8, 64)
     c, d = req("c", 5), req("d", 23)
