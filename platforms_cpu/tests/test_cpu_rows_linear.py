@@ -58,6 +58,22 @@ def test_declines_what_it_does_not_compute():
 
 
 @needs_kernel
+def test_declines_a_bias_or_weight_of_the_wrong_shape():
+    # A bias shorter than N was read past its end, a 3-D weight gave a [2, 1] result: F.linear
+    # (the caller's fallback) refuses both and names the shapes.
+    x, w, b = _case(2, 64, 37, torch.bfloat16, torch.bfloat16, bias=True)
+    assert rows_linear.rows_linear(x, w, b[:3]) is None
+    assert rows_linear.rows_linear(x, w, torch.cat([b, b])) is None
+    assert rows_linear.rows_linear(x, w, b.view(1, 37)) is None
+    assert rows_linear.rows_linear(x, w.view(1, 37, 64)) is None
+    assert rows_linear.rows_linear(x, w.view(37, 1, 64)) is None
+    assert rows_linear.rows_linear(x, w, b) is not None
+    kernel = dense_linear.prepare(w)
+    with pytest.raises(RuntimeError):
+        kernel(x, b[:3])
+
+
+@needs_kernel
 def test_the_bf16_layer_kernel_uses_it_for_decode_rows_and_f_linear_beyond():
     x, w, b = _case(12, 80, 48, torch.bfloat16, torch.bfloat16, bias=True)
     kernel = dense_linear.prepare(w)

@@ -4,9 +4,11 @@
 launched through :func:`llmhal_cpu.step_graph.launch` so a decode step of an unquantized model can
 be recorded as a step graph (a torch or oneDNN product cannot be). It streams the weight once for
 all rows with float32 accumulation, so it differs from a GEMM only in the order of the sums. It
-returns None when the call is not one it takes (more rows, a dtype it does not read, the library
-unavailable); :mod:`llmhal_cpu.kernels.dense_linear` then runs the GEMM. Built on first use by
-:mod:`llmhal_cpu.native_build`; ``LLMHAL_CPU_ROWS_KERNEL=0`` turns it off.
+returns None when the call is not one it takes (more rows, a dtype it does not read, a weight
+that is not [N, K] or a bias that is not [N], a tensor off the host, the library unavailable);
+:mod:`llmhal_cpu.kernels.dense_linear` then runs the GEMM (``F.linear``, which names the shapes it
+refuses). Built on first use by :mod:`llmhal_cpu.native_build`; ``LLMHAL_CPU_ROWS_KERNEL=0`` turns
+it off.
 """
 
 from __future__ import annotations
@@ -64,8 +66,10 @@ def rows_linear(
     (a float32 weight takes either: the kernel widens bf16 exactly, as ``x.float()`` would);
     ``weight`` [N, K] contiguous float32 or bfloat16; ``bias`` [N] float32 or bfloat16.
     """
-    k = weight.shape[-1]
-    if x.dtype not in _TYPES or weight.dtype not in _TYPES or x.shape[-1] != k or not x.is_cpu:
+    if weight.dim() != 2 or not weight.is_cpu or not x.is_cpu:
+        return None
+    n, k = weight.shape
+    if x.dtype not in _TYPES or weight.dtype not in _TYPES or x.shape[-1] != k:
         return None
     if x.dtype == torch.float32 and weight.dtype == _BF16:
         return None  # F.linear refuses this pair too
@@ -74,12 +78,14 @@ def rows_linear(
     t = x2.shape[0]
     if t == 0 or t > MAX_ROWS or x2.stride(-1) != 1 or not weight.is_contiguous():
         return None
-    if bias is not None and (bias.dtype not in _TYPES or not bias.is_contiguous()):
-        return None
+    if bias is not None and (
+        bias.shape != (n,) or not bias.is_cpu or bias.dtype not in _TYPES
+        or not bias.is_contiguous()
+    ):  # fmt: skip
+        return None  # F.linear then names the shapes (a wrong-sized bias is an error there)
     lib = LIBRARY.get()
     if lib is None:
         return None
-    n = weight.shape[0]
     out = torch.empty(t, n, dtype=weight.dtype, device="cpu")
     args = RowsLinearArgs(
         x2.data_ptr(), x2.stride(0), weight.data_ptr(),
