@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from llmhal.spec_decode.proposer import DraftRequest, Proposer
-from llmhal.spec_decode.tree_verify import DraftTree, TreeDraft, parse_token_tree
+from llmhal.spec_decode.tree_verify import DraftTree, TreeDraft, check_tree_ranks, parse_token_tree
 
 # vLLM's key for a draft tree's shape (rank paths), taken by EAGLE and EAGLE-3.
 TREE_KEY = "speculative_token_tree"
@@ -251,6 +251,8 @@ class HeadProposer(Proposer):
         paths = self._tree_paths(config.extra)
         self.tree: DraftTree | None = None
         if paths is not None:
+            vocab = getattr(self.cfg, "draft_vocab_size", None) or self.target_cfg.vocab_size
+            check_tree_ranks(paths, vocab, TREE_KEY, f"the {self.display_name} head")
             self.tree, ranks = DraftTree.from_paths(paths)
             self._levels = _tree_levels(self.tree, ranks)
         self._seqs: dict[str, _Seq] = {}

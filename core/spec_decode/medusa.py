@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from llmhal.spec_decode.proposer import DraftRequest, Proposer
-from llmhal.spec_decode.tree_verify import DraftTree, TreeDraft
+from llmhal.spec_decode.tree_verify import DraftTree, TreeDraft, check_tree_ranks
 
 
 class ResidualBlock(nn.Module):
@@ -130,6 +130,8 @@ class MedusaProposer(Proposer):
         # round differently from the platform's decode kernel, which in bf16 can flip a near-tie
         # (the default model drifted from plain decoding); the chain stays on the model's backend.
         choices = config.extra.get("medusa_choices") or [(0,) * d for d in range(1, k + 1)]
+        vocab = engine_config.model.hf_config.vocab_size
+        check_tree_ranks([tuple(p) for p in choices], vocab, "medusa_choices", "each Medusa head")
         self.tree, self.ranks = DraftTree.from_paths(choices)
         self.top_k = 1 + max(r for path in self.ranks for r in path)
         self.heads: MedusaHeads | None = None

@@ -145,7 +145,8 @@ def parse_token_tree(value: Any, key: str) -> list[tuple[int, ...]]:
     if isinstance(value, str):
         try:
             value = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            # TypeError: a literal that cannot be built, such as a set of lists ('{[0]}').
             raise refuse(f"({value!r}) is not a Python or JSON literal") from None
     if not isinstance(value, list | tuple) or not value:
         raise refuse(f"is {value!r}, not a non-empty list")
@@ -164,6 +165,17 @@ def parse_token_tree(value: Any, key: str) -> list[tuple[int, ...]]:
     if len(paths) > MAX_SPEC_LEN:
         raise refuse(f"has {len(paths)} nodes, more than {MAX_SPEC_LEN}")
     return paths
+
+
+def check_tree_ranks(paths: list[tuple[int, ...]], vocab: int, key: str, where: str) -> None:
+    """Refuse a tree whose ranks reach past the ``vocab`` tokens the drafter chooses from (its
+    top-k would fail at the first proposal, mid-serving); ValueError naming ``key``."""
+    top = max(max(p) for p in paths)
+    if top >= vocab:
+        raise ValueError(
+            f"speculative_config[{key!r}] asks for rank {top}, but {where} chooses from "
+            f"{vocab} tokens; keep every rank below {vocab}"
+        )
 
 
 def default_tree(depth: int, width: int = 2) -> list[tuple[int, ...]]:

@@ -138,6 +138,7 @@ def test_eagle_trees_are_read_as_vllm_spells_them():
         ),  # fmt: skip
         ("[(0,), (1, 0)]", ["(1, 0)", "not its parent (1,)"]),
         ("[(0,), (0,", ["not a Python or JSON literal"]),
+        ("{[0]}", ["not a Python or JSON literal"]),  # a set of lists: TypeError inside
         ("[]", ["not a non-empty list"]),
         ([[0], [-1]], ["[-1]", "ranks >= 0"]),
         ([[0], [0]], ["twice"]),

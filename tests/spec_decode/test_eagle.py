@@ -285,6 +285,13 @@ def test_tree_drafts_equal_the_transformers_reference_node_by_node(new_llm, base
     )  # fmt: skip
 
 
+def test_a_tree_rank_past_the_heads_vocabulary_is_refused_before_loading(new_llm, head, target):
+    vocab = target[1].config.vocab_size
+    spec = {"method": "eagle", "model": head[0], "speculative_token_tree": [[0], [vocab]]}
+    with pytest.raises(ValueError, match=f"speculative_token_tree.*rank {vocab}.*{vocab} tokens"):
+        new_llm(spec)
+
+
 def test_tree_greedy_equals_plain_batched_and_preempted(tiny_folder, base_llm, head, monkeypatch):
     # vLLM's spelling: num_speculative_tokens counts the tree's nodes (at least its depth).
     spec = {"method": "eagle", "model": head[0], "num_speculative_tokens": 7, "speculative_token_tree": TREE}  # fmt: skip

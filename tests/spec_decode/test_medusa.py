@@ -135,6 +135,9 @@ def test_bad_heads_are_refused_before_loading(new_llm, target, tmp_path):
         new_llm({"method": "medusa", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="medusa_choices"):
         new_llm({"method": "medusa", "model": few, "num_speculative_tokens": 2, "medusa_choices": [[0, -1]]})  # fmt: skip
+    big = [[0], [cfg.vocab_size]]  # a rank past the vocabulary: top-k would fail mid-serving
+    with pytest.raises(ValueError, match=f"medusa_choices.*rank {cfg.vocab_size}.*below {cfg.vocab_size}"):  # fmt: skip
+        new_llm({"method": "medusa", "model": few, "num_speculative_tokens": 2, "medusa_choices": big})  # fmt: skip
 
 
 def test_an_explicit_backend_that_cannot_verify_trees_is_refused(new_llm, heads):
