@@ -119,3 +119,34 @@ def test_checkpoint_config_names_the_method(mixtral, tmp_path):
         [{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, temperature=0)
     )
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_a_method_with_a_kernel_of_its_own_keeps_the_shared_experts():
+    """The shared experts' output reaches the op through run_op; a method whose apply calls a
+    kernel of its own (an out-of-tree one) never passes it on, and the layer adds it itself."""
+    from llmhal.config import EngineConfig, ModelConfig, set_current_config
+    from llmhal.layers.fused_moe import FusedMoE, UnquantizedFusedMoEMethod
+    from llmhal.ops.fused_moe import fused_moe
+
+    model = ModelConfig("x", hf_config=None, dtype=torch.float32, architecture="x", max_model_len=8)
+    with set_current_config(EngineConfig(model=model)):
+        layer = FusedMoE(4, 2, 16, 32, prefix="model.layers.0.mlp.experts")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for w in (layer.w13_weight, layer.w2_weight):
+            w.copy_(torch.randn(w.shape, generator=gen) * 0.1)
+    x, logits, shared = (torch.randn(3, n, generator=gen) for n in (16, 4, 16))
+
+    def routed() -> torch.Tensor:
+        return fused_moe(x, layer.w13_weight, layer.w2_weight, logits, layer.top_k, **layer.routing)
+
+    want = routed() + shared
+
+    class OwnKernel(UnquantizedFusedMoEMethod):
+        def apply(self, layer, x, router_logits):
+            return routed()
+
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x, logits, shared_output=shared), want)  # in-tree
+        layer.quant_method = OwnKernel()
+        torch.testing.assert_close(layer(x, logits, shared_output=shared), want)
