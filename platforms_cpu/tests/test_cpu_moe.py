@@ -112,6 +112,25 @@ def test_native_kernel_rejects_an_expert_id_out_of_range():
         moe_experts.moe_experts(torch.zeros(1, 16), torch.ones(1, 2), ids, w13, w2)
 
 
+def test_native_kernel_refuses_a_routing_that_does_not_fit_the_hidden_rows():
+    """ids and weights are read T * k at a time, T from hidden: other shapes were read past their
+    ends (a 1-row routing for 8 rows raised "an expert id is outside ..." from garbage)."""
+    from llmhal_cpu.kernels import moe_experts
+
+    w13, w2 = torch.zeros(4, 8, 16), torch.zeros(4, 16, 4)
+    x, ids, weights = torch.zeros(8, 16), torch.zeros(8, 2, dtype=torch.long), torch.ones(8, 2)
+    for bad_ids, bad_weights in [
+        (ids[:1], weights[:1]),  # fewer rows than hidden
+        (ids, weights[:, :1]),  # k differs
+        (ids.view(16), weights.view(16)),  # not 2-D
+        (ids.view(8, 2, 1), weights.view(8, 2, 1)),
+    ]:
+        with pytest.raises(ValueError, match=r"\[T, k\], T being hidden's rows \(hidden \(8, 16\)"):
+            moe_experts.moe_experts(x, bad_weights, bad_ids, w13, w2)
+    if moe_experts.LIBRARY.get() is not None:
+        assert moe_experts.moe_experts(x, weights, ids, w13, w2).shape == (8, 16)
+
+
 def test_kernel_for_decode_sizes_torch_for_prefill(monkeypatch):
     """fused_moe takes the kernel while the pairs per expert are few, core's GEMMs beyond."""
     from llmhal_cpu.kernels import moe_experts

@@ -236,12 +236,18 @@ def moe_experts(
     or None.
 
     ``weights`` float32 / ``ids`` int64 [T, k], contiguous (``select_experts``'s output); the
-    other arguments as for :func:`moe_layer`.
+    other arguments as for :func:`moe_layer`. A routing whose shape does not fit ``hidden`` is an
+    error (ValueError naming the shapes), not a call declined: the kernel reads T * k of each.
     """
+    if ids.dim() != 2 or ids.shape != weights.shape or ids.shape[:1] != hidden.shape[:1]:
+        raise ValueError(
+            f"moe_experts: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be "
+            f"[T, k], T being hidden's rows (hidden {tuple(hidden.shape)})"
+        )
     fields = _expert_fields(hidden, w13, w2, w13_scale, w2_scale)
     if fields is None or ids.dtype != torch.int64 or weights.dtype != torch.float32:
         return None
-    if not (ids.is_contiguous() and weights.is_contiguous() and ids.shape == weights.shape):
+    if not (ids.is_contiguous() and weights.is_contiguous() and ids.is_cpu and weights.is_cpu):
         return None
     t, k = ids.shape
     out = torch.empty(t, hidden.shape[1], dtype=torch.float32, device="cpu")
