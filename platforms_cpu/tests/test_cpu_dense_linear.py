@@ -47,16 +47,23 @@ def test_a_wrong_activation_dtype_names_the_remedy():
         kernel(torch.randn(2, 16), None)
 
 
-def test_switched_off_by_the_environment(monkeypatch):
+@pytest.mark.parametrize("rows_kernel", ["1", "0"])
+def test_switched_off_by_the_environment(monkeypatch, rows_kernel):
+    """``LLMHAL_CPU_DENSE_KERNEL=0`` keeps ``F.linear`` whether or not the rows kernel builds (it
+    used to hand out the rows kernel regardless, whose sums are in another order)."""
     monkeypatch.setenv("LLMHAL_CPU_DENSE_KERNEL", "0")
-    monkeypatch.setenv("LLMHAL_CPU_ROWS_KERNEL", "0")
-    dense_linear._enabled.cache_clear()
+    monkeypatch.setenv("LLMHAL_CPU_ROWS_KERNEL", rows_kernel)
+    dense_linear._switched_off.cache_clear()
     try:
         assert dense_linear.prepare(torch.randn(8, 8).bfloat16()) is None
-        assert "off" in dense_linear.status()
+        assert "LLMHAL_CPU_DENSE_KERNEL=0" in dense_linear.status()
+        assert not dense_linear._enabled()
     finally:
         monkeypatch.undo()
-        dense_linear._enabled.cache_clear()
+        dense_linear._switched_off.cache_clear()
+    assert dense_linear.prepare(torch.randn(8, 8).bfloat16()) is not None or not (
+        dense_linear._enabled() or dense_linear.rows_linear.LIBRARY.get()
+    )
 
 
 @needs_onednn

@@ -18,12 +18,16 @@ native call, lets a bf16 model's decode step be recorded as a step graph (a oneD
 :mod:`llmhal_cpu.step_graph`); larger calls run ``F.linear`` on the plain weight, where oneDNN's
 reorder costs about a quarter more at 16 rows and little beyond 64. Its results differ from
 ``F.linear``'s only in the order of the float32 sums (one bf16 rounding of the output either way).
-``LLMHAL_CPU_ROWS_KERNEL=0`` keeps the packed form.
+``LLMHAL_CPU_ROWS_KERNEL=0`` keeps the packed form (the rows kernel is then off for the MoE
+router too, :func:`llmhal_cpu.moe.router_logits`).
 
 Only bfloat16 weights are packed: for float32 oneDNN's packed product is faster too but rounds
 differently from ``F.linear`` (1e-4 on these shapes), which would move the float32 parity tests'
 log-probabilities; float16 and other dtypes keep ``F.linear``. ``LLMHAL_CPU_DENSE_KERNEL=0`` turns
-packing off (read once per process, at the first prepared layer).
+this module off: every layer keeps ``F.linear`` on its plain weight (neither the rows kernel nor
+packing; results bit-identical to ``F.linear``, and bf16 decode steps no longer record), read once
+per process, at the first prepared layer. It does not reach the MoE router, which only
+``LLMHAL_CPU_ROWS_KERNEL=0`` turns off.
 """
 
 from __future__ import annotations
@@ -39,9 +43,14 @@ from llmhal_cpu.kernels import rows_linear
 
 
 @functools.cache
-def _enabled() -> bool:
-    if os.environ.get("LLMHAL_CPU_DENSE_KERNEL", "1").strip().lower() in ("0", "false", "no"):
-        return False
+def _switched_off() -> bool:
+    """``LLMHAL_CPU_DENSE_KERNEL=0``: every layer keeps ``F.linear`` (read once per process)."""
+    value = os.environ.get("LLMHAL_CPU_DENSE_KERNEL", "1").strip().lower()
+    return value in ("0", "false", "no")
+
+
+@functools.cache
+def _onednn() -> bool:
     mkldnn = getattr(torch.ops, "mkldnn", None)
     return (
         torch.backends.mkldnn.is_available()
@@ -50,12 +59,19 @@ def _enabled() -> bool:
     )
 
 
+def _enabled() -> bool:
+    """Whether weights are packed for oneDNN where the rows kernel is unavailable."""
+    return not _switched_off() and _onednn()
+
+
 def status() -> str:
     """Which path runs (for ``llmhal doctor``)."""
+    if _switched_off():
+        return "torch F.linear (off: LLMHAL_CPU_DENSE_KERNEL=0)"
     if rows_linear.LIBRARY.get() is not None:
         return f"bfloat16: native rows kernel ({rows_linear.status()}), F.linear beyond"
     if not _enabled():
-        return "torch F.linear (oneDNN packing off or unavailable)"
+        return "torch F.linear (oneDNN packing unavailable)"
     return "oneDNN packed bfloat16 weights (F.linear for other dtypes)"
 
 
@@ -112,10 +128,10 @@ class RowsBf16Linear:
 
 def prepare(weight: torch.Tensor) -> Any:
     """A kernel for a bf16 host weight (the native few-row one, else oneDNN's packed form), else
-    None (the layer keeps ``F.linear``)."""
+    None (the layer keeps ``F.linear``; always so with ``LLMHAL_CPU_DENSE_KERNEL=0``)."""
     if weight.dtype != torch.bfloat16 or not weight.is_cpu or weight.dim() != 2:
         return None
-    if weight.numel() == 0:
+    if weight.numel() == 0 or _switched_off():
         return None
     if rows_linear.LIBRARY.get() is not None:
         return RowsBf16Linear(weight)
