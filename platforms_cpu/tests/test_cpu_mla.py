@@ -193,6 +193,27 @@ def test_a_slot_outside_the_cache_is_refused_before_anything_is_written():
     assert torch.equal(step.cache, before)
 
 
+@needs_kernel
+@pytest.mark.parametrize("short", ["query", "out"])
+def test_query_rows_past_the_query_or_out_are_refused_before_anything_is_written(short):
+    """The kernel reads and writes query_start_loc[num_reqs] rows of the query and out (the
+    device's offsets, not the host's num_rows): more than either holds is an error, not a read or
+    write past their ends."""
+    step = _StaticStep(DIMS, torch.float32, (1, 1, 1))
+    m, d = step.meta, DIMS
+    assert int(m.query_start_loc[m.num_kernel_reqs]) == 3
+    w_uk, w_uv = step.layer.mla_weights(torch.float32, torch.device("cpu"))
+    query = step.q[:2] if short == "query" else step.q
+    out = torch.empty(2 if short == "out" else 3, d.num_heads, d.v_head_dim)
+    before = step.cache.clone()
+    with pytest.raises(IndexError, match="more than the rows of the query or of out"):
+        mla_decode.mla_decode(
+            d, SCALE, query, step.kv_c, step.k_pe, step.cache, m.slots, m.query_start_loc,
+            m.block_table, m.seq_lens, m.num_kernel_reqs, 2, w_uk, w_uv, out,
+        )  # fmt: skip  # num_rows 2: a host count out of step with the offsets
+    assert torch.equal(step.cache, before)
+
+
 def test_mla_layers_get_cpu_mla_on_the_cpu():
     from llmhal_cpu.platform import CpuPlatform
 

@@ -465,7 +465,7 @@ extern "C" {
 // Mirrors MlaDecodeArgs in mla_decode.py. Element strides; q, kv_c, k_pe need contiguous rows,
 // the cache, W_UK [H, nope, L], W_UV [H, v, L] and out are contiguous.
 struct MlaDecodeArgs {
-  const void* q;  // [>= qsl[reqs], H, nope + rope]: token stride q_s, head stride q_hs
+  const void* q;  // [q_rows >= qsl[reqs], H, nope + rope]: token stride q_s, head stride q_hs
   int64_t q_s, q_hs;
   const void* kv_c;  // [t, L], row stride c_s
   int64_t c_s;
@@ -484,8 +484,9 @@ struct MlaDecodeArgs {
   // AVX512-BF16 only; null: the products read w_uk / w_uv).
   const uint32_t* w_uk_pairs;
   const uint32_t* w_uv_pairs;
-  void* out;  // [qsl[reqs], H, v]
+  void* out;  // [out_rows >= qsl[reqs], H, v]
   int64_t t, reqs;
+  int64_t q_rows, out_rows;  // the rows q and out hold (qsl[reqs] is checked against both)
   float scale;
   int32_t heads, nope, rope, v, lora, block_size, threads, bf16;
 };
@@ -497,11 +498,13 @@ namespace {
 // Checks everything a call reads through an index before anything is written: returns -1 for a
 // slot outside the cache, -2 for a sequence length outside [query rows, bt_s * block_size], -3 for
 // a block id outside the cache, -4 for query start offsets that are not increasing from 0 or pass
-// the step's tokens.
+// the step's tokens, -5 for query rows (qsl[reqs]) beyond the rows of q or of out.
 int check(const MlaDecodeArgs& a) {
   for (int64_t i = 0; i < a.t; ++i)
     if (a.slots[i] < -1 || a.slots[i] >= a.num_slots) return -1;
   if (a.reqs > 0 && (a.query_start_loc[0] != 0 || a.query_start_loc[a.reqs] > a.t)) return -4;
+  const int64_t rows = a.reqs > 0 ? a.query_start_loc[a.reqs] : 0;
+  if (rows > a.q_rows || rows > a.out_rows) return -5;
   const int64_t num_blocks = a.num_slots / a.block_size;
   for (int64_t r = 0; r < a.reqs; ++r) {
     const int64_t q = a.query_start_loc[r + 1] - a.query_start_loc[r];

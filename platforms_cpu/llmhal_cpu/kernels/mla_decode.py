@@ -32,8 +32,10 @@ class MlaDecodeArgs(ctypes.Structure):  # mirrors mla_decode.cpp
         ("q", _p), ("q_s", _i64), ("q_hs", _i64), ("kv_c", _p), ("c_s", _i64), ("k_pe", _p),
         ("pe_s", _i64), ("cache", _p), ("num_slots", _i64), ("slots", _p),
         ("query_start_loc", _p), ("block_table", _p), ("bt_s", _i64), ("seq_lens", _p),
-        ("w_uk", _p), ("w_uv", _p), ("w_uk_pairs", _p), ("w_uv_pairs", _p), ("out", _p), ("t", _i64), ("reqs", _i64), ("scale", _f32), ("heads", _i32), ("nope", _i32), ("rope", _i32),
-        ("v", _i32), ("lora", _i32), ("block_size", _i32), ("threads", _i32), ("bf16", _i32),
+        ("w_uk", _p), ("w_uv", _p), ("w_uk_pairs", _p), ("w_uv_pairs", _p), ("out", _p),
+        ("t", _i64), ("reqs", _i64), ("q_rows", _i64), ("out_rows", _i64), ("scale", _f32),
+        ("heads", _i32), ("nope", _i32), ("rope", _i32), ("v", _i32), ("lora", _i32),
+        ("block_size", _i32), ("threads", _i32), ("bf16", _i32),
     ]  # fmt: skip
 
 
@@ -56,6 +58,7 @@ _ERRORS = {
     -2: "a sequence length is outside (its query rows)..(block table width x block size)",
     -3: "a block id in the block table is outside the latent cache",
     -4: "query_start_loc does not start at 0, decrease nowhere and stay within the step's tokens",
+    -5: "query_start_loc[num_reqs] (the query rows) is more than the rows of the query or of out",
 }
 
 
@@ -162,6 +165,9 @@ def mla_decode(
     order: these are its leading ones); ``w_uk`` [H, nope, L] / ``w_uv`` [H, v, L]; ``out``
     contiguous [>= num_rows, H, v] in the query's dtype. Each row attends causally to its
     request's tokens up to its own position. False: nothing was done (see the module docstring).
+    IndexError: an index tensor points outside what it indexes, checked by the kernel before
+    anything is written (the query and out rows against ``query_start_loc[num_reqs]`` too, which
+    a recorded step reads anew at each replay, unlike ``num_rows``).
     """
     d = dims
     if not (takes(query, kv_c, k_pe, kv_cache) and _shapes_fit(d, query, kv_c, k_pe, kv_cache)):
@@ -203,8 +209,8 @@ def mla_decode(
         block_table=block_table.data_ptr(), bt_s=block_table.stride(0),
         seq_lens=seq_lens.data_ptr(), w_uk=w_uk.data_ptr(), w_uv=w_uv.data_ptr(),
         w_uk_pairs=uk_pairs, w_uv_pairs=uv_pairs,
-        out=out.data_ptr(), t=t, reqs=num_reqs, scale=scale, heads=d.num_heads,
-        nope=d.qk_nope_head_dim, rope=d.qk_rope_head_dim, v=d.v_head_dim, lora=d.kv_lora_rank,
+        out=out.data_ptr(), t=t, reqs=num_reqs, q_rows=query.shape[0], out_rows=out.shape[0],
+        scale=scale, heads=d.num_heads, nope=d.qk_nope_head_dim, rope=d.qk_rope_head_dim, v=d.v_head_dim, lora=d.kv_lora_rank,
         block_size=block_size, threads=torch.get_num_threads(), bf16=int(dt == torch.bfloat16),
     )  # fmt: skip
     rc = step_graph.launch(lib.llmhal_mla_decode_call, args)
