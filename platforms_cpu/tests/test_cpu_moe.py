@@ -129,6 +129,8 @@ def test_native_kernel_refuses_a_routing_that_does_not_fit_the_hidden_rows():
             moe_experts.moe_experts(x, bad_weights, bad_ids, w13, w2)
     if moe_experts.LIBRARY.get() is not None:
         assert moe_experts.moe_experts(x, weights, ids, w13, w2).shape == (8, 16)
+    # Experts that are not stacked 3-D tensors: declined (None), not a bare unpacking error.
+    assert moe_experts.moe_experts(x, weights, ids, w13.view(32, 16), w2) is None
 
 
 def test_kernel_for_decode_sizes_torch_for_prefill(monkeypatch):

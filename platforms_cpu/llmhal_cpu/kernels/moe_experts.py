@@ -143,6 +143,8 @@ def _expert_fields(
     wtype = WEIGHT_TYPES.get(w13.dtype)
     if wtype is None or w2.dtype != w13.dtype or not _rows(hidden, ACTIVATION_TYPES):
         return None
+    if w13.dim() != 3:
+        return None  # not stacked experts: the caller's torch path names the shapes
     e, two_i, h = w13.shape
     if hidden.shape[1] != h or w2.shape != (e, h, two_i // 2):
         return None
