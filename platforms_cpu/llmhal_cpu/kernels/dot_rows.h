@@ -105,13 +105,19 @@ inline void dots(const T* w, const float* const* x, int n, int64_t len, float* o
 // time, so each activation load serves two dots: one row at a time, the loads bound the loop.
 // acc0[j] / acc1[j] get 16 partial sums each (reduce them with reduce16 or
 // _mm512_reduce_add_ps); a tail shorter than 32 is read with masked loads (zeros add nothing).
+// ahead > 0: each pass also prefetches both weight streams that many bytes ahead (rows_linear.cpp;
+// a prefetch past the end of a matrix touches nothing and cannot fault).
 template <int N>
 inline void dots2_bf16_fixed(const uint16_t* w0, const uint16_t* w1, const uint16_t* const* x,
-                             int64_t len, __m512* acc0, __m512* acc1) {
+                             int64_t len, __m512* acc0, __m512* acc1, int64_t ahead = 0) {
   __m512 a0[N], a1[N];
   for (int j = 0; j < N; ++j) a0[j] = a1[j] = _mm512_setzero_ps();
   int64_t d = 0;
   for (; d + 32 <= len; d += 32) {
+    if (ahead) {
+      _mm_prefetch(reinterpret_cast<const char*>(w0 + d) + ahead, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w1 + d) + ahead, _MM_HINT_T0);
+    }
     const __m512bh a = (__m512bh)_mm512_loadu_si512(w0 + d);
     const __m512bh b = (__m512bh)_mm512_loadu_si512(w1 + d);
     for (int j = 0; j < N; ++j) {
@@ -138,16 +144,16 @@ inline void dots2_bf16_fixed(const uint16_t* w0, const uint16_t* w1, const uint1
 
 // The same for n (1 <= n <= kRowBlock) rows.
 inline void dots2_bf16_acc(const uint16_t* w0, const uint16_t* w1, const uint16_t* const* x,
-                           int n, int64_t len, __m512* acc0, __m512* acc1) {
+                           int n, int64_t len, __m512* acc0, __m512* acc1, int64_t ahead = 0) {
   switch (n) {
-    case 1: return dots2_bf16_fixed<1>(w0, w1, x, len, acc0, acc1);
-    case 2: return dots2_bf16_fixed<2>(w0, w1, x, len, acc0, acc1);
-    case 3: return dots2_bf16_fixed<3>(w0, w1, x, len, acc0, acc1);
-    case 4: return dots2_bf16_fixed<4>(w0, w1, x, len, acc0, acc1);
-    case 5: return dots2_bf16_fixed<5>(w0, w1, x, len, acc0, acc1);
-    case 6: return dots2_bf16_fixed<6>(w0, w1, x, len, acc0, acc1);
-    case 7: return dots2_bf16_fixed<7>(w0, w1, x, len, acc0, acc1);
-    default: return dots2_bf16_fixed<kRowBlock>(w0, w1, x, len, acc0, acc1);
+    case 1: return dots2_bf16_fixed<1>(w0, w1, x, len, acc0, acc1, ahead);
+    case 2: return dots2_bf16_fixed<2>(w0, w1, x, len, acc0, acc1, ahead);
+    case 3: return dots2_bf16_fixed<3>(w0, w1, x, len, acc0, acc1, ahead);
+    case 4: return dots2_bf16_fixed<4>(w0, w1, x, len, acc0, acc1, ahead);
+    case 5: return dots2_bf16_fixed<5>(w0, w1, x, len, acc0, acc1, ahead);
+    case 6: return dots2_bf16_fixed<6>(w0, w1, x, len, acc0, acc1, ahead);
+    case 7: return dots2_bf16_fixed<7>(w0, w1, x, len, acc0, acc1, ahead);
+    default: return dots2_bf16_fixed<kRowBlock>(w0, w1, x, len, acc0, acc1, ahead);
   }
 }
 
