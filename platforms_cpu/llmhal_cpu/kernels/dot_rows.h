@@ -188,29 +188,6 @@ inline __m512 reduce16(const __m512* v) {
                        _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
-// sums[j] lane r = row r of w (16 rows of len values, row stride `stride`; rows past `rows` give
-// 0) dotted with x[j], for the n (<= kRowBlock) bf16 rows x[j]: the dots two rows at a time, the
-// 16 rows' partial sums reduced together.
-inline void dots16_bf16(const uint16_t* w, int64_t stride, int64_t rows, const uint16_t* const* x,
-                        int n, int64_t len, __m512* sums) {
-  __m512 acc[16][kRowBlock];
-  for (int64_t r = 0; r < 16; r += 2) {
-    if (r >= rows) {
-      for (int j = 0; j < n; ++j) acc[r][j] = acc[r + 1][j] = _mm512_setzero_ps();
-      continue;
-    }
-    const uint16_t* w0 = w + r * stride;
-    dots2_bf16_acc(w0, r + 1 < rows ? w0 + stride : w0, x, n, len, acc[r], acc[r + 1]);
-    if (r + 1 >= rows) {
-      for (int j = 0; j < n; ++j) acc[r + 1][j] = _mm512_setzero_ps();
-    }
-  }
-  for (int j = 0; j < n; ++j) {
-    __m512 v[16];
-    for (int r = 0; r < 16; ++r) v[r] = acc[r][j];
-    sums[j] = reduce16(v);
-  }
-}
 #endif
 
 // Rows of float32 or bfloat16 (bf16 set) values, row stride `stride` elements, widened into the

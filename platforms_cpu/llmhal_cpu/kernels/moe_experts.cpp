@@ -137,8 +137,8 @@ void expert_block_widened(const Layer& L, int64_t e, const int64_t* rows, const 
 #if defined(__AVX512BF16__)
 // The same for bfloat16 weights and activations on AVX512-BF16 dots (dot_rows.h): a gate row and
 // its up row in one pass, and silu(gate) * up rounded to bf16 (as torch's bf16 path rounds it) so
-// the down rows run on the same dots, two at a time. (dots16_bf16's grouped reduction, faster for
-// rows_linear, made this 40% slower: 6.8-9.1 ms against 4.8-5.0 on a Mixtral-shaped layer.) Widening both sides instead made the kernel
+// the down rows run on the same dots, two at a time. (Reducing 16 rows' partial sums together, as
+// rows_linear once did, made this 40% slower: 6.8-9.1 ms against 4.8-5.0 on a Mixtral-shaped layer.) Widening both sides instead made the kernel
 // compute-bound at 2 or more tokens an expert (a Mixtral-shaped expert at 8 tokens: 3.8 ms of
 // which the widened down projection took twice the gate/up's time).
 // act16: [kBlock, inter] bf16 scratch.
