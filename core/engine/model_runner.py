@@ -130,11 +130,12 @@ class ModelRunner:
         # recorded here at all, never on enforce_eager, so eager and recorded runs schedule the
         # same steps; recurrent layers scan a chunk, so their steps are recorded one row a request
         # and chunks are not capped.
-        recordable = self._recordable() is None
+        recordable = self._can_record()
         self.graph_chunk_tokens = (
             caps.graph_chunk_tokens if recordable and not self.state_layers else 0
         )
-        self.decode_graphs = self._decode_graphs()
+        eager = self.config.model.enforce_eager or not recordable
+        self.decode_graphs = None if eager else self._decode_graphs()
         # Set by a speculative method that drafts from the target's hidden states (EAGLE): each
         # step then keeps every row's hidden state (or the layer inputs the model was asked to
         # keep, see set_aux_hidden_state_layers) for the engine to hand on; such steps run eagerly.
@@ -146,26 +147,22 @@ class ModelRunner:
         self.draft_trees: dict[str, Any] = {}
         self.tree_rows: dict[str, int] = {}
 
-    def _recordable(self) -> str | None:
-        """Why steps cannot be recorded here whatever enforce_eager says; None: they can."""
+    def _can_record(self) -> bool:
+        """Whether steps can be recorded here at all, whatever enforce_eager says."""
         platform = get_current_platform()
         if not platform.capabilities.graphs:
-            return "the platform records no step graphs"
+            return False
         if self.config.parallel.world_size > 1:
             # A recorded step replays its kernels, not the collectives between ranks (gloo's run
             # outside any graph), and every rank would have to replay in lockstep: run eagerly.
-            return "several ranks"
+            return False
         if type(platform).capture_step_graph is Platform.capture_step_graph:
-            return "the capability is declared, the recorder not (yet) implemented"
-        if not hasattr(self.model, "embed_input_ids"):
-            return "the model cannot start a step from embeddings"
-        return None
+            return False  # the capability is declared, the recorder not (yet) implemented
+        return hasattr(self.model, "embed_input_ids")  # a step starts from embeddings
 
-    def _decode_graphs(self) -> DecodeGraphs | None:
-        """Graphs for pure-decode steps where the platform records them and the model can start
-        from embeddings (see :mod:`llmhal.engine.decode_graphs`); None: every step runs eagerly."""
-        if self.config.model.enforce_eager or self._recordable() is not None:
-            return None
+    def _decode_graphs(self) -> DecodeGraphs:
+        """Graphs for the steps the platform records (see :mod:`llmhal.engine.decode_graphs`);
+        built only where :meth:`_can_record` and enforce_eager is off."""
         hf = self.config.model.hf_config
         # Recurrent layers: the graphs carry each request's state slot (see decode_graphs); the
         # engine hands the runner its state cache after this.
