@@ -240,7 +240,6 @@ class FusedMoE(nn.Module):
         self._op: Callable[..., torch.Tensor] | None = None
         # The shared experts' part of the call in progress, for run_op (see forward).
         self._shared: dict[str, torch.Tensor | None] = {}
-        self._shared_used = False  # whether run_op handed _shared to the op (see forward)
 
     def _rank_part(self, inner: Callable[..., None]) -> Callable[..., None]:
         """Cut an expert checkpoint tensor to this rank's slice of the intermediate dimension."""
@@ -309,7 +308,7 @@ class FusedMoE(nn.Module):
         """``fused_moe`` with this layer's routing (for quantization methods' ``apply``), plus the
         shared experts' output :meth:`forward` hands the op (see there)."""
         op = self._resolve_op(w13)
-        self._shared_used = bool(self._shared)
+        shared, self._shared = self._shared, {}  # handed on once (forward sees it was taken)
         return op(
             x,
             w13,
@@ -320,7 +319,7 @@ class FusedMoE(nn.Module):
             activation=self.activation,
             **self.routing,
             **scales,
-            **self._shared,
+            **shared,
         )
 
     def forward(
@@ -346,14 +345,13 @@ class FusedMoE(nn.Module):
         )  # fmt: skip
         if fuse:
             self._shared = {"shared_output": shared_output, "shared_gate": shared_gate}
-        self._shared_used = False
         try:
             out = self.quant_method.apply(self, x, router_logits)
+            # A method whose apply runs a kernel of its own (an out-of-tree one) never handed the
+            # shared part on through run_op: add it below rather than lose it.
+            fuse = fuse and not self._shared
         finally:
             self._shared = {}
-        # A method whose apply runs a kernel of its own (an out-of-tree one) never handed the
-        # shared part on: add it here rather than lose it.
-        fuse = fuse and self._shared_used
         if self.tp_size > 1:
             from llmhal.distributed.parallel_state import get_tp_group
 
