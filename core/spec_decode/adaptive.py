@@ -75,14 +75,16 @@ class StepCosts:
     def known(self, batch: int, verified: bool) -> bool:
         return len(self.samples.get((batch, verified), ())) >= 3
 
-    def ratio(self, batch: int, drafts: int | None = None) -> float | None:
+    def ratio(self, batch: int, drafts: int | None = None, pooled: bool = True) -> float | None:
         """A verification step's cost in decode steps at ``batch`` requests (of ``drafts``-token
-        drafts where at least 3 such steps were timed, else of any); None until both kinds were
-        seen (at least 3 each)."""
+        drafts where at least 3 such steps were timed, else of any, or None where not
+        ``pooled``); None until both kinds were seen (at least 3 each)."""
         if not (self.known(batch, True) and self.known(batch, False)):
             return None
         spec = self.by_drafts.get((batch, drafts), ()) if drafts else ()
         if len(spec) < 3:
+            if not pooled:
+                return None
             spec = self.samples[(batch, True)]
         return statistics.median(spec) / statistics.median(self.samples[(batch, False)])
 
@@ -174,9 +176,7 @@ class AdaptiveSwitch:
         can pay then, so there is no window to wait for: a few such drafts cost 4-9% of an open
         chat's speed before, where the text-dependent rules need a window per request and two
         requests' stops to carry over."""
-        if not (self.when_slower and drafts and len(self.costs.by_drafts.get((batch, drafts), ())) >= 3):  # fmt: skip
-            return False
-        ratio = self.costs.ratio(batch, drafts)
+        ratio = self.costs.ratio(batch, drafts, pooled=False) if self.when_slower and drafts else None  # fmt: skip
         return ratio is not None and ratio >= drafts + 1
 
     def _pays(self, state: _RequestState, batch: int) -> bool:
