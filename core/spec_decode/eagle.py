@@ -35,7 +35,13 @@ import torch
 import torch.nn.functional as F
 
 from llmhal.spec_decode.proposer import DraftRequest, Proposer
-from llmhal.spec_decode.tree_verify import DraftTree, TreeDraft, check_tree_ranks, parse_token_tree
+from llmhal.spec_decode.tree_verify import (
+    DraftTree,
+    TreeDraft,
+    check_tree_depth,
+    check_tree_ranks,
+    parse_token_tree,
+)
 
 # vLLM's key for a draft tree's shape (rank paths), taken by EAGLE and EAGLE-3.
 TREE_KEY = "speculative_token_tree"
@@ -209,14 +215,8 @@ class HeadProposer(Proposer):
                 "head's checkpoint (config.json and .safetensors, as published)"
             )
         paths = cls._tree_paths(config.extra)
-        depth = max(map(len, paths)) if paths else 0
-        if depth > config.num_speculative_tokens:
-            raise ValueError(
-                f"speculative_config[{TREE_KEY!r}] is {depth} deep, more than "
-                f"num_speculative_tokens={config.num_speculative_tokens}; raise "
-                f"num_speculative_tokens to {depth} (or leave it out: a tree's depth is its "
-                "default) or give shorter paths"
-            )
+        if paths:
+            check_tree_depth(paths, config.num_speculative_tokens, TREE_KEY)
 
     @classmethod
     def num_speculative_tokens_from(cls, raw: dict[str, Any]) -> int | None:

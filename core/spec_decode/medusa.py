@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from llmhal.spec_decode.proposer import DraftRequest, Proposer
-from llmhal.spec_decode.tree_verify import DraftTree, TreeDraft, check_tree_ranks
+from llmhal.spec_decode.tree_verify import DraftTree, TreeDraft, check_tree_depth, check_tree_ranks
 
 
 class ResidualBlock(nn.Module):
@@ -97,13 +97,7 @@ class MedusaProposer(Proposer):
                     "speculative_config['medusa_choices'] is a list of paths of top-k ranks, "
                     "e.g. [[0], [1], [0, 0], [0, 1]]"
                 )
-            depth = max(len(p) for p in choices)
-            if depth > config.num_speculative_tokens:
-                raise ValueError(
-                    f"speculative_config['medusa_choices'] is {depth} deep, more than "
-                    f"num_speculative_tokens={config.num_speculative_tokens}; raise it or use "
-                    "shorter paths"
-                )
+            check_tree_depth([tuple(p) for p in choices], config.num_speculative_tokens, "medusa_choices")  # fmt: skip
 
     def __init__(self, config: Any, engine_config: Any) -> None:
         super().__init__(config, engine_config)

@@ -167,6 +167,17 @@ def parse_token_tree(value: Any, key: str) -> list[tuple[int, ...]]:
     return paths
 
 
+def check_tree_depth(paths: list[tuple[int, ...]], num_speculative_tokens: int, key: str) -> None:
+    """Refuse a tree deeper than ``num_speculative_tokens``; ValueError naming ``key``."""
+    depth = max(map(len, paths))
+    if depth > num_speculative_tokens:
+        raise ValueError(
+            f"speculative_config[{key!r}] is {depth} deep, more than "
+            f"num_speculative_tokens={num_speculative_tokens}; raise num_speculative_tokens to "
+            f"{depth} (or leave it out where a tree's depth is its default) or give shorter paths"
+        )
+
+
 def check_tree_ranks(paths: list[tuple[int, ...]], vocab: int, key: str, where: str) -> None:
     """Refuse a tree whose ranks reach past the ``vocab`` tokens the drafter chooses from (its
     top-k would fail at the first proposal, mid-serving); ValueError naming ``key``."""
