@@ -280,6 +280,28 @@ def test_large_bf16_experts_stay_within_bf16_rounding():
     assert float((got.double() - ref).abs().max() / ref.abs().max()) < 2**-7
 
 
+def test_busy_large_bf16_experts_prefetch_within_bounds():
+    """8 tokens on the same two Mixtral-sized experts, the last ones of the stacked tensors: the
+    blocks of 3 or more tokens prefetch their rows 8 KiB ahead (moe_experts.cpp), past the end of
+    the weights at the last rows (a prefetch cannot fault), with the same sums as the float64
+    reference within bf16 rounding."""
+    from llmhal_cpu.kernels import moe_experts
+
+    if moe_experts.LIBRARY.get() is None:
+        pytest.skip(f"native kernel unavailable: {moe_experts.LIBRARY.status}")
+    g = torch.Generator().manual_seed(9)
+    h, inter, experts = 1024, 1024, 3
+    x = torch.randn(8, h, generator=g).bfloat16()
+    w13 = (torch.randn(experts, 2 * inter, h, generator=g) * 0.03).bfloat16()
+    w2 = (torch.randn(experts, h, inter, generator=g) * 0.03).bfloat16()
+    ids = torch.tensor([[2, 1]] * 8)
+    weights = torch.rand(8, 2, generator=g)
+    got = moe_experts.moe_experts(x, weights, ids, w13, w2)
+    ref = _float64_reference(x, weights, ids, w13, w2)
+    assert got is not None
+    assert float((got.double() - ref).abs().max() / ref.abs().max()) < 2**-7
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gated", [False, True])
 def test_shared_experts_are_added_in_the_same_call(dtype, gated):

@@ -105,9 +105,10 @@ inline void dots(const T* w, const float* const* x, int n, int64_t len, float* o
 // time, so each activation load serves two dots: one row at a time, the loads bound the loop.
 // acc0[j] / acc1[j] get 16 partial sums each (reduce them with reduce16 or
 // _mm512_reduce_add_ps); a tail shorter than 32 is read with masked loads (zeros add nothing).
-// ahead > 0: each pass also prefetches both weight streams that many bytes ahead (rows_linear.cpp;
-// a prefetch past the end of a matrix touches nothing and cannot fault).
-template <int N>
+// ahead > 0: each pass also prefetches both weight streams that many bytes ahead, with hint Hint
+// (rows_linear.cpp: _MM_HINT_T0; moe_experts.cpp: _MM_HINT_T2, into L2 only); a prefetch past the
+// end of a matrix touches nothing and cannot fault.
+template <int N, int Hint = _MM_HINT_T0>
 inline void dots2_bf16_fixed(const uint16_t* w0, const uint16_t* w1, const uint16_t* const* x,
                              int64_t len, __m512* acc0, __m512* acc1, int64_t ahead = 0) {
   __m512 a0[N], a1[N];
@@ -115,8 +116,8 @@ inline void dots2_bf16_fixed(const uint16_t* w0, const uint16_t* w1, const uint1
   int64_t d = 0;
   for (; d + 32 <= len; d += 32) {
     if (ahead) {
-      _mm_prefetch(reinterpret_cast<const char*>(w0 + d) + ahead, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w1 + d) + ahead, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w0 + d) + ahead, (_mm_hint)Hint);
+      _mm_prefetch(reinterpret_cast<const char*>(w1 + d) + ahead, (_mm_hint)Hint);
     }
     const __m512bh a = (__m512bh)_mm512_loadu_si512(w0 + d);
     const __m512bh b = (__m512bh)_mm512_loadu_si512(w1 + d);
@@ -143,25 +144,27 @@ inline void dots2_bf16_fixed(const uint16_t* w0, const uint16_t* w1, const uint1
 }
 
 // The same for n (1 <= n <= kRowBlock) rows.
+template <int Hint = _MM_HINT_T0>
 inline void dots2_bf16_acc(const uint16_t* w0, const uint16_t* w1, const uint16_t* const* x,
                            int n, int64_t len, __m512* acc0, __m512* acc1, int64_t ahead = 0) {
   switch (n) {
-    case 1: return dots2_bf16_fixed<1>(w0, w1, x, len, acc0, acc1, ahead);
-    case 2: return dots2_bf16_fixed<2>(w0, w1, x, len, acc0, acc1, ahead);
-    case 3: return dots2_bf16_fixed<3>(w0, w1, x, len, acc0, acc1, ahead);
-    case 4: return dots2_bf16_fixed<4>(w0, w1, x, len, acc0, acc1, ahead);
-    case 5: return dots2_bf16_fixed<5>(w0, w1, x, len, acc0, acc1, ahead);
-    case 6: return dots2_bf16_fixed<6>(w0, w1, x, len, acc0, acc1, ahead);
-    case 7: return dots2_bf16_fixed<7>(w0, w1, x, len, acc0, acc1, ahead);
-    default: return dots2_bf16_fixed<kRowBlock>(w0, w1, x, len, acc0, acc1, ahead);
+    case 1: return dots2_bf16_fixed<1, Hint>(w0, w1, x, len, acc0, acc1, ahead);
+    case 2: return dots2_bf16_fixed<2, Hint>(w0, w1, x, len, acc0, acc1, ahead);
+    case 3: return dots2_bf16_fixed<3, Hint>(w0, w1, x, len, acc0, acc1, ahead);
+    case 4: return dots2_bf16_fixed<4, Hint>(w0, w1, x, len, acc0, acc1, ahead);
+    case 5: return dots2_bf16_fixed<5, Hint>(w0, w1, x, len, acc0, acc1, ahead);
+    case 6: return dots2_bf16_fixed<6, Hint>(w0, w1, x, len, acc0, acc1, ahead);
+    case 7: return dots2_bf16_fixed<7, Hint>(w0, w1, x, len, acc0, acc1, ahead);
+    default: return dots2_bf16_fixed<kRowBlock, Hint>(w0, w1, x, len, acc0, acc1, ahead);
   }
 }
 
 // The dots themselves: out0[j] = w0 . x[j], out1[j] = w1 . x[j].
+template <int Hint = _MM_HINT_T0>
 inline void dots2_bf16(const uint16_t* w0, const uint16_t* w1, const uint16_t* const* x, int n,
-                       int64_t len, float* out0, float* out1) {
+                       int64_t len, float* out0, float* out1, int64_t ahead = 0) {
   __m512 acc0[kRowBlock], acc1[kRowBlock];
-  dots2_bf16_acc(w0, w1, x, n, len, acc0, acc1);
+  dots2_bf16_acc<Hint>(w0, w1, x, n, len, acc0, acc1, ahead);
   for (int j = 0; j < n; ++j) {
     out0[j] = _mm512_reduce_add_ps(acc0[j]);
     out1[j] = _mm512_reduce_add_ps(acc1[j]);
