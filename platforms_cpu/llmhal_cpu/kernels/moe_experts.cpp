@@ -61,8 +61,8 @@ constexpr int64_t kMinBf16Dots = 1 << 20;
 // enough that the hardware prefetcher alone leaves the memory idle between them: one thread on a
 // Mixtral-shaped layer streamed 11-12 GB/s at 8 tokens an expert without, 18-20 with (a plain
 // loop over 184 MB); a whole layer at 8 tokens (7.1 experts touched, 1-8 tokens each) ran
-// 1.02-1.08x faster over 8 interleaved runs. Fewer tokens gained nothing and 1-2 lost up to
-// 20% (the prefetches cost more than they hide), so they keep the hardware's.
+// 1.03-1.08x faster in each of 10 interleaved runs (docs/moe.md). Prefetching for blocks of 1-2
+// tokens too lost up to 20% at one token (the prefetches cost more than they hide).
 constexpr int kPrefetchRows = 3;
 constexpr int64_t kPrefetchAhead = 8192;
 
