@@ -106,8 +106,8 @@ inline void dots(const T* w, const float* const* x, int n, int64_t len, float* o
 // acc0[j] / acc1[j] get 16 partial sums each (reduce them with reduce16 or
 // _mm512_reduce_add_ps); a tail shorter than 32 is read with masked loads (zeros add nothing).
 // ahead > 0: each pass also prefetches both weight streams that many bytes ahead, with hint Hint
-// (rows_linear.cpp: _MM_HINT_T0; moe_experts.cpp: _MM_HINT_T2, into L2 only); a prefetch past the
-// end of a matrix touches nothing and cannot fault.
+// (rows_linear.cpp and moe_experts.cpp use _MM_HINT_T2: into L2 only, where it pays; see there); a
+// prefetch past the end of a matrix touches nothing and cannot fault.
 template <int N, int Hint = _MM_HINT_T0>
 inline void dots2_bf16_fixed(const uint16_t* w0, const uint16_t* w1, const uint16_t* const* x,
                              int64_t len, __m512* acc0, __m512* acc1, int64_t ahead = 0) {

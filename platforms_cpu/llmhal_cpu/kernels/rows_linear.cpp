@@ -34,8 +34,12 @@ using llmhal_cpu::widen_rows;
 // Below this many weight elements a call runs on one thread.
 constexpr int64_t kMinParallel = 1 << 16;
 #if defined(__AVX512BF16__)
-// How far ahead of each weight stream the bf16 dots prefetch (bytes; 1-4 KiB measured alike).
-constexpr int64_t kPrefetchAhead = 2048;
+// How far ahead of each weight stream the bf16 dots prefetch (bytes), into L2 only (prefetcht2).
+// Prefetching into L1 2 KiB ahead was no faster than none; into L2 8 KiB ahead, a cold [1536,
+// 1024] + [1024, 1024] pair (16 of them, caches flushed between) read at 1.23-1.25x the rate at 1
+// token and 1.51-1.58x at 4-8 (8 tokens: 10 -> 16 GB/s, one thread); [768, 512] + [1536, 512]
+// 1.29x and 1.45-1.66x. 16 KiB measured alike.
+constexpr int64_t kPrefetchAhead = 8192;
 #endif
 
 inline float bias_at(const void* bias, int bias_bf16, int64_t r) {
@@ -74,7 +78,8 @@ void linear(const float* x, int64_t t, int64_t k, const T* w, int64_t n, const v
 // bf16 x bf16 on AVX512-BF16 dots (dot_rows.h), 16 output rows a group: their per-token partial
 // sums are reduced together (reduce16) and stored as one vector. Two groups a pass, p and
 // p + half, their rows read in pairs (row r of each): two weight streams half the matrix apart,
-// each prefetched kPrefetchAhead bytes ahead, instead of one stream (rows r and r + 1 of one group).
+// each prefetched kPrefetchAhead bytes ahead into L2, instead of one stream (rows r and r + 1 of one
+// group).
 // At 8 tokens with cold weights (a decode step's: the model is larger than the L3) one thread read
 // 5-6.5 GB/s before, 8-11.5 now ([1536, 512]: 244 -> 150 us); each row's sum is the same, bit for
 // bit (its dots and its reduction are unchanged, only the order of the rows).
@@ -109,8 +114,8 @@ void linear_bf16(const uint16_t* x, int64_t x_s, int64_t t, int64_t k, const uin
           continue;
         }
         const uint16_t* w0 = w + (r0[0] + r) * k;
-        dots2_bf16_acc(w0, b ? w + (r0[1] + r) * k : w0, xs, m, k, acc[0][r], acc[1][r],
-                       kPrefetchAhead);
+        dots2_bf16_acc<_MM_HINT_T2>(w0, b ? w + (r0[1] + r) * k : w0, xs, m, k, acc[0][r],
+                                    acc[1][r], kPrefetchAhead);
         if (!b)
           for (int j = 0; j < m; ++j) acc[1][r][j] = _mm512_setzero_ps();
       }
