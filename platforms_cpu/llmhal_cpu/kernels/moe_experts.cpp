@@ -16,7 +16,9 @@
 // Weights are float32, bfloat16 (widened to float32 in registers) or int8 with one float32 scale
 // per output row (experts_int8); activations and logits float32 or bfloat16 (widened here).
 // Intermediates stay float32 (torch's bf16 path rounds gate/up and the activation to bf16: this
-// is closer to the float32 result); the output is rounded once to the activations' dtype.
+// is closer to the float32 result), except on the bf16 dots (bf16 weights and activations on
+// AVX512-BF16 hosts: expert_block_bf16), which round silu(gate) * up to bf16 as torch does; the
+// output is rounded once to the activations' dtype.
 //
 // Rows of a projection are split over the caller's OpenMP team when there is enough work; the
 // team size is always the caller's (num_threads(threads)) and serial runs go through if(), for
@@ -54,15 +56,19 @@ enum Scoring : int32_t { kGiven = -1, kSoftmax = 0, kSigmoid = 1 };
 constexpr int kBlock = kRowBlock;
 // Below this many weight elements in an expert's gate/up projection a call runs on one thread.
 constexpr int64_t kMinParallel = 1 << 15;
-// From this many weights in an expert's down projection, bf16 x bf16 experts use bf16 dots.
-constexpr int64_t kMinBf16Dots = 1 << 20;
-// An expert block of at least kPrefetchRows tokens on the bf16 dots prefetches its weight rows
-// kPrefetchAhead bytes ahead into L2 (prefetcht2). With 3 or more tokens the dots take long
-// enough that the hardware prefetcher alone leaves the memory idle between them: one thread on a
-// Mixtral-shaped layer streamed 11-12 GB/s at 8 tokens an expert without, 18-20 with (a plain
-// loop over 184 MB); a whole layer at 8 tokens (7.1 experts touched, 1-8 tokens each) ran
-// 1.03-1.08x faster in each of 10 interleaved runs (docs/moe.md). Prefetching for blocks of 1-2
-// tokens too lost up to 20% at one token (the prefetches cost more than they hide).
+// From this many weights in an expert's down projection an expert is large (Mixtral's: h 1024,
+// inter 2816), for the prefetch rule below.
+constexpr int64_t kLargeExpert = 1 << 20;
+// Expert blocks on the bf16 dots prefetch their weight rows kPrefetchAhead bytes ahead into L2
+// (prefetcht2): a small expert's always, a large expert's from kPrefetchRows tokens. With 3 or
+// more tokens the dots take long enough that the hardware prefetcher alone leaves the memory idle
+// between them: one thread on a Mixtral-shaped layer streamed 11-12 GB/s at 8 tokens an expert
+// without, 18-20 with (a plain loop over 184 MB); a whole layer at 8 tokens (7.1 experts touched,
+// 1-8 tokens each) ran 1.03-1.08x faster in each of 10 interleaved runs (docs/moe.md), while
+// prefetching for its blocks of 1-2 tokens too lost up to 20% at one token. A small expert's
+// short rows (DeepSeek-V2-Lite's 384 x 512) give the hardware prefetcher little to go on: there
+// prefetching every block was the fastest (0.85-0.87 ms a layer at 8 tokens, against 0.87-0.93
+// from 2 tokens and 1.19-1.25 from 3).
 constexpr int kPrefetchRows = 3;
 constexpr int64_t kPrefetchAhead = 8192;
 
@@ -162,7 +168,8 @@ void expert_block_bf16(const Layer& L, int64_t e, const int64_t* rows, const flo
     xs[j] = L.x16 + rows[j] * L.x16_s;
     as[j] = act16 + j * inter;
   }
-  const int64_t ahead = n >= kPrefetchRows ? kPrefetchAhead : 0;
+  const bool large = h * inter >= kLargeExpert;
+  const int64_t ahead = !large || n >= kPrefetchRows ? kPrefetchAhead : 0;
   gate_up(inter, n,
           [&](int64_t r, float* g, float* u) {
             dots2_bf16<_MM_HINT_T2>(w13 + r * h, w13 + (inter + r) * h, xs, n, h, g, u, ahead);
@@ -388,10 +395,11 @@ int llmhal_moe_call(const void* p) {
     acc.resize(t * a.h);
     out = acc.data();
   }
-  // The bf16 dots won on Mixtral-shaped experts (h 1024, inter 2816; 8 tokens: 4.7-5.0 ms a
-  // layer against 6.8 widened) and not on DeepSeek-V2-Lite-like small ones (h 512, inter 384:
-  // 0.75-0.95 against 0.7-0.8 ms, both reading memory at ~20 GB/s), so large experts only.
-  const bool bf16_dots = a.x_bf16 && a.wtype == kBF16 && a.h * a.inter >= kMinBf16Dots;
+  // bf16 experts with bf16 activations run on the bf16 dots: on Mixtral-shaped experts (h 1024,
+  // inter 2816; 8 tokens) 4.7-5.0 ms a layer against 6.8 widened. On DeepSeek-V2-Lite-like small
+  // ones (h 512, inter 384) they lost (0.75-0.95 against 0.7-0.8 ms) until they prefetched:
+  // then 1.6-1.9x faster than the widened path in interleaved runs (5 cold layers, 8 tokens).
+  const bool bf16_dots = a.x_bf16 && a.wtype == kBF16;
   const Layer L{x.data(), a.w13, a.w2, a.s13, a.s2, out, a.h, a.inter, a.threads,
                 bf16_dots ? static_cast<const uint16_t*>(a.x) : nullptr, a.x_s};
   switch (a.wtype) {
