@@ -280,11 +280,12 @@ def test_large_bf16_experts_stay_within_bf16_rounding():
     assert float((got.double() - ref).abs().max() / ref.abs().max()) < 2**-7
 
 
-def test_busy_large_bf16_experts_prefetch_within_bounds():
-    """8 tokens on the same two Mixtral-sized experts, the last ones of the stacked tensors: the
-    blocks of 3 or more tokens prefetch their rows 8 KiB ahead (moe_experts.cpp), past the end of
-    the weights at the last rows (a prefetch cannot fault), with the same sums as the float64
-    reference within bf16 rounding."""
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.int8])
+def test_busy_large_experts_prefetch_within_bounds(wdtype):
+    """8 tokens on the same two Mixtral-sized experts, the last ones of the stacked tensors: their
+    rows are prefetched 8 KiB ahead (moe_experts.cpp: bf16 blocks of 3 or more tokens, large
+    widened experts always), past the end of the weights at the last rows (a prefetch cannot
+    fault), with the same sums as the float64 reference within bf16 rounding."""
     from llmhal_cpu.kernels import moe_experts
 
     if moe_experts.LIBRARY.get() is None:
@@ -292,12 +293,19 @@ def test_busy_large_bf16_experts_prefetch_within_bounds():
     g = torch.Generator().manual_seed(9)
     h, inter, experts = 1024, 1024, 3
     x = torch.randn(8, h, generator=g).bfloat16()
-    w13 = (torch.randn(experts, 2 * inter, h, generator=g) * 0.03).bfloat16()
-    w2 = (torch.randn(experts, h, inter, generator=g) * 0.03).bfloat16()
+    w13 = torch.randn(experts, 2 * inter, h, generator=g) * 0.03
+    w2 = torch.randn(experts, h, inter, generator=g) * 0.03
+    s13 = s2 = None
+    if wdtype == torch.int8:  # experts_int8's layout: one float32 scale per output row
+        s13, s2 = w13.abs().amax(-1) / 127, w2.abs().amax(-1) / 127
+        w13 = (w13 / s13[..., None]).round().to(torch.int8)
+        w2 = (w2 / s2[..., None]).round().to(torch.int8)
+    else:
+        w13, w2 = w13.bfloat16(), w2.bfloat16()
     ids = torch.tensor([[2, 1]] * 8)
     weights = torch.rand(8, 2, generator=g)
-    got = moe_experts.moe_experts(x, weights, ids, w13, w2)
-    ref = _float64_reference(x, weights, ids, w13, w2)
+    got = moe_experts.moe_experts(x, weights, ids, w13, w2, s13, s2)
+    ref = _float64_reference(x, weights, ids, w13, w2, s13, s2)
     assert got is not None
     assert float((got.double() - ref).abs().max() / ref.abs().max()) < 2**-7
 

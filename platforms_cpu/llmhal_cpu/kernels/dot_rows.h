@@ -67,12 +67,15 @@ inline float scalar_w(uint16_t v) {
 }
 inline float scalar_w(int8_t v) { return static_cast<float>(v); }
 
-// dots[j] = w . x[j] for the N rows x[j] of length len.
+// dots[j] = w . x[j] for the N rows x[j] of length len; ahead > 0: each pass also prefetches the
+// weight row that many bytes ahead into L2 (moe_experts.cpp; a prefetch cannot fault).
 template <typename T, int N>
-inline void dots_fixed(const T* w, const float* const* x, int64_t len, float* dots) {
+inline void dots_fixed(const T* w, const float* const* x, int64_t len, float* dots,
+                       int64_t ahead = 0) {
   vf acc[N] = {};
   int64_t d = 0;
   for (; d + W <= len; d += W) {
+    if (ahead) __builtin_prefetch(reinterpret_cast<const char*>(w + d) + ahead, 0, 1);  // to L2
     const vf wv = load_w(w + d);
     for (int j = 0; j < N; ++j) acc[j] += wv * vload(x[j] + d);
   }
@@ -85,16 +88,17 @@ inline void dots_fixed(const T* w, const float* const* x, int64_t len, float* do
 
 // The same for n (1 <= n <= kRowBlock) rows.
 template <typename T>
-inline void dots(const T* w, const float* const* x, int n, int64_t len, float* out) {
+inline void dots(const T* w, const float* const* x, int n, int64_t len, float* out,
+                 int64_t ahead = 0) {
   switch (n) {
-    case 1: return dots_fixed<T, 1>(w, x, len, out);
-    case 2: return dots_fixed<T, 2>(w, x, len, out);
-    case 3: return dots_fixed<T, 3>(w, x, len, out);
-    case 4: return dots_fixed<T, 4>(w, x, len, out);
-    case 5: return dots_fixed<T, 5>(w, x, len, out);
-    case 6: return dots_fixed<T, 6>(w, x, len, out);
-    case 7: return dots_fixed<T, 7>(w, x, len, out);
-    default: return dots_fixed<T, kRowBlock>(w, x, len, out);
+    case 1: return dots_fixed<T, 1>(w, x, len, out, ahead);
+    case 2: return dots_fixed<T, 2>(w, x, len, out, ahead);
+    case 3: return dots_fixed<T, 3>(w, x, len, out, ahead);
+    case 4: return dots_fixed<T, 4>(w, x, len, out, ahead);
+    case 5: return dots_fixed<T, 5>(w, x, len, out, ahead);
+    case 6: return dots_fixed<T, 6>(w, x, len, out, ahead);
+    case 7: return dots_fixed<T, 7>(w, x, len, out, ahead);
+    default: return dots_fixed<T, kRowBlock>(w, x, len, out, ahead);
   }
 }
 
