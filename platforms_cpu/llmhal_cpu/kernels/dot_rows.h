@@ -112,8 +112,27 @@ inline void dots(const T* w, const float* const* x, int n, int64_t len, float* o
 // ahead > 0: each pass also prefetches both weight streams that many bytes ahead, with hint Hint
 // (rows_linear.cpp and moe_experts.cpp use _MM_HINT_T2: into L2 only, where it pays; see there); a
 // prefetch past the end of a matrix touches nothing and cannot fault.
-template <int N, int Hint = _MM_HINT_T0>
-inline void dots2_bf16_fixed(const uint16_t* w0, const uint16_t* w1, const uint16_t* const* x,
+//
+// Weights may also be int8 (experts_int8's rows): converted to bf16 in registers (exactly: every
+// int8 is a bf16), the caller applying the row scale to the sums.
+inline __m512bh i8_to_bf16(__m256i q) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh load_bh(const int8_t* p) {
+  return i8_to_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512bh load_bh_tail(const uint16_t* p, __mmask32 m) {
+  return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
+}
+inline __m512bh load_bh_tail(const int8_t* p, __mmask32 m) {
+  return i8_to_bf16(_mm256_maskz_loadu_epi8(m, p));
+}
+
+template <int N, int Hint = _MM_HINT_T0, typename Wt = uint16_t>
+inline void dots2_bf16_fixed(const Wt* w0, const Wt* w1, const uint16_t* const* x,
                              int64_t len, __m512* acc0, __m512* acc1, int64_t ahead = 0) {
   __m512 a0[N], a1[N];
   for (int j = 0; j < N; ++j) a0[j] = a1[j] = _mm512_setzero_ps();
@@ -123,8 +142,8 @@ inline void dots2_bf16_fixed(const uint16_t* w0, const uint16_t* w1, const uint1
       _mm_prefetch(reinterpret_cast<const char*>(w0 + d) + ahead, (_mm_hint)Hint);
       _mm_prefetch(reinterpret_cast<const char*>(w1 + d) + ahead, (_mm_hint)Hint);
     }
-    const __m512bh a = (__m512bh)_mm512_loadu_si512(w0 + d);
-    const __m512bh b = (__m512bh)_mm512_loadu_si512(w1 + d);
+    const __m512bh a = load_bh(w0 + d);
+    const __m512bh b = load_bh(w1 + d);
     for (int j = 0; j < N; ++j) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[j] + d);
       a0[j] = _mm512_dpbf16_ps(a0[j], a, xv);
@@ -133,8 +152,8 @@ inline void dots2_bf16_fixed(const uint16_t* w0, const uint16_t* w1, const uint1
   }
   if (d < len) {
     const __mmask32 m = static_cast<__mmask32>((1ull << (len - d)) - 1);
-    const __m512bh a = (__m512bh)_mm512_maskz_loadu_epi16(m, w0 + d);
-    const __m512bh b = (__m512bh)_mm512_maskz_loadu_epi16(m, w1 + d);
+    const __m512bh a = load_bh_tail(w0 + d, m);
+    const __m512bh b = load_bh_tail(w1 + d, m);
     for (int j = 0; j < N; ++j) {
       const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x[j] + d);
       a0[j] = _mm512_dpbf16_ps(a0[j], a, xv);
@@ -148,27 +167,27 @@ inline void dots2_bf16_fixed(const uint16_t* w0, const uint16_t* w1, const uint1
 }
 
 // The same for n (1 <= n <= kRowBlock) rows.
-template <int Hint = _MM_HINT_T0>
-inline void dots2_bf16_acc(const uint16_t* w0, const uint16_t* w1, const uint16_t* const* x,
+template <int Hint = _MM_HINT_T0, typename Wt = uint16_t>
+inline void dots2_bf16_acc(const Wt* w0, const Wt* w1, const uint16_t* const* x,
                            int n, int64_t len, __m512* acc0, __m512* acc1, int64_t ahead = 0) {
   switch (n) {
-    case 1: return dots2_bf16_fixed<1, Hint>(w0, w1, x, len, acc0, acc1, ahead);
-    case 2: return dots2_bf16_fixed<2, Hint>(w0, w1, x, len, acc0, acc1, ahead);
-    case 3: return dots2_bf16_fixed<3, Hint>(w0, w1, x, len, acc0, acc1, ahead);
-    case 4: return dots2_bf16_fixed<4, Hint>(w0, w1, x, len, acc0, acc1, ahead);
-    case 5: return dots2_bf16_fixed<5, Hint>(w0, w1, x, len, acc0, acc1, ahead);
-    case 6: return dots2_bf16_fixed<6, Hint>(w0, w1, x, len, acc0, acc1, ahead);
-    case 7: return dots2_bf16_fixed<7, Hint>(w0, w1, x, len, acc0, acc1, ahead);
-    default: return dots2_bf16_fixed<kRowBlock, Hint>(w0, w1, x, len, acc0, acc1, ahead);
+    case 1: return dots2_bf16_fixed<1, Hint, Wt>(w0, w1, x, len, acc0, acc1, ahead);
+    case 2: return dots2_bf16_fixed<2, Hint, Wt>(w0, w1, x, len, acc0, acc1, ahead);
+    case 3: return dots2_bf16_fixed<3, Hint, Wt>(w0, w1, x, len, acc0, acc1, ahead);
+    case 4: return dots2_bf16_fixed<4, Hint, Wt>(w0, w1, x, len, acc0, acc1, ahead);
+    case 5: return dots2_bf16_fixed<5, Hint, Wt>(w0, w1, x, len, acc0, acc1, ahead);
+    case 6: return dots2_bf16_fixed<6, Hint, Wt>(w0, w1, x, len, acc0, acc1, ahead);
+    case 7: return dots2_bf16_fixed<7, Hint, Wt>(w0, w1, x, len, acc0, acc1, ahead);
+    default: return dots2_bf16_fixed<kRowBlock, Hint, Wt>(w0, w1, x, len, acc0, acc1, ahead);
   }
 }
 
 // The dots themselves: out0[j] = w0 . x[j], out1[j] = w1 . x[j].
-template <int Hint = _MM_HINT_T0>
-inline void dots2_bf16(const uint16_t* w0, const uint16_t* w1, const uint16_t* const* x, int n,
+template <int Hint = _MM_HINT_T0, typename Wt = uint16_t>
+inline void dots2_bf16(const Wt* w0, const Wt* w1, const uint16_t* const* x, int n,
                        int64_t len, float* out0, float* out1, int64_t ahead = 0) {
   __m512 acc0[kRowBlock], acc1[kRowBlock];
-  dots2_bf16_acc<Hint>(w0, w1, x, n, len, acc0, acc1, ahead);
+  dots2_bf16_acc<Hint, Wt>(w0, w1, x, n, len, acc0, acc1, ahead);
   for (int j = 0; j < n; ++j) {
     out0[j] = _mm512_reduce_add_ps(acc0[j]);
     out1[j] = _mm512_reduce_add_ps(acc1[j]);

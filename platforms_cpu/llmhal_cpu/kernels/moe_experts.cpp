@@ -128,9 +128,10 @@ void expert_block_widened(const Layer& L, int64_t e, const int64_t* rows, const 
     as[j] = act + j * inter;
   }
   // Large experts prefetch their rows into L2 here at any token count: these rows are widened in
-  // registers, which keeps even one token's dots busy enough to leave memory idle (Mixtral-shaped
-  // int8 experts, 16 cold layers: 1.18-1.34x at 8 tokens, 0.98-1.01x at one; DeepSeek-shaped
-  // small ones 0.95-1.10x, so not them).
+  // registers, which keeps even one token's dots busy enough to leave memory idle (measured on
+  // int8 experts with bf16 activations, before they moved to the bf16 dots: Mixtral-shaped, 16
+  // cold layers, 1.18-1.34x at 8 tokens, 0.98-1.01x at one; DeepSeek-shaped small ones
+  // 0.95-1.10x, so not them).
   const int64_t ahead = h * inter >= kLargeExpert ? kPrefetchAhead : 0;
   gate_up(inter, n,
           [&](int64_t r, float* g, float* u) {
@@ -161,23 +162,39 @@ void expert_block_widened(const Layer& L, int64_t e, const int64_t* rows, const 
 // rows_linear once did, made this 40% slower: 6.8-9.1 ms against 4.8-5.0 on a Mixtral-shaped layer.) Widening both sides instead made the kernel
 // compute-bound at 2 or more tokens an expert (a Mixtral-shaped expert at 8 tokens: 3.8 ms of
 // which the widened down projection took twice the gate/up's time).
+// int8 weights (experts_int8) with bf16 activations run here too, converted to bf16 in registers
+// (exactly) and their row scales applied to the sums: half the bytes of bf16 and a dot
+// instruction per 32 weights, where the widened path spent a conversion and a float32 FMA per
+// 16. A Mixtral-shaped int8 layer (16 cold layers alternated with the widened path) ran 1.40x
+// faster at 8 tokens, 1.29x at 4 and 1.11x at 1; DeepSeek-shaped 1.36x at 8, 1.02x at 1.
 // act16: [kBlock, inter] bf16 scratch.
+template <typename Wt>
 void expert_block_bf16(const Layer& L, int64_t e, const int64_t* rows, const float* wts, int n,
                        uint16_t* act16) {
   const int64_t h = L.h, inter = L.inter;
-  const uint16_t* w13 = static_cast<const uint16_t*>(L.w13) + e * 2 * inter * h;
-  const uint16_t* w2 = static_cast<const uint16_t*>(L.w2) + e * h * inter;
+  const Wt* w13 = static_cast<const Wt*>(L.w13) + e * 2 * inter * h;
+  const Wt* w2 = static_cast<const Wt*>(L.w2) + e * h * inter;
+  const float* s13 = L.s13 ? L.s13 + e * 2 * inter : nullptr;
+  const float* s2 = L.s2 ? L.s2 + e * h : nullptr;
   const uint16_t* xs[kBlock];
   const uint16_t* as[kBlock];
   for (int j = 0; j < n; ++j) {
     xs[j] = L.x16 + rows[j] * L.x16_s;
     as[j] = act16 + j * inter;
   }
-  const bool large = h * inter >= kLargeExpert;
-  const int64_t ahead = !large || n >= kPrefetchRows ? kPrefetchAhead : 0;
+  // int8 rows (half the bytes, and a conversion per load) prefetch at any token count: 1.00-1.04x
+  // against the large-bf16 rule at 1, 2 and 8 tokens.
+  const bool large = h * inter >= kLargeExpert, int8 = std::is_same_v<Wt, int8_t>;
+  const int64_t ahead = !large || int8 || n >= kPrefetchRows ? kPrefetchAhead : 0;
   gate_up(inter, n,
           [&](int64_t r, float* g, float* u) {
             dots2_bf16<_MM_HINT_T2>(w13 + r * h, w13 + (inter + r) * h, xs, n, h, g, u, ahead);
+            if (s13) {
+              for (int j = 0; j < n; ++j) {
+                g[j] *= s13[r];
+                u[j] *= s13[inter + r];
+              }
+            }
           },
           [&](int j, int64_t r0, int64_t lanes, vf a) {
             for (int64_t l = 0; l < lanes; ++l) act16[j * inter + r0 + l] = f32_to_bf16_bits(a[l]);
@@ -193,6 +210,12 @@ void expert_block_bf16(const Layer& L, int64_t e, const int64_t* rows, const flo
     float d0[kBlock], d1[kBlock];
     dots2_bf16<_MM_HINT_T2>(w2 + r * inter, w2 + (two ? r1 : r) * inter, as, n, inter, d0, d1,
                             ahead);
+    if (s2) {
+      for (int j = 0; j < n; ++j) {
+        d0[j] *= s2[r];
+        d1[j] *= s2[two ? r1 : r];
+      }
+    }
     for (int j = 0; j < n; ++j) {
       L.out[rows[j] * h + r] += d0[j] * wts[j];
       if (two) L.out[rows[j] * h + r1] += d1[j] * wts[j];
@@ -226,9 +249,9 @@ void run(const Layer& L, const int64_t* ids, const float* weights, int64_t t, in
     for (int64_t b = start[e]; b < start[e + 1]; b += kBlock) {
       const int n = static_cast<int>(std::min<int64_t>(kBlock, start[e + 1] - b));
 #if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, uint16_t>) {
+      if constexpr (std::is_same_v<T, uint16_t> || std::is_same_v<T, int8_t>) {
         if (L.x16) {
-          expert_block_bf16(L, e, rows.data() + b, wts.data() + b, n, act16.data());
+          expert_block_bf16<T>(L, e, rows.data() + b, wts.data() + b, n, act16.data());
           continue;
         }
       }
@@ -400,11 +423,12 @@ int llmhal_moe_call(const void* p) {
     acc.resize(t * a.h);
     out = acc.data();
   }
-  // bf16 experts with bf16 activations run on the bf16 dots: on Mixtral-shaped experts (h 1024,
+  // bf16 and int8 experts with bf16 activations run on the bf16 dots (int8: see
+  // expert_block_bf16). bf16 ones: on Mixtral-shaped experts (h 1024,
   // inter 2816; 8 tokens) 4.7-5.0 ms a layer against 6.8 widened. On DeepSeek-V2-Lite-like small
   // ones (h 512, inter 384) they lost (0.75-0.95 against 0.7-0.8 ms) until they prefetched:
   // then 1.6-1.9x faster than the widened path in interleaved runs (5 cold layers, 8 tokens).
-  const bool bf16_dots = a.x_bf16 && a.wtype == kBF16;
+  const bool bf16_dots = a.x_bf16 && (a.wtype == kBF16 || a.wtype == kI8);
   const Layer L{x.data(), a.w13, a.w2, a.s13, a.s2, out, a.h, a.inter, a.threads,
                 bf16_dots ? static_cast<const uint16_t*>(a.x) : nullptr, a.x_s};
   switch (a.wtype) {
