@@ -45,14 +45,16 @@
 #include <immintrin.h>
 #endif
 
+#include "dot_rows.h"
 #include "float_bits.h"
 #include "simd_math.h"
 
 namespace {
 
-using llmhal_cpu::bf16_bits_to_f32;
 using llmhal_cpu::f32_to_bf16_bits;
 using llmhal_cpu::hsum;
+using llmhal_cpu::load_w;  // float32 or bf16 (widened) vectors, dot_rows.h
+using llmhal_cpu::scalar_w;
 using llmhal_cpu::vf;
 using llmhal_cpu::vload;
 using llmhal_cpu::vstore;
@@ -70,21 +72,6 @@ constexpr int kChunk = 32;
 // pair rows are one contiguous run that the absorption and W_UV product stream through.
 constexpr int64_t kPackTile = 64;
 
-typedef uint16_t vu16 __attribute__((vector_size(W * sizeof(uint16_t))));
-typedef uint32_t vu32 __attribute__((vector_size(W * sizeof(uint32_t))));
-
-inline vf load(const float* p) { return vload(p); }
-// bfloat16 is the high half of a float32: widen and shift.
-inline vf load(const uint16_t* p) {
-  vu16 h;
-  std::memcpy(&h, p, sizeof h);
-  const vu32 u = __builtin_convertvector(h, vu32) << 16;
-  vf f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline float scalar(float v) { return v; }
-inline float scalar(uint16_t v) { return bf16_bits_to_f32(v); }
 inline void store(float* p, float v) { *p = v; }
 inline void store(uint16_t* p, float v) { *p = f32_to_bf16_bits(v); }
 
@@ -92,8 +79,8 @@ inline void store(uint16_t* p, float v) { *p = f32_to_bf16_bits(v); }
 template <typename T>
 void widen(const T* src, float* dst, int64_t n) {
   int64_t i = 0;
-  for (; i + W <= n; i += W) vstore(dst + i, load(src + i));
-  for (; i < n; ++i) dst[i] = scalar(src[i]);
+  for (; i + W <= n; i += W) vstore(dst + i, load_w(src + i));
+  for (; i < n; ++i) dst[i] = scalar_w(src[i]);
 }
 
 inline void scale_in_place(float a, float* y, int64_t n) {
@@ -117,9 +104,9 @@ inline void mm_tile(const TA* a, int64_t a_r, int64_t a_k, int64_t kk, const TB*
     for (int v = 0; v < TV; ++v) acc[r][v] = vload(c + r * c_r + v * W);
   for (int64_t k = 0; k < kk; ++k) {
     vf bv[TV];
-    for (int v = 0; v < TV; ++v) bv[v] = load(b + k * b_k + v * W);
+    for (int v = 0; v < TV; ++v) bv[v] = load_w(b + k * b_k + v * W);
     for (int r = 0; r < RB; ++r) {
-      const vf av = vf{} + scalar(a[r * a_r + k * a_k]);
+      const vf av = vf{} + scalar_w(a[r * a_r + k * a_k]);
       for (int v = 0; v < TV; ++v) acc[r][v] += av * bv[v];
     }
   }
@@ -137,7 +124,8 @@ inline void mm_rows(const TA* a, int64_t a_r, int64_t a_k, int64_t kk, const TB*
   for (; j < n; ++j)
     for (int r = 0; r < RB; ++r) {
       float s = 0.f;
-      for (int64_t k = 0; k < kk; ++k) s += scalar(a[r * a_r + k * a_k]) * scalar(b[k * b_k + j]);
+      for (int64_t k = 0; k < kk; ++k)
+        s += scalar_w(a[r * a_r + k * a_k]) * scalar_w(b[k * b_k + j]);
       c[r * c_r + j] += s;
     }
 }
@@ -167,14 +155,14 @@ inline void dot_tile(const float* a, int64_t a_r, const TB* b, int64_t b_r, int6
     vf av[RA];
     for (int i = 0; i < RA; ++i) av[i] = vload(a + i * a_r + k);
     for (int j = 0; j < RB; ++j) {
-      const vf bv = load(b + j * b_r + k);
+      const vf bv = load_w(b + j * b_r + k);
       for (int i = 0; i < RA; ++i) acc[i][j] += av[i] * bv;
     }
   }
   for (int i = 0; i < RA; ++i)
     for (int j = 0; j < RB; ++j) {
       float s = hsum(acc[i][j]);
-      for (int64_t e = k; e < kk; ++e) s += a[i * a_r + e] * scalar(b[j * b_r + e]);
+      for (int64_t e = k; e < kk; ++e) s += a[i * a_r + e] * scalar_w(b[j * b_r + e]);
       out[i * o_r + j] = s * scale;
     }
 }
@@ -235,25 +223,6 @@ constexpr bool kBf16Dots = true;
 
 inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 
-// The lane sums of v[0, 16) as one vector (lane n: v[n]'s sum): pairs interleaved and added
-// within 128-bit lanes, then quads, then the 128-bit lanes folded.
-inline __m512 sum16(const __m512* v) {
-  __m512 w[8], x[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3)
-    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the partial sums of v[4i .. 4i + 3]
-    x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  // Fold the four 128-bit lanes of each x: x0 and x1 into lanes pairs, then all four.
-  const __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(z01, z23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 // out[i][j] = scale * a[i] . b_row(j) over kk bf16 values, bf16 rows on both sides; b_row(j)
 // is row j's address (strided rows, or rows gathered from the cache's blocks).
 template <int RA, int RB, typename BRow>
@@ -275,11 +244,11 @@ inline void dot_tile_bf16(const uint16_t* a, int64_t a_r, BRow b_row, int64_t kk
     // The 16 sums at once (lane 4i + j of the result: acc[i][j]'s), 48 shuffles and adds for
     // what 16 separate reductions take ~110: these were ~8% of a V3-shaped batch-8 call.
     float sums[16];
-    _mm512_storeu_ps(sums, sum16(&acc[0][0]));
+    _mm512_storeu_ps(sums, llmhal_cpu::reduce16(&acc[0][0]));
     for (int i = 0; i < 4; ++i)
       for (int j = 0; j < 4; ++j) {
         float s = sums[4 * i + j];
-        for (int64_t e = k; e < kk; ++e) s += scalar(a[i * a_r + e]) * scalar(b_row(j)[e]);
+        for (int64_t e = k; e < kk; ++e) s += scalar_w(a[i * a_r + e]) * scalar_w(b_row(j)[e]);
         out[i * o_r + j] = s * scale;
       }
     return;
@@ -287,7 +256,7 @@ inline void dot_tile_bf16(const uint16_t* a, int64_t a_r, BRow b_row, int64_t kk
   for (int i = 0; i < RA; ++i)
     for (int j = 0; j < RB; ++j) {
       float s = _mm512_reduce_add_ps(acc[i][j]);
-      for (int64_t e = k; e < kk; ++e) s += scalar(a[i * a_r + e]) * scalar(b_row(j)[e]);
+      for (int64_t e = k; e < kk; ++e) s += scalar_w(a[i * a_r + e]) * scalar_w(b_row(j)[e]);
       out[i * o_r + j] = s * scale;
     }
 }
@@ -368,8 +337,8 @@ inline void pair_tile(const uint32_t* p, int64_t p_r, int64_t np, const uint32_t
 }
 
 inline float pair_dot(uint32_t a, uint32_t b) {
-  return scalar(static_cast<uint16_t>(a)) * scalar(static_cast<uint16_t>(b)) +
-         scalar(static_cast<uint16_t>(a >> 16)) * scalar(static_cast<uint16_t>(b >> 16));
+  return scalar_w(static_cast<uint16_t>(a)) * scalar_w(static_cast<uint16_t>(b)) +
+         scalar_w(static_cast<uint16_t>(a >> 16)) * scalar_w(static_cast<uint16_t>(b >> 16));
 }
 
 template <int RB>
