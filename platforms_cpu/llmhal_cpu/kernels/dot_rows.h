@@ -103,18 +103,9 @@ inline void dots(const T* w, const float* const* x, int n, int64_t len, float* o
 }
 
 #if defined(__AVX512BF16__)
-// Two bfloat16 weight rows (w0, w1: the same row twice for one) against N bfloat16 rows x[j]
-// with AVX512-BF16's dot instruction: 32 products an instruction, twice the widened float32
-// FMAs, and no widening of the weights (oneDNN's bf16 GEMM uses it too). Two weight rows at a
-// time, so each activation load serves two dots: one row at a time, the loads bound the loop.
-// acc0[j] / acc1[j] get 16 partial sums each (reduce them with reduce16 or
-// _mm512_reduce_add_ps); a tail shorter than 32 is read with masked loads (zeros add nothing).
-// ahead > 0: each pass also prefetches both weight streams that many bytes ahead, with hint Hint
-// (rows_linear.cpp and moe_experts.cpp use _MM_HINT_T2: into L2 only, where it pays; see there); a
-// prefetch past the end of a matrix touches nothing and cannot fault.
-//
-// Weights may also be int8 (experts_int8's rows): converted to bf16 in registers (exactly: every
-// int8 is a bf16), the caller applying the row scale to the sums.
+// bf16 weight vectors for the dot instruction: bf16 rows as they are, int8 rows (experts_int8's)
+// converted in registers (exactly: every int8 is a bf16; the caller applies the row scale to the
+// sums). The tail forms load only the values m selects (the rest read as zeros).
 inline __m512bh i8_to_bf16(__m256i q) {
   const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
   const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
@@ -131,6 +122,16 @@ inline __m512bh load_bh_tail(const int8_t* p, __mmask32 m) {
   return i8_to_bf16(_mm256_maskz_loadu_epi8(m, p));
 }
 
+// Two bfloat16 weight rows (w0, w1: the same row twice for one) against N bfloat16 rows x[j]
+// with AVX512-BF16's dot instruction: 32 products an instruction, twice the widened float32
+// FMAs, and no widening of the weights (oneDNN's bf16 GEMM uses it too). Two weight rows at a
+// time, so each activation load serves two dots: one row at a time, the loads bound the loop.
+// acc0[j] / acc1[j] get 16 partial sums each (reduce them with reduce16 or
+// _mm512_reduce_add_ps); a tail shorter than 32 is read with masked loads (zeros add nothing).
+// ahead > 0: each pass also prefetches both weight streams that many bytes ahead, with hint Hint
+// (rows_linear.cpp and moe_experts.cpp use _MM_HINT_T2: into L2 only, where it pays; see there); a
+// prefetch past the end of a matrix touches nothing and cannot fault. Weight rows are bf16 or
+// int8 (load_bh).
 template <int N, int Hint = _MM_HINT_T0, typename Wt = uint16_t>
 inline void dots2_bf16_fixed(const Wt* w0, const Wt* w1, const uint16_t* const* x,
                              int64_t len, __m512* acc0, __m512* acc1, int64_t ahead = 0) {

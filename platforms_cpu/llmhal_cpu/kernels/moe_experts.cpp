@@ -16,9 +16,9 @@
 // Weights are float32, bfloat16 (widened to float32 in registers) or int8 with one float32 scale
 // per output row (experts_int8); activations and logits float32 or bfloat16 (widened here).
 // Intermediates stay float32 (torch's bf16 path rounds gate/up and the activation to bf16: this
-// is closer to the float32 result), except on the bf16 dots (bf16 weights and activations on
-// AVX512-BF16 hosts: expert_block_bf16), which round silu(gate) * up to bf16 as torch does; the
-// output is rounded once to the activations' dtype.
+// is closer to the float32 result), except on the bf16 dots (bf16 or int8 weights with bf16
+// activations on AVX512-BF16 hosts: expert_block_bf16), which round silu(gate) * up to bf16 as
+// torch does; the output is rounded once to the activations' dtype.
 //
 // Rows of a projection are split over the caller's OpenMP team when there is enough work; the
 // team size is always the caller's (num_threads(threads)) and serial runs go through if(), for
@@ -71,9 +71,14 @@ constexpr int64_t kLargeExpert = 1 << 20;
 // from 2 tokens and 1.19-1.25 from 3).
 constexpr int kPrefetchRows = 3;
 constexpr int64_t kPrefetchAhead = 8192;
+#if defined(__AVX512BF16__)
+constexpr bool kHaveBf16Dots = true;  // expert_block_bf16 is built
+#else
+constexpr bool kHaveBf16Dots = false;
+#endif
 
 struct Layer {
-  const float* x;  // [t, h] float32 (widened by llmhal_moe_call)
+  const float* x;  // [t, h] float32 (widened by llmhal_moe_call; empty on the bf16 dots)
   const void* w13;
   const void* w2;
   const float* s13;  // [e, 2i] int8 scales or null
@@ -159,9 +164,10 @@ void expert_block_widened(const Layer& L, int64_t e, const int64_t* rows, const 
 // The same for bfloat16 weights and activations on AVX512-BF16 dots (dot_rows.h): a gate row and
 // its up row in one pass, and silu(gate) * up rounded to bf16 (as torch's bf16 path rounds it) so
 // the down rows run on the same dots, two at a time. (Reducing 16 rows' partial sums together, as
-// rows_linear once did, made this 40% slower: 6.8-9.1 ms against 4.8-5.0 on a Mixtral-shaped layer.) Widening both sides instead made the kernel
-// compute-bound at 2 or more tokens an expert (a Mixtral-shaped expert at 8 tokens: 3.8 ms of
-// which the widened down projection took twice the gate/up's time).
+// rows_linear once did, made this 40% slower: 6.8-9.1 ms against 4.8-5.0 on a Mixtral-shaped
+// layer.) Widening both sides instead made the kernel compute-bound at 2 or more tokens an
+// expert (a Mixtral-shaped expert at 8 tokens: 3.8 ms of which the widened down projection took
+// twice the gate/up's time).
 // int8 weights (experts_int8) with bf16 activations run here too, converted to bf16 in registers
 // (exactly) and their row scales applied to the sums: half the bytes of bf16 and a dot
 // instruction per 32 weights, where the widened path spent a conversion and a float32 FMA per
@@ -238,7 +244,9 @@ void run(const Layer& L, const int64_t* ids, const float* weights, int64_t t, in
     rows[slot] = p / k;
     wts[slot] = weights[p];
   }
-  std::vector<float> act(kBlock * L.inter);
+  // Scratch for silu(gate) * up: bf16 on the bf16 dots (which every block takes when L.x16 is
+  // set), float32 on the widened path.
+  std::vector<float> act(L.x16 ? 0 : kBlock * L.inter);
   std::vector<uint16_t> act16(L.x16 ? kBlock * L.inter : 0);
   std::memset(L.out, 0, sizeof(float) * t * L.h);
   // One team for the whole layer (waking a team per expert cost more than a small expert's
@@ -415,20 +423,21 @@ int llmhal_moe_call(const void* p) {
   for (int64_t p2 = 0; p2 < t * k; ++p2) {
     if (a.ids[p2] < 0 || a.ids[p2] >= experts) return -1;
   }
-  std::vector<float> x(t * a.h);
-  widen_rows(a.x, a.x_s, a.x_bf16, t, a.h, x.data());
+  // bf16 and int8 experts with bf16 activations run on the bf16 dots (int8: see
+  // expert_block_bf16). bf16 ones: on Mixtral-shaped experts (h 1024, inter 2816; 8 tokens)
+  // 4.7-5.0 ms a layer against 6.8 widened. On DeepSeek-V2-Lite-like small ones (h 512, inter
+  // 384) they lost (0.75-0.95 against 0.7-0.8 ms) until they prefetched: then 1.6-1.9x faster
+  // than the widened path in interleaved runs (5 cold layers, 8 tokens). They read the bf16
+  // activations as given, so only the widened path needs them as float32.
+  const bool bf16_dots = kHaveBf16Dots && a.x_bf16 && (a.wtype == kBF16 || a.wtype == kI8);
+  std::vector<float> x(bf16_dots ? 0 : t * a.h);
+  if (!bf16_dots) widen_rows(a.x, a.x_s, a.x_bf16, t, a.h, x.data());
   std::vector<float> acc;
   float* out = static_cast<float*>(a.out);
   if (a.out_bf16) {
     acc.resize(t * a.h);
     out = acc.data();
   }
-  // bf16 and int8 experts with bf16 activations run on the bf16 dots (int8: see
-  // expert_block_bf16). bf16 ones: on Mixtral-shaped experts (h 1024,
-  // inter 2816; 8 tokens) 4.7-5.0 ms a layer against 6.8 widened. On DeepSeek-V2-Lite-like small
-  // ones (h 512, inter 384) they lost (0.75-0.95 against 0.7-0.8 ms) until they prefetched:
-  // then 1.6-1.9x faster than the widened path in interleaved runs (5 cold layers, 8 tokens).
-  const bool bf16_dots = a.x_bf16 && (a.wtype == kBF16 || a.wtype == kI8);
   const Layer L{x.data(), a.w13, a.w2, a.s13, a.s2, out, a.h, a.inter, a.threads,
                 bf16_dots ? static_cast<const uint16_t*>(a.x) : nullptr, a.x_s};
   switch (a.wtype) {

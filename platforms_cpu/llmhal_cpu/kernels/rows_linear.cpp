@@ -78,11 +78,11 @@ void linear(const float* x, int64_t t, int64_t k, const T* w, int64_t n, const v
 // bf16 x bf16 on AVX512-BF16 dots (dot_rows.h), 16 output rows a group: their per-token partial
 // sums are reduced together (reduce16) and stored as one vector. Two groups a pass, p and
 // p + half, their rows read in pairs (row r of each): two weight streams half the matrix apart,
-// each prefetched kPrefetchAhead bytes ahead into L2, instead of one stream (rows r and r + 1 of one
-// group).
-// At 8 tokens with cold weights (a decode step's: the model is larger than the L3) one thread read
-// 5-6.5 GB/s before, 8-11.5 now ([1536, 512]: 244 -> 150 us); each row's sum is the same, bit for
-// bit (its dots and its reduction are unchanged, only the order of the rows).
+// each prefetched kPrefetchAhead bytes ahead into L2, instead of one stream (rows r and r + 1 of
+// one group). At 8 tokens with cold weights (a decode step's: the model is larger than the L3) one
+// thread read 5-6.5 GB/s with one stream, 8-11.5 with two ([1536, 512]: 244 -> 150 us; before the
+// prefetch into L2, see kPrefetchAhead); each row's sum is the same, bit for bit (its dots and its
+// reduction are unchanged, only the order of the rows).
 void linear_bf16(const uint16_t* x, int64_t x_s, int64_t t, int64_t k, const uint16_t* w,
                  int64_t n, const void* bias, int bias_bf16, void* out, int out_bf16,
                  int threads) {
