@@ -29,7 +29,13 @@ import torch
 from torch import nn
 
 from llmhal.spec_decode.proposer import DraftRequest, Proposer
-from llmhal.spec_decode.tree_verify import DraftTree, TreeDraft, check_tree_depth, check_tree_ranks
+from llmhal.spec_decode.tree_verify import (
+    DraftTree,
+    TreeDraft,
+    check_tree_depth,
+    check_tree_ranks,
+    parse_token_tree,
+)
 
 
 class ResidualBlock(nn.Module):
@@ -86,18 +92,16 @@ class MedusaProposer(Proposer):
             raise ValueError(
                 "speculative_config method 'medusa' needs 'model': the folder of the Medusa heads"
             )
-        choices = config.extra.get("medusa_choices")
+        choices = cls._choices(config.extra)
         if choices is not None:
-            ok = isinstance(choices, list | tuple) and choices and all(
-                isinstance(p, list | tuple) and p and all(isinstance(r, int) and r >= 0 for r in p)
-                for p in choices
-            )  # fmt: skip
-            if not ok:
-                raise ValueError(
-                    "speculative_config['medusa_choices'] is a list of paths of top-k ranks, "
-                    "e.g. [[0], [1], [0, 0], [0, 1]]"
-                )
-            check_tree_depth([tuple(p) for p in choices], config.num_speculative_tokens, "medusa_choices")  # fmt: skip
+            check_tree_depth(choices, config.num_speculative_tokens, "medusa_choices")
+
+    @staticmethod
+    def _choices(extra: dict[str, Any]) -> list[tuple[int, ...]] | None:
+        """``medusa_choices`` checked as the EAGLE trees are (a list of rank paths, or a string
+        holding one), except that a path's prefixes need not be listed: Medusa adds them."""
+        value = extra.get("medusa_choices")
+        return None if value is None else parse_token_tree(value, "medusa_choices", prefix_closed=False)  # fmt: skip
 
     def __init__(self, config: Any, engine_config: Any) -> None:
         super().__init__(config, engine_config)
@@ -123,9 +127,9 @@ class MedusaProposer(Proposer):
         # A chain unless asked for a tree: tree steps go through tree_attn, whose float32 einsums
         # round differently from the platform's decode kernel, which in bf16 can flip a near-tie
         # (the default model drifted from plain decoding); the chain stays on the model's backend.
-        choices = config.extra.get("medusa_choices") or [(0,) * d for d in range(1, k + 1)]
+        choices = self._choices(config.extra) or [(0,) * d for d in range(1, k + 1)]
         vocab = engine_config.model.hf_config.vocab_size
-        check_tree_ranks([tuple(p) for p in choices], vocab, "medusa_choices", "each Medusa head")
+        check_tree_ranks(choices, vocab, "medusa_choices", "each Medusa head")
         self.tree, self.ranks = DraftTree.from_paths(choices)
         self.top_k = 1 + max(r for path in self.ranks for r in path)
         self.heads: MedusaHeads | None = None

@@ -127,11 +127,13 @@ class TreeDraft:
 _TREE_EXAMPLE = '"[(0,), (1,), (0, 0), (1, 0)]"'
 
 
-def parse_token_tree(value: Any, key: str) -> list[tuple[int, ...]]:
+def parse_token_tree(value: Any, key: str, prefix_closed: bool = True) -> list[tuple[int, ...]]:
     """A tree given as rank paths in the speculative config (vLLM's ``speculative_token_tree``: a
     string holding a Python list of tuples, or the list itself; JSON lists of lists too), checked:
     non-empty paths of ranks >= 0, none twice, every path's parent path given (prefix-closed, as
-    vLLM requires), at most ``MAX_SPEC_LEN`` nodes. ValueError naming ``key`` and the remedy."""
+    vLLM requires; ``prefix_closed=False`` for Medusa's ``medusa_choices``, whose paths stand for
+    their prefixes too), at most ``MAX_SPEC_LEN`` nodes. ValueError naming ``key`` and the
+    remedy."""
     import ast
 
     from llmhal.spec_decode.config import MAX_SPEC_LEN
@@ -159,11 +161,13 @@ def parse_token_tree(value: Any, key: str) -> list[tuple[int, ...]]:
     seen = set(paths)
     if len(seen) != len(paths):
         raise refuse("lists a path twice")
-    orphan = next((p for p in paths if len(p) > 1 and p[:-1] not in seen), None)
-    if orphan is not None:
-        raise refuse(f"lists {orphan} but not its parent {orphan[:-1]}")
-    if len(paths) > MAX_SPEC_LEN:
-        raise refuse(f"has {len(paths)} nodes, more than {MAX_SPEC_LEN}")
+    if prefix_closed:
+        orphan = next((p for p in paths if len(p) > 1 and p[:-1] not in seen), None)
+        if orphan is not None:
+            raise refuse(f"lists {orphan} but not its parent {orphan[:-1]}")
+    nodes = len({p[:d] for p in paths for d in range(1, len(p) + 1)})
+    if nodes > MAX_SPEC_LEN:
+        raise refuse(f"has {nodes} nodes, more than {MAX_SPEC_LEN}")
     return paths
 
 

@@ -6,6 +6,7 @@ accepted often; bad checkpoints are refused before anything runs."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -164,3 +165,32 @@ def test_heads_made_from_the_models_own_generations(new_llm, tmp_path, plain):
     assert info["original_lm_head"] and info["samples"] > 10
     spec = new_llm({"method": "medusa", "model": str(tmp_path / "heads"), "num_speculative_tokens": 3})  # fmt: skip
     assert _ids(spec.generate(PROMPTS, GREEDY)) == plain
+
+
+@pytest.mark.parametrize(
+    ("choices", "problem"),
+    [
+        ([[0, -1]], "not a non-empty path of ranks >= 0"),
+        ([[0], [True]], "not a non-empty path of ranks >= 0"),  # a bool is not a rank
+        ([[0], [0]], "lists a path twice"),
+        ("[(0,), (1,", "is not a Python or JSON literal"),
+        ([[r, 0] for r in range(65)], "has 130 nodes, more than 128"),  # prefixes count too
+        ([[0, 0, 0]], "3 deep, more than"),
+    ],
+)
+def test_medusa_choices_are_checked_like_eagle_trees(choices, problem):
+    """``medusa_choices`` goes through the tree parser EAGLE's ``speculative_token_tree`` uses (a
+    string of a list is accepted), except that a path's prefixes need not be listed; each refusal
+    names the key and the problem, before any checkpoint is read."""
+    from types import SimpleNamespace
+
+    from llmhal.spec_decode.medusa import MedusaProposer
+
+    def config(value):
+        extra = {"medusa_choices": value}
+        return SimpleNamespace(model="heads", num_speculative_tokens=2, extra=extra)
+
+    with pytest.raises(ValueError, match=rf"medusa_choices.*{re.escape(problem)}"):
+        MedusaProposer.check_config(config(choices))
+    MedusaProposer.check_config(config("[[0, 1], [1]]"))  # (0,) is implied by (0, 1)
+    assert MedusaProposer._choices({"medusa_choices": "[[0, 1], [1]]"}) == [(0, 1), (1,)]
