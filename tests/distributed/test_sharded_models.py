@@ -1,7 +1,8 @@
-"""Tiny Llama/Qwen models split over two ranks (gloo, spawned processes) give the logits and greedy
-tokens of the same model in one process: tensor parallel (heads, MLP and vocabulary split; KV heads
-replicated when fewer than ranks) and pipeline parallel (layers split in two stages, the hidden
-state and residual sent between them).
+"""Tiny Llama/Qwen/MoE/DeepSeek models split over two ranks (gloo, spawned processes) give the
+logits and greedy tokens of the same model in one process: tensor parallel (heads, MLP and
+vocabulary split; KV heads replicated when fewer than ranks; experts split along their
+intermediate size; DeepSeek's MLA replicated) and pipeline parallel (layers split in two stages,
+the hidden state and residual sent between them).
 
 Each run is one flattened prefill of several prompts then batched greedy decode steps over a paged
 KV cache, as the engine runs them (llmhal.testing.model_parity.PagedRunner).
@@ -38,6 +39,8 @@ class _Stage:
 
         pp = get_pp_group()
         self.tokens = positions.shape[0]
+        if pp.world_size == 1:  # models without pipeline stages take no intermediate_tensors
+            return self.model(ids, positions)
         previous = None if pp.is_first_rank else IntermediateTensors(pp.recv_tensor_dict())
         out = self.model(ids, positions, intermediate_tensors=previous)
         if not pp.is_last_rank:
@@ -133,6 +136,15 @@ MOE_INIT = {"initializer_range": 0.1}  # the router, not rounding, decides the e
 MOE_TP = ("Qwen2MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
           "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, **MOE_INIT})  # fmt: skip
 MOE_PP = ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, **MOE_INIT})
+# DeepSeek-V3 under TP: MLA replicated on every rank (its latent cache has no heads to split), the
+# routed experts split along their intermediate size, the shared expert and the first, dense
+# layer's MLP split as dense MLPs; grouped top-k with the bias correction.
+DEEPSEEK_TP = ("DeepseekV3ForCausalLM", {
+    "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 24, "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 8,
+    "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 4,
+    "topk_group": 2, "norm_topk_prob": True, "routed_scaling_factor": 1.5, **MOE_INIT})  # fmt: skip
 
 
 def _folders(tiny_models, models) -> list[str]:
@@ -162,6 +174,8 @@ def tp2(tiny_models, tmp_path_factory):
     folders = _folders(tiny_models, TP_MODELS) + [_moe_folder(tmp_path_factory, *MOE_TP)]
     folders.append(_gguf_file(tmp_path_factory))
     folders.append(folders[3] + "#experts_int8")  # the MoE model, experts quantized on load
+    deepseek = _moe_folder(tmp_path_factory, *DEEPSEEK_TP)
+    folders += [deepseek, deepseek + "#experts_int8"]
     return run_ranks(_rank_run, 2, 1, folders), _single_process(folders)
 
 
@@ -171,23 +185,24 @@ def pp2(tiny_models, tmp_path_factory):
     return run_ranks(_rank_run, 1, 2, folders), _single_process(folders)
 
 
-@pytest.mark.parametrize(
-    "index",
-    range(len(TP_MODELS) + 3),
-    ids=[
-        "qwen2_uneven_heads",
-        "qwen3",
-        "llama_untied_one_kv_head",
-        "qwen2_moe",
-        "llama_gguf_q8",
-        "qwen2_moe_experts_int8",
-    ],
-)
+TP_IDS = [
+    "qwen2_uneven_heads",
+    "qwen3",
+    "llama_untied_one_kv_head",
+    "qwen2_moe",
+    "llama_gguf_q8",
+    "qwen2_moe_experts_int8",
+    "deepseek_v3_mla",
+    "deepseek_v3_experts_int8",
+]
+
+
+@pytest.mark.parametrize("index", range(len(TP_IDS)), ids=TP_IDS)
 def test_tensor_parallel_two_ranks_equal_one_process(tp2, index):
     ranks, single = tp2
     # experts_int8 quantizes each rank's slice of the down projections with its own row scales:
     # the same greedy tokens, logits within int8 rounding of one process's (measured 2.6e-3).
-    atol = 1e-2 if index == len(TP_MODELS) + 2 else 2e-4
+    atol = 1e-2 if TP_IDS[index].endswith("experts_int8") else 2e-4
     for rank in ranks:  # every rank computes the full logits (all-gathered)
         _assert_same(rank[index], single[index], atol)
 
@@ -219,3 +234,18 @@ def test_a_stage_holds_only_its_layers(tiny_models):
     with pytest.raises(ValueError, match="at most 2 stages"):
         stage_layers(2, 0, 3)
     assert isinstance(PPMissingLayer(), torch.nn.Module)
+
+
+def test_pipeline_stages_of_a_model_without_them_are_refused_with_the_remedy(tmp_path_factory):
+    """DeepSeek's model is one stage (MLA and its experts are not built per stage): asking for two
+    stages is refused before a weight loads, naming what still applies."""
+    from llmhal.engine.builder import EngineArgs, resolve_engine_config
+    from llmhal.model_loader.source import resolve_source
+    from llmhal.platforms import get_current_platform
+
+    folder = _moe_folder(tmp_path_factory, *DEEPSEEK_TP)
+    args = EngineArgs(model=folder, dtype="float32", pipeline_parallel_size=2)
+    args.distributed_executor_backend = "mp"
+    refusal = r"DeepseekV3ForCausalLM does not split into pipeline stages; use pipeline_parallel_size=1 \(tensor parallelism"  # fmt: skip
+    with pytest.raises(ValueError, match=refusal):
+        resolve_engine_config(args, get_current_platform(), resolve_source(folder))
