@@ -39,7 +39,13 @@ from llmhal.attention.mla.common import MLAAttention, MLADims
 from llmhal.config import get_current_config
 from llmhal.layers.fused_moe import FusedMoE, RouterLinear
 from llmhal.layers.layernorm import RMSNorm
-from llmhal.layers.linear import ReplicatedLinear
+from llmhal.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    divide,
+    tp_rank_and_size,
+)
 from llmhal.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters
 from llmhal.layers.vocab_embedding import VocabEmbedding
 from llmhal.models.llama import LlamaDecoderLayer, LlamaMLP
@@ -102,11 +108,19 @@ def deepseek_rope(config: Any) -> RotaryEmbedding:
 
 
 class DeepseekMLA(nn.Module):
+    """Multi-head latent attention. Under tensor parallelism the heads are split as vLLM splits
+    them: each rank projects and attends with its ``num_heads / tp`` query heads (``q_proj`` /
+    ``q_b_proj`` and ``kv_b_proj`` split along their head-major outputs, ``o_proj`` along its
+    inputs, one all-reduce), while the latent projection and the latent cache, which have no heads,
+    are whole on every rank."""
+
     def __init__(self, config: Any, rotary: RotaryEmbedding, prefix: str) -> None:
         super().__init__()
         h = config.hidden_size
+        heads = config.num_attention_heads
+        _, tp = tp_rank_and_size()
         self.dims = d = MLADims(
-            config.num_attention_heads,
+            divide(heads, tp, f"{_join(prefix, 'num_attention_heads')}: attention heads"),
             config.qk_nope_head_dim,
             config.qk_rope_head_dim,
             config.v_head_dim,
@@ -114,28 +128,28 @@ class DeepseekMLA(nn.Module):
         )
         bias = bool(getattr(config, "attention_bias", False))
         self.q_lora_rank = getattr(config, "q_lora_rank", None)
-        q_out = d.num_heads * d.qk_head_dim
+        q_out = heads * d.qk_head_dim
         if self.q_lora_rank is None:
-            self.q_proj = ReplicatedLinear(h, q_out, prefix=_join(prefix, "q_proj"))
+            self.q_proj = ColumnParallelLinear(h, q_out, prefix=_join(prefix, "q_proj"))
         else:
             self.q_a_proj = ReplicatedLinear(
                 h, self.q_lora_rank, bias=bias, prefix=_join(prefix, "q_a_proj")
             )
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=LATENT_NORM_EPS)
-            self.q_b_proj = ReplicatedLinear(
+            self.q_b_proj = ColumnParallelLinear(
                 self.q_lora_rank, q_out, prefix=_join(prefix, "q_b_proj")
             )
         self.kv_a_proj_with_mqa = ReplicatedLinear(
             h, d.latent_size, bias=bias, prefix=_join(prefix, "kv_a_proj_with_mqa")
         )
         self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, eps=LATENT_NORM_EPS)
-        self.kv_b_proj = ReplicatedLinear(
+        self.kv_b_proj = ColumnParallelLinear(
             d.kv_lora_rank,
-            d.num_heads * (d.qk_nope_head_dim + d.v_head_dim),
+            heads * (d.qk_nope_head_dim + d.v_head_dim),
             prefix=_join(prefix, "kv_b_proj"),
         )
-        self.o_proj = ReplicatedLinear(
-            d.num_heads * d.v_head_dim, h, bias=bias, prefix=_join(prefix, "o_proj")
+        self.o_proj = RowParallelLinear(
+            heads * d.v_head_dim, h, bias=bias, prefix=_join(prefix, "o_proj")
         )
         self._rotary = (rotary,)  # shared by every layer: not a child here
         self.attn = MLAAttention(

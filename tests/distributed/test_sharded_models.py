@@ -1,8 +1,8 @@
 """Tiny Llama/Qwen/MoE/DeepSeek models split over two ranks (gloo, spawned processes) give the
 logits and greedy tokens of the same model in one process: tensor parallel (heads, MLP and
 vocabulary split; KV heads replicated when fewer than ranks; experts split along their
-intermediate size; DeepSeek's MLA replicated) and pipeline parallel (layers split in two stages,
-the hidden state and residual sent between them).
+intermediate size; DeepSeek's MLA split by head, its latent cache whole on each rank) and
+pipeline parallel (layers split in two stages, the hidden state and residual sent between them).
 
 Each run is one flattened prefill of several prompts then batched greedy decode steps over a paged
 KV cache, as the engine runs them (llmhal.testing.model_parity.PagedRunner).
@@ -136,9 +136,10 @@ MOE_INIT = {"initializer_range": 0.1}  # the router, not rounding, decides the e
 MOE_TP = ("Qwen2MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
           "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, **MOE_INIT})  # fmt: skip
 MOE_PP = ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, **MOE_INIT})
-# DeepSeek-V3 under TP: MLA replicated on every rank (its latent cache has no heads to split), the
-# routed experts split along their intermediate size, the shared expert and the first, dense
-# layer's MLP split as dense MLPs; grouped top-k with the bias correction.
+# DeepSeek-V3 under TP: MLA's heads split (q_b_proj, kv_b_proj by head, o_proj by its inputs; the
+# latent projection and cache whole on every rank), the routed experts split along their
+# intermediate size, the shared expert and the first, dense layer's MLP split as dense MLPs;
+# grouped top-k with the bias correction.
 DEEPSEEK_TP = ("DeepseekV3ForCausalLM", {
     "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
     "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 24, "kv_lora_rank": 32,
@@ -159,6 +160,22 @@ def _moe_folder(tmp_path_factory, arch: str, overrides: dict[str, Any]) -> str:
     return str(folder)
 
 
+def _deepseek_gguf(tmp_path_factory) -> str:
+    """DeepSeek-V2-Lite's layout (q_proj, no query LoRA; softmax top-k) as llama.cpp's newer
+    converter writes it (kv_b_proj split into attn_k_b / attn_v_b, Q8_0 matrices, Q4_0/Q8_0
+    experts), sized so that each rank's share of a Q8_0 matrix's inputs is whole blocks of 32."""
+    from llmhal.testing.model_parity import save_tiny_model, tiny_config
+    from tests.models.test_gguf_deepseek import write_deepseek_gguf
+
+    arch, kw = DEEPSEEK_TP
+    kw = {**kw, "q_lora_rank": None, "n_group": 1, "topk_group": 1, "intermediate_size": 128,
+          "moe_intermediate_size": 64}  # fmt: skip
+    folder = tmp_path_factory.mktemp("deepseek-gguf")
+    hf = save_tiny_model(tiny_config("DeepseekV2ForCausalLM", **kw), folder)
+    write_deepseek_gguf(hf, folder / "model.gguf", split_kv_b=True)
+    return str(folder / "model.gguf")
+
+
 def _gguf_file(tmp_path_factory) -> str:
     """A tiny Llama in GGUF, Q8_0 weights (32-weight blocks: each rank's o_proj and down_proj
     inputs are whole blocks) and a Q4_0 embedding table split by vocabulary rows."""
@@ -175,7 +192,7 @@ def tp2(tiny_models, tmp_path_factory):
     folders.append(_gguf_file(tmp_path_factory))
     folders.append(folders[3] + "#experts_int8")  # the MoE model, experts quantized on load
     deepseek = _moe_folder(tmp_path_factory, *DEEPSEEK_TP)
-    folders += [deepseek, deepseek + "#experts_int8"]
+    folders += [deepseek, deepseek + "#experts_int8", _deepseek_gguf(tmp_path_factory)]
     return run_ranks(_rank_run, 2, 1, folders), _single_process(folders)
 
 
@@ -194,6 +211,7 @@ TP_IDS = [
     "qwen2_moe_experts_int8",
     "deepseek_v3_mla",
     "deepseek_v3_experts_int8",
+    "deepseek_v2_gguf_q_proj",
 ]
 
 
@@ -237,8 +255,8 @@ def test_a_stage_holds_only_its_layers(tiny_models):
 
 
 def test_pipeline_stages_of_a_model_without_them_are_refused_with_the_remedy(tmp_path_factory):
-    """DeepSeek's model is one stage (MLA and its experts are not built per stage): asking for two
-    stages is refused before a weight loads, naming what still applies."""
+    """DeepSeek's model is one stage (its layers are not built per stage): asking for two stages is
+    refused before a weight loads, naming what still applies."""
     from llmhal.engine.builder import EngineArgs, resolve_engine_config
     from llmhal.model_loader.source import resolve_source
     from llmhal.platforms import get_current_platform
@@ -249,3 +267,18 @@ def test_pipeline_stages_of_a_model_without_them_are_refused_with_the_remedy(tmp
     refusal = r"DeepseekV3ForCausalLM does not split into pipeline stages; use pipeline_parallel_size=1 \(tensor parallelism"  # fmt: skip
     with pytest.raises(ValueError, match=refusal):
         resolve_engine_config(args, get_current_platform(), resolve_source(folder))
+
+
+def test_mla_heads_the_ranks_do_not_divide_are_refused(tmp_path_factory, monkeypatch):
+    """MLA splits by head: 4 heads over 3 ranks is refused while the model is built, naming the
+    layer and the remedy."""
+    import llmhal.layers.linear as linear
+    import llmhal.models.deepseek_v2 as deepseek
+    from llmhal.testing.model_parity import build_model
+
+    folder = _moe_folder(tmp_path_factory, *DEEPSEEK_TP)
+    for module in (linear, deepseek):  # the model file holds its own reference
+        monkeypatch.setattr(module, "tp_rank_and_size", lambda: (0, 3))
+    refusal = r"self_attn\.num_attention_heads: attention heads \(4\) does not split into 3 equal parts; use a tensor_parallel_size that divides it"  # fmt: skip
+    with pytest.raises(ValueError, match=refusal):
+        build_model(folder)
