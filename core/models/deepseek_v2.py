@@ -47,14 +47,11 @@ from llmhal.layers.linear import (
     tp_rank_and_size,
 )
 from llmhal.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters
-from llmhal.layers.vocab_embedding import VocabEmbedding
-from llmhal.models.llama import LlamaDecoderLayer, LlamaMLP
+from llmhal.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from llmhal.models.moe import _ExpertLoader
 from llmhal.models.utils import (
     StackedParam,
     load_weights_by_name,
-    offer_packed_mapping,
-    output_head,
     packed_mapping,
 )
 
@@ -240,61 +237,23 @@ class DeepseekDecoderLayer(LlamaDecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
-class DeepseekModel(nn.Module):
-    """One stage holding every layer: no pipeline parallelism (Llama's model has it)."""
+class DeepseekModel(LlamaModel):
+    """Llama's decoder stack (pipeline stages included) with DeepSeek's layers: MLA, and routed
+    plus shared experts after the first ``first_k_dense_replace`` dense layers."""
 
-    def __init__(self, config: Any, prefix: str = "") -> None:
-        super().__init__()
-        self.embed_tokens = VocabEmbedding(
-            config.vocab_size, config.hidden_size, prefix=_join(prefix, "embed_tokens")
-        )
-        self.rotary_emb = deepseek_rope(config)
-        self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(config, self.rotary_emb, i, _join(prefix, f"layers.{i}"))
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    def make_rotary(self, config: Any) -> nn.Module:
+        return deepseek_rope(config)
 
-    def forward(
-        self, ids: torch.Tensor | None, positions: torch.Tensor, embeds: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        hidden = self.embed_tokens(ids) if embeds is None else embeds
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+    def make_layer(self, config: Any, layer_idx: int, prefix: str) -> nn.Module:
+        return DeepseekDecoderLayer(config, self.rotary_emb, layer_idx, prefix)
 
 
-class DeepseekV2ForCausalLM(nn.Module):
-    """DeepSeek-V2 (and, as :class:`DeepseekV3ForCausalLM`, V3): the engine's model interface
-    (see :mod:`llmhal.models.llama`)."""
+class DeepseekV2ForCausalLM(LlamaForCausalLM):
+    """DeepSeek-V2 (and, as :class:`DeepseekV3ForCausalLM`, V3): Llama's model interface and
+    pipeline stages (see :mod:`llmhal.models.llama`) over :class:`DeepseekModel`."""
 
+    model_cls = DeepseekModel
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = packed_mapping(DEEPSEEK_STACKED)
-
-    def __init__(self, hf_config: Any, prefix: str = "") -> None:
-        super().__init__()
-        self.config = hf_config
-        offer_packed_mapping(self.packed_modules_mapping)
-        self.model = DeepseekModel(hf_config, prefix=_join(prefix, "model"))
-        self.tie_word_embeddings, self.lm_head = output_head(
-            hf_config, self.model.embed_tokens, _join(prefix, "lm_head")
-        )
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head.logits(hidden)
-        return logits if logits.dtype == torch.float32 else logits.float()
 
     def _rename(self, name: str) -> str | None:
         m = re.match(r"model\.layers\.(\d+)\.", name)
@@ -305,11 +264,14 @@ class DeepseekV2ForCausalLM(nn.Module):
         )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        ignored = ("lm_head.",) if self.tie_word_embeddings else ()
+        ignored = ("lm_head.",) if self.lm_head is self.model.embed_tokens else ()
         renamed = ((new, t) for n, t in weights if (new := self._rename(n)) is not None)
         experts = _ExpertLoader(self)
         loaded = load_weights_by_name(
-            self, experts.split(renamed), stacked=DEEPSEEK_STACKED, ignored_prefixes=ignored
+            self,
+            experts.split(self._stage_weights(renamed)),
+            stacked=DEEPSEEK_STACKED,
+            ignored_prefixes=ignored,
         )
         return loaded | experts.finish()
 

@@ -190,16 +190,10 @@ class LlamaModel(nn.Module):
             )
         else:
             self.embed_tokens = PPMissingLayer()
-        head_dim = getattr(config, "head_dim", None) or (
-            config.hidden_size // config.num_attention_heads
-        )
-        # The table covers what the engine serves (max_model_len), not the model's whole context.
-        max_len = get_current_config().model.max_model_len
-        self.rotary_emb = get_rope_from_hf_config(config, head_dim, max_position=max_len or None)
+        self.layer_options = layer_options
+        self.rotary_emb = self.make_rotary(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(
-                config, self.rotary_emb, layer_options(config, i), _join(prefix, f"layers.{i}")
-            )
+            self.make_layer(config, i, _join(prefix, f"layers.{i}"))
             if self.start_layer <= i < self.end_layer
             else PPMissingLayer()
             for i in range(config.num_hidden_layers)
@@ -212,6 +206,22 @@ class LlamaModel(nn.Module):
         # speculative heads that draft from the target's inner layers (EAGLE-3).
         self.aux_hidden_state_layers: tuple[int, ...] = ()
         self.aux_hidden_states: list[Tensor] = []
+
+    def make_rotary(self, config: Any) -> nn.Module:
+        """The rotary embedding every layer shares (a model with another attention overrides
+        this and :meth:`make_layer`, and keeps the stages and the forward)."""
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads
+        )
+        # The table covers what the engine serves (max_model_len), not the model's whole context.
+        max_len = get_current_config().model.max_model_len
+        return get_rope_from_hf_config(config, head_dim, max_position=max_len or None)
+
+    def make_layer(self, config: Any, layer_idx: int, prefix: str) -> nn.Module:
+        """Decoder layer ``layer_idx`` (built only on the stage that runs it)."""
+        return LlamaDecoderLayer(
+            config, self.rotary_emb, self.layer_options(config, layer_idx), prefix
+        )
 
     def forward(
         self,
@@ -260,6 +270,8 @@ class LlamaForCausalLM(nn.Module):
     supports_sliding_window: ClassVar[bool] = False
     # Splits into pipeline stages (forward takes and returns IntermediateTensors).
     supports_pp: ClassVar[bool] = True
+    # The decoder stack (a subclass with another layer kind gives its own LlamaModel subclass).
+    model_cls: ClassVar[type[LlamaModel]] = LlamaModel
 
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = packed_mapping(LLAMA_STACKED)
 
@@ -267,7 +279,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = hf_config
         offer_packed_mapping(self.packed_modules_mapping)
-        self.model = LlamaModel(hf_config, self.layer_options, prefix=_join(prefix, "model"))
+        self.model = self.model_cls(hf_config, self.layer_options, prefix=_join(prefix, "model"))
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if not self.model.is_last_stage:
             self.lm_head = PPMissingLayer()

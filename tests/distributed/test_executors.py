@@ -115,10 +115,13 @@ def test_fp8_checkpoint_tp2_equals_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_deepseek_mla_tp2_equals_one_process(tmp_path):
-    """DeepSeek-V3 (MLA split by head, its latent cache whole on each rank; routed and shared
-    experts split) through the engine's mp executor. float32: in bf16 a rank's partial sums round
-    apart from the whole sum, which on random weights flips near-tied greedy choices."""
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2), (2, 2)])
+def test_deepseek_mla_tp_and_pp_equal_one_process(tmp_path, tp, pp):
+    """DeepSeek-V3 through the engine's mp executor: two tensor-parallel ranks (MLA split by head,
+    its latent cache whole on each rank; routed and shared experts split), two pipeline stages,
+    and both.
+    float32: in bf16 a rank's partial sums round apart from the whole sum, which on random weights
+    flips near-tied greedy choices."""
     import importlib.util
     from pathlib import Path
 
@@ -133,7 +136,8 @@ def test_deepseek_mla_tp2_equals_one_process(tmp_path):
     save_tiny_model(config, tmp_path)
     make_tokenizer(config.vocab_size).save_pretrained(str(tmp_path))
     want = greedy_ids(str(tmp_path), dtype="float32")
-    assert greedy_ids(str(tmp_path), dtype="float32", tensor_parallel_size=2) == want
+    parallel = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp}
+    assert greedy_ids(str(tmp_path), dtype="float32", **parallel) == want
 
 
 @pytest.mark.slow

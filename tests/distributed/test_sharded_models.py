@@ -131,7 +131,7 @@ PP_MODELS = [("llama", {}), ("qwen3", {})]
 
 
 # MoE: Qwen2-MoE's experts split along their intermediate size (plus its shared expert, a dense
-# MLP) under TP; Mixtral's three layers over two stages under PP.
+# MLP) under TP; Mixtral's three layers over two stages under PP (and DeepSeek's, below).
 MOE_INIT = {"initializer_range": 0.1}  # the router, not rounding, decides the experts
 MOE_TP = ("Qwen2MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
           "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, **MOE_INIT})  # fmt: skip
@@ -199,6 +199,7 @@ def tp2(tiny_models, tmp_path_factory):
 @pytest.fixture(scope="module")
 def pp2(tiny_models, tmp_path_factory):
     folders = _folders(tiny_models, PP_MODELS) + [_moe_folder(tmp_path_factory, *MOE_PP)]
+    folders.append(_moe_folder(tmp_path_factory, *DEEPSEEK_TP))
     return run_ranks(_rank_run, 1, 2, folders), _single_process(folders)
 
 
@@ -226,7 +227,7 @@ def test_tensor_parallel_two_ranks_equal_one_process(tp2, index):
 
 
 @pytest.mark.parametrize(
-    "index", range(len(PP_MODELS) + 1), ids=[*(a for a, _ in PP_MODELS), "mixtral"]
+    "index", range(len(PP_MODELS) + 2), ids=[*(a for a, _ in PP_MODELS), "mixtral", "deepseek_v3"]
 )
 def test_pipeline_parallel_two_stages_equal_one_process(pp2, index):
     ranks, single = pp2
@@ -254,17 +255,17 @@ def test_a_stage_holds_only_its_layers(tiny_models):
     assert isinstance(PPMissingLayer(), torch.nn.Module)
 
 
-def test_pipeline_stages_of_a_model_without_them_are_refused_with_the_remedy(tmp_path_factory):
-    """DeepSeek's model is one stage (its layers are not built per stage): asking for two stages is
+def test_pipeline_stages_of_a_model_without_them_are_refused_with_the_remedy(tiny_models):
+    """Mamba's model is one stage (its layers are not built per stage): asking for two stages is
     refused before a weight loads, naming what still applies."""
     from llmhal.engine.builder import EngineArgs, resolve_engine_config
     from llmhal.model_loader.source import resolve_source
     from llmhal.platforms import get_current_platform
 
-    folder = _moe_folder(tmp_path_factory, *DEEPSEEK_TP)
+    folder, _ = tiny_models("mamba")
     args = EngineArgs(model=folder, dtype="float32", pipeline_parallel_size=2)
     args.distributed_executor_backend = "mp"
-    refusal = r"DeepseekV3ForCausalLM does not split into pipeline stages; use pipeline_parallel_size=1 \(tensor parallelism"  # fmt: skip
+    refusal = r"MambaForCausalLM does not split into pipeline stages; use pipeline_parallel_size=1 \(tensor parallelism"  # fmt: skip
     with pytest.raises(ValueError, match=refusal):
         resolve_engine_config(args, get_current_platform(), resolve_source(folder))
 
