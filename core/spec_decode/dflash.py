@@ -26,7 +26,8 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from llmhal.spec_decode.eagle import HeadLayer, HeadProposer, rms_norm
+from llmhal.spec_decode.eagle import HeadProposer
+from llmhal.spec_decode.head_layer import HeadLayer, rms_norm
 from llmhal.spec_decode.proposer import DraftRequest
 
 _LAYER_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")  # fmt: skip

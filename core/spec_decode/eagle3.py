@@ -26,7 +26,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from llmhal.spec_decode.eagle import TREE_KEY, HeadLayer, HeadProposer, rms_norm
+from llmhal.spec_decode.eagle import TREE_KEY, HeadProposer
+from llmhal.spec_decode.head_layer import HeadLayer, rms_norm
 
 
 class Eagle3Proposer(HeadProposer):
