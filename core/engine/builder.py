@@ -71,7 +71,7 @@ class LoadReport:
     quantization: str | None
     attention_backends: list[str]
     weight_bytes: int
-    kv_cache_bytes: int
+    kv_cache_bytes: int  # every rank's together (see kv_cache_bytes_per_token)
     num_blocks: int
     load_seconds: float
     # Sequences of max_model_len tokens that fit at once (KV blocks, state slots, max_num_seqs).
@@ -80,6 +80,9 @@ class LoadReport:
     kv_cache_dtype: str = "auto"
     # What one token's keys and values take in the paged cache, every attention layer together (the
     # formula is llmhal.attention.kv_formats.kv_bytes_per_token; recurrent state is per request).
+    # With several ranks, what they hold together: pipeline stages add up to the formula, and so do
+    # tensor-parallel ranks splitting KV heads; a cache each rank holds whole (MLA's latent, KV
+    # heads fewer than the ranks) counts once per rank that holds it.
     kv_cache_bytes_per_token: int = 0
 
 
@@ -400,7 +403,7 @@ def _build(
             )
         config.cache.num_blocks = num_blocks
         progress.stage("KV cache")
-        kv_bytes = executor.allocate(num_blocks)
+        executor.allocate(num_blocks)
         kv = make_cache_manager(
             num_blocks, config.cache.block_size, runner.num_state_slots,
             config.cache.enable_prefix_caching,
@@ -415,9 +418,9 @@ def _build(
         raise
     report = LoadReport(
         str(source.path), config.model.architecture, config.model.dtype, config.model.quantization,
-        runner.attention_backends, weight_bytes, kv_bytes, num_blocks, time.perf_counter() - t0,
-        concurrency, runner.num_state_slots, config.cache.kv_cache_dtype,
-        runner.kv_cache_bytes_per_block() // config.cache.block_size,
+        runner.attention_backends, weight_bytes, executor.kv_totals[0], num_blocks,
+        time.perf_counter() - t0, concurrency, runner.num_state_slots, config.cache.kv_cache_dtype,
+        executor.kv_totals[1] // config.cache.block_size,
     )  # fmt: skip
     return engine, report
 

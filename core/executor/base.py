@@ -8,7 +8,10 @@ Members, in the order the engine calls them:
 ``determine_num_blocks() -> int``
     The KV-cache blocks every rank can hold: the smallest of the ranks' own numbers.
 ``allocate(num_blocks) -> int``
-    Give every rank its KV cache of ``num_blocks`` blocks; returns this rank's bytes.
+    Give every rank its KV cache of ``num_blocks`` blocks; returns this rank's bytes, and sets
+    ``kv_totals`` to every rank's (KV bytes, KV bytes per block) summed: what the engine holds,
+    which ``LLM.load_report`` gives (a replicated cache, such as MLA's under tensor parallelism,
+    counts once per rank that holds it).
 ``execute_model(batch) -> (logits, sampled requests, prompt log-probabilities)``
     Run one scheduled step on every rank (``ModelRunner.execute``'s result, on the rank that owns
     the requests). Raises :class:`EngineDeadError` once any rank has failed.
@@ -98,6 +101,9 @@ class Executor(ABC):
 
     @abstractmethod
     def determine_num_blocks(self) -> int: ...
+
+    # Every rank's (KV bytes, KV bytes per block), summed; set by allocate.
+    kv_totals: tuple[int, int] = (0, 0)
 
     @abstractmethod
     def allocate(self, num_blocks: int) -> int: ...

@@ -65,7 +65,15 @@ class ExternalLauncherExecutor(Executor):
         return int(counts.min())
 
     def allocate(self, num_blocks: int) -> int:
-        return self.runner.allocate_kv_cache(num_blocks)
+        import torch
+
+        from llmhal.distributed import get_world_group
+
+        own = self.runner.allocate_kv_cache(num_blocks)
+        mine = torch.tensor([[own, self.runner.kv_cache_bytes_per_block()]], dtype=torch.long)
+        totals = get_world_group().all_gather(mine, dim=0).sum(0)
+        self.kv_totals = (int(totals[0]), int(totals[1]))
+        return own
 
     def execute_model(self, batch: Any) -> Any:
         runner = self.runner

@@ -41,7 +41,7 @@ class _RankActor:
     def load(self) -> int:
         return self.worker.load()
 
-    def allocate(self, num_blocks: int) -> int:
+    def allocate(self, num_blocks: int) -> tuple[int, int]:
         return self.worker.allocate(num_blocks)
 
     def execute(self, step: Any) -> Any:
@@ -128,7 +128,8 @@ class RayExecutor(Executor):
     def allocate(self, num_blocks: int) -> int:
         refs = [a.allocate.remote(num_blocks) for a in self._actors]
         own = self.runner.allocate_kv_cache(num_blocks)
-        self._get(refs)
+        ranks = [(own, self.runner.kv_cache_bytes_per_block()), *self._get(refs)]
+        self.kv_totals = (sum(b for b, _ in ranks), sum(p for _, p in ranks))
         return own
 
     def execute_model(self, batch: Any) -> Any:

@@ -83,8 +83,9 @@ class Worker:
         self.runner = load_model(config, ckpt, model_cls)
         return kv_blocks_fitting(config, self.runner, platform)
 
-    def allocate(self, num_blocks: int) -> int:
-        return self.runner.allocate_kv_cache(num_blocks)
+    def allocate(self, num_blocks: int) -> tuple[int, int]:
+        """This rank's KV cache: (its bytes, its bytes per block)."""
+        return self.runner.allocate_kv_cache(num_blocks), self.runner.kv_cache_bytes_per_block()
 
     def execute(self, step: Any) -> Any:
         """Run one step's inputs (a ModelRunner StepInput); the StepOutput where this rank has

@@ -39,6 +39,11 @@ def test_default_model_tp2_mp_equals_one_process():
         assert two.engine.runner.decode_graphs is None  # no recorded steps across ranks
         got = [o.outputs[0].token_ids for o in two.generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
         pids = two.engine.executor.worker_pids
+        # The ranks' KV heads (2 + 1 of 3) add up to one model's keys and values per token.
+        cfg, report = two.engine.config.model.hf_config, two.load_report
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        one_model = cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2 * report.dtype.itemsize  # fmt: skip
+        assert report.kv_cache_bytes_per_token == one_model
     finally:
         two.shutdown()
     assert got == greedy_ids(None, PROMPTS[:2], max_model_len=256)
@@ -135,9 +140,21 @@ def test_deepseek_mla_tp_and_pp_equal_one_process(tmp_path, tp, pp):
     config = tiny_config(sharded.DEEPSEEK_TP[0], **sharded.DEEPSEEK_TP[1])
     save_tiny_model(config, tmp_path)
     make_tokenizer(config.vocab_size).save_pretrained(str(tmp_path))
-    want = greedy_ids(str(tmp_path), dtype="float32")
-    parallel = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp}
-    assert greedy_ids(str(tmp_path), dtype="float32", **parallel) == want
+
+    def run(**parallel):
+        llm = LLM(str(tmp_path), kv_cache_memory_bytes=KV, dtype="float32", **parallel)
+        try:
+            outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+            return [o.outputs[0].token_ids for o in outs], llm.load_report.kv_cache_bytes_per_token
+        finally:
+            llm.shutdown()
+
+    want, per_token = run()
+    got, got_per_token = run(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    assert got == want
+    # The report counts every rank's cache: stages add up to the model's latent cache, and each
+    # tensor-parallel rank holds it whole.
+    assert got_per_token == per_token * tp
 
 
 @pytest.mark.slow
