@@ -35,7 +35,7 @@ Members, in the order the engine calls them:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -104,6 +104,14 @@ class Executor(ABC):
 
     # Every rank's (KV bytes, KV bytes per block), summed; set by allocate.
     kv_totals: tuple[int, int] = (0, 0)
+
+    def _record_kv(self, own: int, others: Iterable[tuple[int, int]] = ()) -> int:
+        """Set ``kv_totals`` from this rank's allocated bytes and the other ranks' (bytes, bytes
+        per block), as their workers' ``allocate`` returns them; returns ``own`` (allocate's
+        result)."""
+        ranks = [(own, self.runner.kv_cache_bytes_per_block()), *others]
+        self.kv_totals = (sum(b for b, _ in ranks), sum(p for _, p in ranks))
+        return own
 
     @abstractmethod
     def allocate(self, num_blocks: int) -> int: ...

@@ -346,10 +346,8 @@ class MultiprocExecutor(Executor):
         self.check_health()
         self._send_all(pickle.dumps(("alloc", num_blocks)))
         own = self.runner.allocate_kv_cache(num_blocks)
-        ranks = [(own, self.runner.kv_cache_bytes_per_block())]
-        ranks += [self._recv(rank, "allocated") for rank in range(1, len(self._procs) + 1)]
-        self.kv_totals = (sum(b for b, _ in ranks), sum(p for _, p in ranks))
-        return own
+        others = [self._recv(rank, "allocated") for rank in range(1, len(self._procs) + 1)]
+        return self._record_kv(own, others)
 
     def execute_model(self, batch: Any) -> Any:
         return self.submit_model(batch).result()

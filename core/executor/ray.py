@@ -128,9 +128,7 @@ class RayExecutor(Executor):
     def allocate(self, num_blocks: int) -> int:
         refs = [a.allocate.remote(num_blocks) for a in self._actors]
         own = self.runner.allocate_kv_cache(num_blocks)
-        ranks = [(own, self.runner.kv_cache_bytes_per_block()), *self._get(refs)]
-        self.kv_totals = (sum(b for b, _ in ranks), sum(p for _, p in ranks))
-        return own
+        return self._record_kv(own, self._get(refs))
 
     def execute_model(self, batch: Any) -> Any:
         return self.submit_model(batch).result()

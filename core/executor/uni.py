@@ -27,9 +27,7 @@ class UniProcExecutor(Executor):
         return kv_blocks_fitting(self.config, self.runner, get_current_platform())
 
     def allocate(self, num_blocks: int) -> int:
-        own = self.runner.allocate_kv_cache(num_blocks)
-        self.kv_totals = (own, self.runner.kv_cache_bytes_per_block())
-        return own
+        return self._record_kv(self.runner.allocate_kv_cache(num_blocks))
 
     def execute_model(self, batch: Any) -> Any:
         return self.runner.execute(batch)
