@@ -127,17 +127,11 @@ def test_deepseek_mla_tp_and_pp_equal_one_process(tmp_path, tp, pp):
     and both.
     float32: in bf16 a rank's partial sums round apart from the whole sum, which on random weights
     flips near-tied greedy choices."""
-    import importlib.util
-    from pathlib import Path
-
     from llmhal.testing.model_parity import save_tiny_model, tiny_config
     from llmhal.testing.tiny_models import make_tokenizer
+    from tests.distributed.test_sharded_models import DEEPSEEK_TP
 
-    path = Path(__file__).with_name("test_sharded_models.py")  # tests are not a package
-    spec = importlib.util.spec_from_file_location("_sharded_models", path)
-    sharded = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sharded)
-    config = tiny_config(sharded.DEEPSEEK_TP[0], **sharded.DEEPSEEK_TP[1])
+    config = tiny_config(DEEPSEEK_TP[0], **DEEPSEEK_TP[1])
     save_tiny_model(config, tmp_path)
     make_tokenizer(config.vocab_size).save_pretrained(str(tmp_path))
 
