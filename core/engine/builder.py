@@ -70,7 +70,7 @@ class LoadReport:
     dtype: torch.dtype
     quantization: str | None
     attention_backends: list[str]
-    weight_bytes: int
+    weight_bytes: int  # every rank's together, as kv_cache_bytes
     kv_cache_bytes: int  # every rank's together (see kv_cache_bytes_per_token)
     num_blocks: int
     load_seconds: float
@@ -162,25 +162,6 @@ def derive_max_model_len(hf_config: Any, requested: int | None) -> int:
     if requested < 2:
         raise ValueError(f"max_model_len must be at least 2, got {requested}")
     return requested
-
-
-def model_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights held, asking quantization methods for what they keep outside parameters.
-
-    A module whose tensors were all counted already (a tied LM head) is not counted twice.
-    """
-    total = 0
-    counted: set[int] = set()
-    for module in model.modules():
-        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-        method = getattr(module, "quant_method", None)
-        if method is not None:
-            if not (own and all(id(t) in counted for t in own)):
-                total += method.weight_bytes(module)
-        else:
-            total += sum(t.numel() * t.element_size() for t in own if id(t) not in counted)
-        counted.update(id(t) for t in own)
-    return total
 
 
 def process_weights_after_loading(model: torch.nn.Module) -> None:
@@ -339,7 +320,7 @@ def kv_blocks_fitting(config: EngineConfig, runner: Any, platform: Any) -> int:
     vLLM, else the platform's budget after this rank's weights)."""
     budget = config.cache.kv_cache_memory_bytes
     if budget is None:
-        budget = platform.kv_cache_memory_budget(model_weight_bytes(runner.model))
+        budget = platform.kv_cache_memory_budget(runner.weight_bytes())
     return int(runner.blocks_fitting(budget))  # beside the recurrent layers' states, if any
 
 
@@ -390,7 +371,7 @@ def _build(
             if getattr(proposer, "drafts_trees", False):  # the runner builds their masks
                 runner.draft_trees = speculator.trees
                 speculator.runner = runner
-        weight_bytes = model_weight_bytes(model)
+        weight_bytes = runner.weight_bytes()  # this rank's: its KV budget is what is left
         num_blocks = executor.determine_num_blocks()  # the fewest any rank holds
         if num_blocks < 1:
             budget = config.cache.kv_cache_memory_bytes
@@ -418,9 +399,9 @@ def _build(
         raise
     report = LoadReport(
         str(source.path), config.model.architecture, config.model.dtype, config.model.quantization,
-        runner.attention_backends, weight_bytes, executor.kv_totals[0], num_blocks,
+        runner.attention_backends, executor.memory.weight_bytes, executor.memory.kv_bytes, num_blocks,
         time.perf_counter() - t0, concurrency, runner.num_state_slots, config.cache.kv_cache_dtype,
-        executor.kv_totals[1] // config.cache.block_size,
+        executor.memory.kv_bytes_per_block // config.cache.block_size,
     )  # fmt: skip
     return engine, report
 

@@ -96,6 +96,25 @@ class StepOutput:
     pooled: list[torch.Tensor]
 
 
+def model_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights held, asking quantization methods for what they keep outside parameters.
+
+    A module whose tensors were all counted already (a tied LM head) is not counted twice.
+    """
+    total = 0
+    counted: set[int] = set()
+    for module in model.modules():
+        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            if not (own and all(id(t) in counted for t in own)):
+                total += method.weight_bytes(module)
+        else:
+            total += sum(t.numel() * t.element_size() for t in own if id(t) not in counted)
+        counted.update(id(t) for t in own)
+    return total
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device) -> None:
         self.config = config
@@ -190,6 +209,10 @@ class ModelRunner:
         )
         dtype = layer.backend.kv_cache_torch_dtype(self.config.model.dtype, cache_dtype)
         return tuple(shape), dtype
+
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's weights (:func:`model_weight_bytes` of its shard)."""
+        return model_weight_bytes(self.model)
 
     def kv_cache_bytes_per_block(self) -> int:
         total = 0

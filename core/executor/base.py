@@ -9,9 +9,9 @@ Members, in the order the engine calls them:
     The KV-cache blocks every rank can hold: the smallest of the ranks' own numbers.
 ``allocate(num_blocks) -> int``
     Give every rank its KV cache of ``num_blocks`` blocks; returns this rank's bytes, and sets
-    ``kv_totals`` to every rank's (KV bytes, KV bytes per block) summed: what the engine holds,
-    which ``LLM.load_report`` gives (a replicated cache, such as MLA's under tensor parallelism,
-    counts once per rank that holds it).
+    ``memory`` to every rank's :class:`RankMemory` summed: what the engine holds, which
+    ``LLM.load_report`` gives (a tensor replicated on each rank, such as MLA's latent cache or
+    a replicated layer's weights under tensor parallelism, counts once per rank that holds it).
 ``execute_model(batch) -> (logits, sampled requests, prompt log-probabilities)``
     Run one scheduled step on every rank (``ModelRunner.execute``'s result, on the rank that owns
     the requests). Raises :class:`EngineDeadError` once any rank has failed.
@@ -36,7 +36,25 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
+
+
+class RankMemory(NamedTuple):
+    """What one rank holds (or, summed, every rank): KV-cache bytes, KV bytes per block, and
+    weight bytes."""
+
+    kv_bytes: int = 0
+    kv_bytes_per_block: int = 0
+    weight_bytes: int = 0
+
+    @classmethod
+    def total(cls, ranks: Iterable[tuple[int, int, int]]) -> RankMemory:
+        return cls(*(sum(column) for column in zip(*ranks, strict=True)))
+
+    @classmethod
+    def of(cls, runner: Any, kv_bytes: int) -> RankMemory:
+        """A rank's record: its runner's figures beside the KV bytes it allocated."""
+        return cls(kv_bytes, runner.kv_cache_bytes_per_block(), runner.weight_bytes())
 
 
 class EngineDeadError(RuntimeError):
@@ -102,15 +120,13 @@ class Executor(ABC):
     @abstractmethod
     def determine_num_blocks(self) -> int: ...
 
-    # Every rank's (KV bytes, KV bytes per block), summed; set by allocate.
-    kv_totals: tuple[int, int] = (0, 0)
+    # Every rank's memory, summed; set by allocate.
+    memory: RankMemory = RankMemory()
 
-    def _record_kv(self, own: int, others: Iterable[tuple[int, int]] = ()) -> int:
-        """Set ``kv_totals`` from this rank's allocated bytes and the other ranks' (bytes, bytes
-        per block), as their workers' ``allocate`` returns them; returns ``own`` (allocate's
-        result)."""
-        ranks = [(own, self.runner.kv_cache_bytes_per_block()), *others]
-        self.kv_totals = (sum(b for b, _ in ranks), sum(p for _, p in ranks))
+    def _record_memory(self, own: int, others: Iterable[tuple[int, int, int]] = ()) -> int:
+        """Set ``memory`` from this rank's allocated KV bytes and the other ranks' records, as
+        their workers' ``allocate`` returns them; returns ``own`` (allocate's result)."""
+        self.memory = RankMemory.total([RankMemory.of(self.runner, own), *others])
         return own
 
     @abstractmethod

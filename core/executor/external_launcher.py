@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from llmhal.executor.base import Executor
+from llmhal.executor.base import Executor, RankMemory
 
 
 def _env_int(name: str) -> int:
@@ -70,9 +70,9 @@ class ExternalLauncherExecutor(Executor):
         from llmhal.distributed import get_world_group
 
         own = self.runner.allocate_kv_cache(num_blocks)
-        mine = torch.tensor([[own, self.runner.kv_cache_bytes_per_block()]], dtype=torch.long)
+        mine = torch.tensor([RankMemory.of(self.runner, own)], dtype=torch.long)
         totals = get_world_group().all_gather(mine, dim=0).sum(0)
-        self.kv_totals = (int(totals[0]), int(totals[1]))
+        self.memory = RankMemory(*(int(v) for v in totals))
         return own
 
     def execute_model(self, batch: Any) -> Any:

@@ -347,7 +347,7 @@ class MultiprocExecutor(Executor):
         self._send_all(pickle.dumps(("alloc", num_blocks)))
         own = self.runner.allocate_kv_cache(num_blocks)
         others = [self._recv(rank, "allocated") for rank in range(1, len(self._procs) + 1)]
-        return self._record_kv(own, others)
+        return self._record_memory(own, others)
 
     def execute_model(self, batch: Any) -> Any:
         return self.submit_model(batch).result()

@@ -41,7 +41,7 @@ class _RankActor:
     def load(self) -> int:
         return self.worker.load()
 
-    def allocate(self, num_blocks: int) -> tuple[int, int]:
+    def allocate(self, num_blocks: int) -> tuple[int, int, int]:
         return self.worker.allocate(num_blocks)
 
     def execute(self, step: Any) -> Any:
@@ -128,7 +128,7 @@ class RayExecutor(Executor):
     def allocate(self, num_blocks: int) -> int:
         refs = [a.allocate.remote(num_blocks) for a in self._actors]
         own = self.runner.allocate_kv_cache(num_blocks)
-        return self._record_kv(own, self._get(refs))
+        return self._record_memory(own, self._get(refs))
 
     def execute_model(self, batch: Any) -> Any:
         return self.submit_model(batch).result()

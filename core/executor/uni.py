@@ -27,7 +27,7 @@ class UniProcExecutor(Executor):
         return kv_blocks_fitting(self.config, self.runner, get_current_platform())
 
     def allocate(self, num_blocks: int) -> int:
-        return self._record_kv(self.runner.allocate_kv_cache(num_blocks))
+        return self._record_memory(self.runner.allocate_kv_cache(num_blocks))
 
     def execute_model(self, batch: Any) -> Any:
         return self.runner.execute(batch)

@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from llmhal.executor.base import RankMemory
 from llmhal.logger import init_logger
 
 logger = init_logger(__name__)
@@ -83,9 +84,9 @@ class Worker:
         self.runner = load_model(config, ckpt, model_cls)
         return kv_blocks_fitting(config, self.runner, platform)
 
-    def allocate(self, num_blocks: int) -> tuple[int, int]:
-        """This rank's KV cache: (its bytes, its bytes per block)."""
-        return self.runner.allocate_kv_cache(num_blocks), self.runner.kv_cache_bytes_per_block()
+    def allocate(self, num_blocks: int) -> RankMemory:
+        """This rank's KV cache; returns what the rank holds (its KV and weight bytes)."""
+        return RankMemory.of(self.runner, self.runner.allocate_kv_cache(num_blocks))
 
     def execute(self, step: Any) -> Any:
         """Run one step's inputs (a ModelRunner StepInput); the StepOutput where this rank has

@@ -46,7 +46,15 @@ def test_default_model_tp2_mp_equals_one_process():
         assert report.kv_cache_bytes_per_token == one_model
     finally:
         two.shutdown()
-    assert got == greedy_ids(None, PROMPTS[:2], max_model_len=256)
+    one = LLM(None, kv_cache_memory_bytes=KV, max_model_len=256)
+    try:
+        assert got == [o.outputs[0].token_ids for o in one.generate(PROMPTS[:2], GREEDY, use_tqdm=False)]  # fmt: skip
+        # Weights too are every rank's: the split layers add up to one model's, and what each
+        # rank holds whole (the norms) counts twice, a fraction of a percent here.
+        whole = one.load_report.weight_bytes
+        assert whole < report.weight_bytes < whole * 1.01
+    finally:
+        one.shutdown()
     assert ray_before or "ray" not in sys.modules  # Ray is imported only when chosen
     for pid in pids:  # shutdown stops the worker
         assert process_gone(pid)
@@ -139,16 +147,22 @@ def test_deepseek_mla_tp_and_pp_equal_one_process(tmp_path, tp, pp):
         llm = LLM(str(tmp_path), kv_cache_memory_bytes=KV, dtype="float32", **parallel)
         try:
             outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-            return [o.outputs[0].token_ids for o in outs], llm.load_report.kv_cache_bytes_per_token
+            report = llm.load_report
+            return [o.outputs[0].token_ids for o in outs], report
         finally:
             llm.shutdown()
 
-    want, per_token = run()
-    got, got_per_token = run(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    want, one = run()
+    got, ranks = run(tensor_parallel_size=tp, pipeline_parallel_size=pp)
     assert got == want
     # The report counts every rank's cache: stages add up to the model's latent cache, and each
     # tensor-parallel rank holds it whole.
-    assert got_per_token == per_token * tp
+    assert ranks.kv_cache_bytes_per_token == one.kv_cache_bytes_per_token * tp
+    # And every rank's weights: stages hold disjoint layers (the embedding and LM head are not
+    # tied here) plus a rotary table each (8 KiB), so they add up to one model's and a little;
+    # tensor-parallel ranks add the tensors each holds whole (norms, the latent's kv_a
+    # projection and norm, the router).
+    assert one.weight_bytes < ranks.weight_bytes <= one.weight_bytes * tp + 8192 * pp
 
 
 @pytest.mark.slow
