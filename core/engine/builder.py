@@ -315,13 +315,17 @@ def load_model(
     return ModelRunner(config, model, config.device)
 
 
-def kv_blocks_fitting(config: EngineConfig, runner: Any, platform: Any) -> int:
-    """KV-cache blocks this process's budget holds (``kv_cache_memory_bytes`` per rank, as in
-    vLLM, else the platform's budget after this rank's weights)."""
+def kv_cache_budget(config: EngineConfig, runner: Any, platform: Any) -> int:
+    """This process's KV-cache bytes: ``kv_cache_memory_bytes`` per rank, as in vLLM, else the
+    platform's budget after this rank's weights."""
     budget = config.cache.kv_cache_memory_bytes
-    if budget is None:
-        budget = platform.kv_cache_memory_budget(runner.weight_bytes())
-    return int(runner.blocks_fitting(budget))  # beside the recurrent layers' states, if any
+    return platform.kv_cache_memory_budget(runner.weight_bytes()) if budget is None else budget
+
+
+def kv_blocks_fitting(config: EngineConfig, runner: Any, platform: Any) -> int:
+    """KV-cache blocks this process's budget (:func:`kv_cache_budget`) holds."""
+    # beside the recurrent layers' states, if any
+    return int(runner.blocks_fitting(kv_cache_budget(config, runner, platform)))
 
 
 def _build(
@@ -371,12 +375,9 @@ def _build(
             if getattr(proposer, "drafts_trees", False):  # the runner builds their masks
                 runner.draft_trees = speculator.trees
                 speculator.runner = runner
-        weight_bytes = runner.weight_bytes()  # this rank's: its KV budget is what is left
         num_blocks = executor.determine_num_blocks()  # the fewest any rank holds
         if num_blocks < 1:
-            budget = config.cache.kv_cache_memory_bytes
-            if budget is None:
-                budget = platform.kv_cache_memory_budget(weight_bytes)
+            budget = kv_cache_budget(config, runner, platform)
             raise ValueError(
                 f"The KV-cache budget ({budget} bytes) is smaller than one block "
                 f"({runner.kv_cache_bytes_per_block()} bytes for "

@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from llmhal.executor.base import EngineDeadError, Executor, StepFuture
+from llmhal.executor.base import EngineDeadError, Executor, RankMemory, StepFuture
 from llmhal.logger import init_logger
 
 logger = init_logger(__name__)
@@ -41,7 +41,7 @@ class _RankActor:
     def load(self) -> int:
         return self.worker.load()
 
-    def allocate(self, num_blocks: int) -> tuple[int, int, int]:
+    def allocate(self, num_blocks: int) -> RankMemory:
         return self.worker.allocate(num_blocks)
 
     def execute(self, step: Any) -> Any:
