@@ -48,10 +48,9 @@ from llmhal.layers.linear import (
 )
 from llmhal.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters
 from llmhal.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
-from llmhal.models.moe import _ExpertLoader
+from llmhal.models.moe import load_moe_weights
 from llmhal.models.utils import (
     StackedParam,
-    load_weights_by_name,
     packed_mapping,
 )
 
@@ -264,16 +263,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        ignored = ("lm_head.",) if self.lm_head is self.model.embed_tokens else ()
         renamed = ((new, t) for n, t in weights if (new := self._rename(n)) is not None)
-        experts = _ExpertLoader(self)
-        loaded = load_weights_by_name(
-            self,
-            experts.split(self._stage_weights(renamed)),
-            stacked=DEEPSEEK_STACKED,
-            ignored_prefixes=ignored,
-        )
-        return loaded | experts.finish()
+        return load_moe_weights(self, renamed, DEEPSEEK_STACKED)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

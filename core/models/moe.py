@@ -8,7 +8,7 @@ route; to the engine they are ordinary decoder models.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -18,7 +18,7 @@ from torch import nn
 from llmhal.layers.fused_moe import FusedMoE, RouterLinear, ShardId, route_expert_tensor
 from llmhal.layers.weights import WeightLoadError
 from llmhal.models.llama import LlamaForCausalLM, LlamaMLP
-from llmhal.models.utils import LLAMA_STACKED, load_weights_by_name
+from llmhal.models.utils import LLAMA_STACKED, StackedParam, load_weights_by_name
 
 
 class SparseMoeBlock(nn.Module):
@@ -83,14 +83,26 @@ class MoeForCausalLM(LlamaForCausalLM):
         return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        ignored = ("lm_head.",) if self.lm_head is self.model.embed_tokens else ()
-        # (only this pipeline stage's tensors, as in LlamaForCausalLM.load_weights)
-        renamed = self._stage_weights((self.rename_checkpoint_tensor(n), t) for n, t in weights)
-        experts = _ExpertLoader(self)
-        loaded = load_weights_by_name(
-            self, experts.split(renamed), stacked=LLAMA_STACKED, ignored_prefixes=ignored
-        )
-        return loaded | experts.finish()
+        renamed = ((self.rename_checkpoint_tensor(n), t) for n, t in weights)
+        return load_moe_weights(self, renamed, LLAMA_STACKED)
+
+
+def load_moe_weights(
+    model: LlamaForCausalLM,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    stacked: Sequence[StackedParam],
+) -> set[str]:
+    """Load a MoE decoder built on Llama's stack (the models here, DeepSeek's): ``weights``
+    (checkpoint names, already renamed) filtered to this pipeline stage as in
+    ``LlamaForCausalLM.load_weights``, the expert tensors into the FusedMoE layers (checked
+    complete), the rest by name through ``stacked``; a tied LM head's tensors are not loaded twice."""
+    ignored = ("lm_head.",) if model.lm_head is model.model.embed_tokens else ()
+    experts = _ExpertLoader(model)
+    loaded = load_weights_by_name(
+        model, experts.split(model._stage_weights(weights)), stacked=stacked,
+        ignored_prefixes=ignored,
+    )  # fmt: skip
+    return loaded | experts.finish()
 
 
 class _ExpertLoader:
