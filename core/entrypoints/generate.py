@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # a prompt the model cannot take (too long, empty, ...)
         print(f"\nllmhal generate: {e}", file=sys.stderr)
         return 2
+    finally:
+        llm.shutdown()
     return 0
 
 
