@@ -384,6 +384,16 @@ def main(argv: list[str] | None = None) -> int:
     llm = build_llm("llmhal serve", a, max_num_seqs=a.max_num_seqs)
     if llm is None:
         return 2
+    try:
+        return _serve(llm, a)
+    finally:
+        # As `llmhal generate` does: a multi-process engine's ranks are stopped here, while the
+        # interpreter is whole, not by finalizers at its exit.
+        llm.shutdown()
+
+
+def _serve(llm: Any, a: argparse.Namespace) -> int:
+    """Build the server on the loaded ``llm`` and serve until stopped; the exit code."""
     from llmhal.engine.graph_warmup import record_serving_steps
 
     record_serving_steps(llm.engine, min(a.max_num_seqs, SERVE_GRAPH_WARMUP_DECODES))
