@@ -49,6 +49,17 @@ def _best(repeat: int, measure: Callable[[], float]) -> float:
 
 
 def _peak_rss_mb() -> float:
+    """This process's peak resident memory in MiB: Linux's VmHWM where /proc has it. Not
+    ru_maxrss there: a worker started through vfork (subprocess's default) carries its parent's
+    peak in it, so every worker of a bench that had just written a 4.6 GB checkpoint reported
+    4.6 GB; VmHWM belongs to the worker's own address space."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 

@@ -57,3 +57,19 @@ def test_rounds_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--model", "m", "--rounds", "0"])
     assert "--rounds" in capsys.readouterr().err
+
+
+def test_a_workers_peak_memory_is_its_own():
+    """A worker started after its parent peaked reports its own peak, not the parent's (which
+    ru_maxrss would carry into a process started through vfork)."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    big = np.ones(600 << 20, dtype=np.uint8)  # the parent's peak: 600 MiB touched
+    del big
+    code = "from llmhal.benchmarks.engine import _peak_rss_mb; print(_peak_rss_mb())"
+    child = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                 check=True).stdout)  # fmt: skip
+    assert 0 < child < 400, child
