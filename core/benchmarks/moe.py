@@ -19,6 +19,10 @@ DeepSeek the table also gives MLA's KV-cache bytes per token against the same at
 per-head keys and values (the formula: ``kv_lora_rank + qk_rope_head_dim`` values a layer against
 ``heads * (qk_nope + qk_rope + v_head)``).
 
+With ``--llama-cpp PATH`` (llama.cpp's ``llama-batched-bench``, built by the user) the Mixtral
+shape also runs in llama.cpp, on a GGUF file of the same weights in the same dtype
+(:mod:`llmhal.benchmarks.llama_cpp`).
+
 Every system runs in its own worker process and measures as ``llmhal bench ssm`` does: after an
 untimed warm-up, a run of ``1 + --new-tokens`` tokens minus a run of 1 token (prefill cancels),
 each the least of ``--repeat`` runs, timed by the process's CPU time and by wall time (CPU time is
@@ -211,7 +215,12 @@ def _hf_worker(a: argparse.Namespace) -> dict[str, Any]:
 def run_worker(
     system: str, model: Path, a: argparse.Namespace, dtype: str, quantization: str | None = None
 ) -> dict[str, Any]:
-    """Measure ``model`` with ``system`` ("llmhal" or "hf") in ``dtype`` in a fresh process."""
+    """Measure ``model`` with ``system`` ("llmhal" or "hf") in ``dtype`` in a fresh process;
+    "llama.cpp": ``a.llama_cpp`` on the GGUF file ``model`` (in the dtype it was written in)."""
+    if system == "llama.cpp":
+        from llmhal.benchmarks.llama_cpp import measure
+
+        return measure(a.llama_cpp, model, a)
     cmd = [sys.executable, "-m", "llmhal.benchmarks.moe", "--worker", system, "--model",
            str(model), "--dtype", dtype, "--batch-sizes", ",".join(map(str, a.batch_sizes)),
            "--prompt-len", str(a.prompt_len), "--new-tokens", str(a.new_tokens), "--repeat",
@@ -240,7 +249,7 @@ def report(results: dict[str, dict[str, Any]], batch_sizes: list[int], title: st
         return None if a is None or b is None or b == 0 else a / b
 
     labels = {"moe": "llmhal MoE", "hf_moe": "transformers MoE", "dense": "llmhal dense (same active)",
-              "int8": "llmhal MoE experts_int8"}  # fmt: skip
+              "int8": "llmhal MoE experts_int8", "llama_cpp": "llama.cpp MoE (GGUF)"}  # fmt: skip
     lines = [title] if title else []
     for clock, name in (("decode_cpu", "CPU time"), ("decode", "wall time")):
 
@@ -255,6 +264,9 @@ def report(results: dict[str, dict[str, Any]], batch_sizes: list[int], title: st
                 lines.append(_row(label, [_fmt(tps(key, b)) for b in batch_sizes]))
         lines.append(_row("llmhal / transformers (MoE)", [
             _fmt(ratio(tps("moe", b), tps("hf_moe", b)), "x") for b in batch_sizes]))  # fmt: skip
+        if "llama_cpp" in results:
+            lines.append(_row("llmhal / llama.cpp (MoE)", [
+                _fmt(ratio(tps("moe", b), tps("llama_cpp", b)), "x") for b in batch_sizes]))  # fmt: skip
         lines.append(_row("MoE / dense time per token", [
             _fmt(ratio(tps("dense", b), tps("moe", b)), "x") for b in batch_sizes]))  # fmt: skip
         lines.append(_row("experts_int8 / unquantized speed", [
@@ -297,6 +309,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-int8", action="store_true", help="skip the experts_int8 run")
     p.add_argument("--no-dense", action="store_true", help="skip the dense baseline")
     p.add_argument(
+        "--llama-cpp",
+        metavar="PATH",
+        help="also run llama.cpp: its llama-batched-bench binary, on a GGUF file of the "
+        "Mixtral-shaped checkpoint (llmhal.benchmarks.llama_cpp)",
+    )
+    p.add_argument(
         "--workdir", help="keep the generated checkpoints here (reused when the shape matches)"
     )
     p.add_argument("--json", dest="json_path", help="also write the results here")
@@ -335,6 +353,18 @@ def main(argv: list[str] | None = None) -> int:
                 runs["dense"] = ("llmhal", ckpt["dense"], None)
             if not a.no_int8:
                 runs["int8"] = ("llmhal", ckpt["moe"], "experts_int8")
+            if a.llama_cpp and family == "mixtral":
+                from llmhal.benchmarks.llama_cpp import write_mixtral_gguf
+
+                gguf = folder / f"{ckpt['moe'].name}-{dtype}.gguf"
+                runs["llama_cpp"] = (
+                    "llama.cpp",
+                    write_mixtral_gguf(ckpt["moe"], gguf, dtype),
+                    None,
+                )
+            elif a.llama_cpp:
+                print(f"{family}: llama.cpp not run (the bench writes GGUF files for the Mixtral "
+                      "shape only)", file=sys.stderr)  # fmt: skip
             got = results.setdefault(f"{family} {dtype}", {})
             for key, (system, model, quantization) in runs.items():
                 got[key] = run_worker(system, model, a, dtype, quantization)
