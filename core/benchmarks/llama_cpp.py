@@ -10,10 +10,10 @@ refuses a BPE tokenizer whose pre-tokenizer it does not know by hash, and the be
 tokenizer is one; the timed runs feed token ids, so the tokenizer's pre-tokenizer does not matter
 to them. The layout is the converter's for Mixtral: the ``llama`` architecture with expert counts,
 q/k rows in llama.cpp's rotary order, each layer's experts as 3-D ``ffn_{gate,up,down}_exps``
-tensors, router and norms in float32, the other matrices in the bench's dtype. llmhal reads the
-file back to the checkpoint's greedy tokens (tests/benchmarks/test_llama_cpp_bench.py), and
-llmhal run on the converter's own file of this checkpoint gave the same tokens as on the
-safetensors (docs/moe.md).
+tensors, router and norms in float32, the other matrices in the bench's dtype. On the bench's
+Mixtral-shaped checkpoint the converter's own file (its tokenizer check bypassed) holds the same
+163 tensors, byte for byte, and adds only descriptive keys (docs/moe.md); llmhal reads the file
+back to the checkpoint's greedy tokens (tests/benchmarks/test_llama_cpp_bench.py).
 """
 
 from __future__ import annotations
