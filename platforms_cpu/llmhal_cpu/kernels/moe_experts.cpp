@@ -57,18 +57,19 @@ constexpr int kBlock = kRowBlock;
 // Below this many weight elements in an expert's gate/up projection a call runs on one thread.
 constexpr int64_t kMinParallel = 1 << 15;
 // From this many weights in an expert's down projection an expert is large (Mixtral's: h 1024,
-// inter 2816), for the prefetch rule below.
+// inter 2816), for the widened path's prefetch rule (expert_block_widened).
 constexpr int64_t kLargeExpert = 1 << 20;
-// Expert blocks on the bf16 dots prefetch their weight rows kPrefetchAhead bytes ahead into L2
-// (prefetcht2): a small expert's always, a large expert's from kPrefetchRows tokens. With 3 or
-// more tokens the dots take long enough that the hardware prefetcher alone leaves the memory idle
-// between them: one thread on a Mixtral-shaped layer streamed 11-12 GB/s at 8 tokens an expert
-// without, 18-20 with (a plain loop over 184 MB); a whole layer at 8 tokens (7.1 experts touched,
-// 1-8 tokens each) ran 1.03-1.08x faster in each of 10 interleaved runs (docs/moe.md), while
-// prefetching for its blocks of 1-2 tokens too lost up to 20% at one token. A small expert's
-// short rows (DeepSeek-V2-Lite's 384 x 512) give the hardware prefetcher little to go on: there
-// prefetching every block was the fastest (0.85-0.87 ms a layer at 8 tokens, against 0.87-0.93
-// from 2 tokens and 1.19-1.25 from 3).
+// Expert blocks of bf16 rows on the bf16 dots prefetch their weight rows kPrefetchAhead bytes
+// ahead into L2 (prefetcht2) from kPrefetchRows tokens. With 3 or more tokens the dots take long
+// enough that the hardware prefetcher alone leaves the memory idle between them: one thread on a
+// Mixtral-shaped layer streamed 11-12 GB/s at 8 tokens an expert without, 18-20 with (a plain loop
+// over 184 MB); a whole layer at 8 tokens (7.1 experts touched, 1-8 tokens each) ran 1.03-1.08x
+// faster in each of 10 interleaved runs (docs/moe.md). Below that the prefetch instructions cost
+// more than they hide: prefetching blocks of 1-2 tokens too read a Mixtral-shaped layer at one
+// token at 0.78-0.80x of a plain two-stream read, against 0.88-0.96x without. Small experts
+// (DeepSeek-V2-Lite's 384 x 512) follow the same rule: prefetching every block, which an earlier
+// host had favoured, read 208 cold DeepSeek-shaped layers (top-4 of 16) at 0.73-0.77x of that
+// read at 1-8 tokens, the rule 0.82-0.92x (docs/moe.md).
 constexpr int kPrefetchRows = 3;
 constexpr int64_t kPrefetchAhead = 8192;
 #if defined(__AVX512BF16__)
@@ -189,9 +190,9 @@ void expert_block_bf16(const Layer& L, int64_t e, const int64_t* rows, const flo
     as[j] = act16 + j * inter;
   }
   // int8 rows (half the bytes, and a conversion per load) prefetch at any token count: 1.00-1.04x
-  // against the large-bf16 rule at 1, 2 and 8 tokens.
-  const bool large = h * inter >= kLargeExpert, int8 = std::is_same_v<Wt, int8_t>;
-  const int64_t ahead = !large || int8 || n >= kPrefetchRows ? kPrefetchAhead : 0;
+  // against the bf16 rule at 1, 2 and 8 tokens.
+  const bool int8 = std::is_same_v<Wt, int8_t>;
+  const int64_t ahead = int8 || n >= kPrefetchRows ? kPrefetchAhead : 0;
   gate_up(inter, n,
           [&](int64_t r, float* g, float* u) {
             dots2_bf16<_MM_HINT_T2>(w13 + r * h, w13 + (inter + r) * h, xs, n, h, g, u, ahead);
