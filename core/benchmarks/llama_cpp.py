@@ -154,10 +154,10 @@ def _add_tokenizer(w: Any, path: Path, config: dict[str, Any]) -> None:
     w.add_eos_token_id(config["eos_token_id"])
 
 
-def _timed(cmd: list[str]) -> tuple[float, float] | None:
+def _timed(cmd: list[str], tg: int) -> tuple[float, float] | None:
     """Run ``llama-batched-bench`` as ``cmd`` (``--output-format jsonl``): (its CPU seconds, its
-    own clock ``t_tg`` of the first ``-ntg`` configuration's decode steps), or None when it exits
-    without printing that result. The CPU time is the process's own (the children's totals would
+    own clock ``t_tg`` of the decode steps of its configuration of ``tg`` steps), or None when it
+    exits without printing that result. The CPU time is the process's own (the children's totals would
     mix in the bench's other workers). Its peak memory is not taken: its ru_maxrss carries this
     process's peak (see benchmarks.engine._peak_rss_mb), and /proc's figure is gone once it ends."""
     # Its warnings go to a file: on the same pipe as the results they can split a result line.
@@ -172,7 +172,6 @@ def _timed(cmd: list[str]) -> tuple[float, float] | None:
             log.seek(0)
             err = log.read().decode(errors="replace")
             raise RuntimeError(f"{cmd[0]} failed ({proc.returncode}):\n{(err + text)[-3000:]}")
-    tg = int(cmd[cmd.index("-ntg") + 1].split(",")[0])
     rows = [json.loads(line) for line in text.splitlines() if line.startswith('{"n_kv_max"')]
     rows = [r for r in rows if r["tg"] == tg]
     if not rows:
@@ -209,7 +208,7 @@ def measure(binary: str, model: Path, a: Any) -> dict[str, Any]:
         for _ in range(max(1, a.repeat)):
             got = None
             for _ in range(_TRIES):
-                if (got := _timed(cmd)) is not None:
+                if (got := _timed(cmd, new)) is not None:
                     break
             if got is None:
                 raise RuntimeError(f"{' '.join(cmd)} printed no result {_TRIES} times")

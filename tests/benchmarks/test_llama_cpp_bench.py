@@ -102,7 +102,7 @@ def test_llama_cpp_decodes_the_file(checkpoint, tmp_path, monkeypatch):
     path = llama_cpp.write_mixtral_gguf(checkpoint, tmp_path / "m.gguf", "bfloat16")
     a = Namespace(batch_sizes=[1, 2], prompt_len=8, new_tokens=256, repeat=1)
     got = llama_cpp.measure(binary, path, a)
-    # llama.cpp's own clock of the decode steps (printed in milliseconds, hence 256 steps of this
-    # tiny model): finite, and more tokens a second at batch 2
+    # llama.cpp's own clock of the decode steps (256 of them: this tiny model's step is tens of
+    # microseconds): finite, and more tokens a second at batch 2
     assert 0 < got["decode"]["1"] < got["decode"]["2"] < 1e7, got
     assert got["decode_cpu"]["1"] > 0 and got["peak_rss_mb"] is None
